@@ -1,9 +1,1154 @@
-/* placeholder: replaced by the ledger implementation */
+/*
+ * ledger.c -- the residency ledger (see include/comfy_standin/ledger.h).
+ *
+ * Locking, in one place:
+ *
+ *   ledger->lock   the worker list and the published reserve.
+ *   worker->lock   every write to the worker and to its models' receipts,
+ *                  peaks and table.  Writers of one worker are therefore
+ *                  serialised (linearizable at the lock).
+ *   lock order     ledger->lock, then worker->lock.  No worker path takes
+ *                  the ledger lock, and no path holds two worker locks.
+ *
+ * Readers of a receipt take no lock: the receipt's four fields are
+ * published through a seqlock (rc_version odd while a writer is inside).
+ * The writer is always inside worker->lock, so there is one writer at a
+ * time per model, which a seqlock needs.  Every field the seqlock covers is
+ * itself an atomic (accessed relaxed) so the concurrent read is not a data
+ * race under C11; the fences give the ordering.
+ */
 #include "comfy_standin/ledger.h"
+#include "platform.h"
+
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifndef _WIN32
+#include <time.h>
+#endif
+
+/* Marks a deleted slot of an open-addressing table. */
+#define TABLE_TOMBSTONE ((cs_model *)(uintptr_t)1)
+#define TABLE_MIN_CAPACITY 8
+
+struct cs_model {
+    _Atomic uint64_t refcount;
+
+    /* Immutable after creation: read anywhere without a lock. */
+    cs_worker *worker; /* strong reference */
+    char *id;          /* NUL-terminated copy; may contain NULs before */
+    size_t id_len;
+    uint64_t hash;
+    uint64_t size;
+    uint64_t generation;
+
+    /* The receipt.  Written only under worker->lock, inside the seqlock
+     * (rc_version odd); read lock-free by cs_model_read. */
+    _Atomic uint64_t rc_version;
+    _Atomic uint64_t rc_loaded;
+    _Atomic int64_t rc_seq;
+    _Atomic uint64_t rc_time;
+    _Atomic uint32_t rc_source;
+
+    /* Written under worker->lock, read lock-free (single word each). */
+    _Atomic uint64_t peak;
+    _Atomic bool stale;
+
+    /* Set by any thread (a binding's eviction path), read by any. */
+    _Atomic bool deferred;
+
+    /* Under worker->lock. */
+    uint32_t handles;
+    bool in_table;
+    uint64_t census_stamp;
+};
+
+struct cs_worker {
+    _Atomic uint64_t refcount;
+    cs_mutex lock;
+
+    /* Written under lock, read lock-free. */
+    _Atomic uint64_t generation;
+    _Atomic bool alive;
+    _Atomic uint32_t in_flight;
+    _Atomic uint64_t held;
+    _Atomic uint64_t pinned;
+    _Atomic uint64_t overhead;
+    _Atomic uint64_t reading;
+    /* Set under lock by a release; exchanged to false by the reserve. */
+    _Atomic bool released;
+
+    /* Under lock: the current generation's models by id. */
+    cs_model **slots;
+    size_t capacity; /* a power of two, or 0 */
+    size_t count;
+    size_t tombstones;
+    uint64_t census_counter;
+
+    /* Under the owning ledger's lock. */
+    bool on_books;
+};
+
+struct cs_ledger {
+    cs_mutex lock;
+    uint64_t floor; /* immutable */
+
+    /* Under lock. */
+    cs_worker **workers; /* strong references */
+    size_t count;
+    size_t capacity;
+    uint64_t published;
+    bool has_published;
+};
+
+/* ---- small helpers --------------------------------------------------- */
+
+static const char *const source_names[CS_SOURCE_COUNT] = {
+    [CS_SOURCE_REGISTERED] = "registered",
+    [CS_SOURCE_LOAD_ECHO] = "load echo",
+    [CS_SOURCE_UNLOAD_ECHO] = "unload echo",
+    [CS_SOURCE_DETACH_ECHO] = "detach echo",
+    [CS_SOURCE_CENSUS] = "census",
+    [CS_SOURCE_BOARD] = "board",
+    [CS_SOURCE_ASSIGNED] = "assigned",
+    [CS_SOURCE_WORKER_GONE] = "worker gone",
+};
 
 const char *
 cs_source_name(cs_source source)
 {
-    (void)source;
-    return "registered";
+    if ((unsigned)source >= CS_SOURCE_COUNT) {
+        return "unknown";
+    }
+    return source_names[source];
+}
+
+const char *
+cs_status_message(cs_status status)
+{
+    switch (status) {
+    case CS_OK:
+        return "ok";
+    case CS_ERR_NOMEM:
+        return "out of memory";
+    case CS_ERR_RANGE:
+        return "value out of range";
+    case CS_ERR_UNKNOWN_ID:
+        return "unknown model id";
+    case CS_ERR_DUPLICATE_ID:
+        return "duplicate model id";
+    case CS_ERR_SIZE_MISMATCH:
+        return "model id already registered with another size";
+    case CS_ERR_STALE:
+        return "model's generation is over or its worker is gone";
+    case CS_ERR_STATE:
+        return "call out of order";
+    }
+    return "unknown status";
+}
+
+uint64_t
+cs_monotonic_ns(void)
+{
+#ifdef _WIN32
+    static LARGE_INTEGER frequency; /* constant after boot; benign race */
+    LARGE_INTEGER now;
+    if (frequency.QuadPart == 0) {
+        QueryPerformanceFrequency(&frequency);
+    }
+    QueryPerformanceCounter(&now);
+    return (uint64_t)((double)now.QuadPart * 1e9 /
+                      (double)frequency.QuadPart);
+#else
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+#endif
+}
+
+static uint64_t
+add_saturating(uint64_t a, uint64_t b)
+{
+    uint64_t sum = a + b;
+    return sum < a ? UINT64_MAX : sum;
+}
+
+static uint64_t
+max_u64(uint64_t a, uint64_t b)
+{
+    return a > b ? a : b;
+}
+
+/* FNV-1a: ids are short and few; this only has to spread them. */
+static uint64_t
+hash_id(const char *id, size_t len)
+{
+    uint64_t h = 1469598103934665603ull;
+    for (size_t i = 0; i < len; i++) {
+        h ^= (unsigned char)id[i];
+        h *= 1099511628211ull;
+    }
+    return h;
+}
+
+/* ---- receipts (seqlock) ---------------------------------------------- */
+
+/* Writer side; caller holds model->worker->lock. */
+static void
+receipt_write_locked(cs_model *m, uint64_t loaded, int64_t seq,
+                     cs_source source)
+{
+    uint64_t now = cs_monotonic_ns();
+    uint64_t v = atomic_load_explicit(&m->rc_version, memory_order_relaxed);
+    uint64_t before =
+        atomic_load_explicit(&m->rc_loaded, memory_order_relaxed);
+
+    atomic_store_explicit(&m->rc_version, v + 1, memory_order_relaxed);
+    /* Orders the odd version before the field stores (a reader that sees
+     * any new field also sees the odd version, or a later one). */
+    atomic_thread_fence(memory_order_release);
+    atomic_store_explicit(&m->rc_loaded, loaded, memory_order_relaxed);
+    atomic_store_explicit(&m->rc_seq, seq, memory_order_relaxed);
+    atomic_store_explicit(&m->rc_time, now, memory_order_relaxed);
+    atomic_store_explicit(&m->rc_source, (uint32_t)source,
+                          memory_order_relaxed);
+    atomic_store_explicit(&m->rc_version, v + 2, memory_order_release);
+
+    if (loaded < before) {
+        atomic_store_explicit(&m->worker->released, true,
+                              memory_order_relaxed);
+    }
+}
+
+void
+cs_model_read(const cs_model *model, cs_receipt *out)
+{
+    cs_model *m = (cs_model *)model; /* atomics need non-const access */
+    for (;;) {
+        uint64_t v1 =
+            atomic_load_explicit(&m->rc_version, memory_order_acquire);
+        if (v1 & 1) {
+            /* A writer is inside; it holds no lock we wait for and is a
+             * handful of stores long. */
+            cs_cpu_relax();
+            continue;
+        }
+        out->loaded = atomic_load_explicit(&m->rc_loaded,
+                                           memory_order_relaxed);
+        out->seq = atomic_load_explicit(&m->rc_seq, memory_order_relaxed);
+        out->time_ns = atomic_load_explicit(&m->rc_time,
+                                            memory_order_relaxed);
+        out->source = (cs_source)atomic_load_explicit(
+            &m->rc_source, memory_order_relaxed);
+        atomic_thread_fence(memory_order_acquire);
+        if (atomic_load_explicit(&m->rc_version, memory_order_relaxed) ==
+            v1) {
+            return;
+        }
+    }
+}
+
+uint64_t
+cs_model_loaded(const cs_model *model)
+{
+    /* A single word needs no seqlock; stale models were zeroed. */
+    return atomic_load_explicit(&((cs_model *)model)->rc_loaded,
+                                memory_order_acquire);
+}
+
+uint64_t
+cs_model_write_count(const cs_model *model)
+{
+    return atomic_load_explicit(&((cs_model *)model)->rc_version,
+                                memory_order_acquire) /
+           2;
+}
+
+/* Peak rule (DESIGN.md 3.3); caller holds the worker lock. */
+static void
+peak_update_locked(cs_model *m, uint64_t loaded, bool unmapped,
+                   bool in_flight)
+{
+    uint64_t peak = atomic_load_explicit(&m->peak, memory_order_relaxed);
+    if (unmapped) {
+        peak = 0;
+    }
+    else if (in_flight) {
+        peak = max_u64(peak, loaded);
+    }
+    else {
+        peak = loaded;
+    }
+    atomic_store_explicit(&m->peak, peak, memory_order_relaxed);
+}
+
+/* The model's bytes went with a process; caller holds the worker lock. */
+static void
+model_mark_gone_locked(cs_model *m)
+{
+    int64_t seq = atomic_load_explicit(&m->rc_seq, memory_order_relaxed);
+    receipt_write_locked(m, 0, seq, CS_SOURCE_WORKER_GONE);
+    atomic_store_explicit(&m->peak, 0, memory_order_relaxed);
+    atomic_store_explicit(&m->stale, true, memory_order_release);
+}
+
+/* ---- models ---------------------------------------------------------- */
+
+static cs_model *
+model_new(cs_worker *worker, uint64_t generation, const char *id,
+          size_t id_len, uint64_t hash, uint64_t size)
+{
+    cs_model *m = calloc(1, sizeof(*m));
+    if (m == NULL) {
+        return NULL;
+    }
+    m->id = malloc(id_len + 1);
+    if (m->id == NULL) {
+        free(m);
+        return NULL;
+    }
+    memcpy(m->id, id, id_len);
+    m->id[id_len] = '\0';
+    m->id_len = id_len;
+    m->hash = hash;
+    m->size = size;
+    m->generation = generation;
+    atomic_init(&m->refcount, 1);
+    atomic_init(&m->rc_version, 0);
+    atomic_init(&m->rc_loaded, 0);
+    atomic_init(&m->rc_seq, CS_SEQ_NONE);
+    atomic_init(&m->rc_time, cs_monotonic_ns());
+    atomic_init(&m->rc_source, (uint32_t)CS_SOURCE_REGISTERED);
+    atomic_init(&m->peak, 0);
+    atomic_init(&m->stale, false);
+    atomic_init(&m->deferred, false);
+    cs_worker_incref(worker);
+    m->worker = worker;
+    return m;
+}
+
+void
+cs_model_incref(cs_model *model)
+{
+    atomic_fetch_add_explicit(&model->refcount, 1, memory_order_relaxed);
+}
+
+void
+cs_model_decref(cs_model *model)
+{
+    if (model == NULL) {
+        return;
+    }
+    if (atomic_fetch_sub_explicit(&model->refcount, 1,
+                                  memory_order_acq_rel) != 1) {
+        return;
+    }
+    cs_worker *worker = model->worker;
+    free(model->id);
+    free(model);
+    cs_worker_decref(worker);
+}
+
+const char *
+cs_model_id(const cs_model *model, size_t *len)
+{
+    if (len != NULL) {
+        *len = model->id_len;
+    }
+    return model->id;
+}
+
+uint64_t
+cs_model_size(const cs_model *model)
+{
+    return model->size;
+}
+
+uint64_t
+cs_model_generation(const cs_model *model)
+{
+    return model->generation;
+}
+
+cs_worker *
+cs_model_worker(const cs_model *model)
+{
+    return model->worker;
+}
+
+bool
+cs_model_stale(const cs_model *model)
+{
+    return atomic_load_explicit(&((cs_model *)model)->stale,
+                                memory_order_acquire);
+}
+
+uint64_t
+cs_model_admission_peak(const cs_model *model)
+{
+    return atomic_load_explicit(&((cs_model *)model)->peak,
+                                memory_order_relaxed);
+}
+
+void
+cs_model_set_eviction_deferred(cs_model *model, bool deferred)
+{
+    atomic_store_explicit(&model->deferred, deferred, memory_order_relaxed);
+}
+
+bool
+cs_model_eviction_deferred(const cs_model *model)
+{
+    return atomic_load_explicit(&((cs_model *)model)->deferred,
+                                memory_order_relaxed);
+}
+
+/* ---- the worker's table (caller holds worker->lock) ------------------- */
+
+static size_t
+table_find_slot(const cs_worker *w, const char *id, size_t id_len,
+                uint64_t hash)
+{
+    size_t mask = w->capacity - 1;
+    for (size_t i = (size_t)hash & mask;; i = (i + 1) & mask) {
+        cs_model *m = w->slots[i];
+        if (m == NULL) {
+            return i;
+        }
+        if (m != TABLE_TOMBSTONE && m->hash == hash && m->id_len == id_len &&
+            memcmp(m->id, id, id_len) == 0) {
+            return i;
+        }
+    }
+}
+
+static cs_model *
+table_lookup(const cs_worker *w, const char *id, size_t id_len,
+             uint64_t hash)
+{
+    if (w->capacity == 0) {
+        return NULL;
+    }
+    return w->slots[table_find_slot(w, id, id_len, hash)];
+}
+
+static cs_status
+table_grow(cs_worker *w)
+{
+    size_t capacity = w->capacity ? w->capacity * 2 : TABLE_MIN_CAPACITY;
+    /* Only tombstones filled the table: rehash in place at equal size. */
+    if (w->capacity && (w->count + 1) * 2 <= w->capacity) {
+        capacity = w->capacity;
+    }
+    cs_model **slots = calloc(capacity, sizeof(*slots));
+    if (slots == NULL) {
+        return CS_ERR_NOMEM;
+    }
+    cs_model **old = w->slots;
+    size_t old_capacity = w->capacity;
+    w->slots = slots;
+    w->capacity = capacity;
+    w->tombstones = 0;
+    for (size_t i = 0; i < old_capacity; i++) {
+        cs_model *m = old[i];
+        if (m != NULL && m != TABLE_TOMBSTONE) {
+            w->slots[table_find_slot(w, m->id, m->id_len, m->hash)] = m;
+        }
+    }
+    free(old);
+    return CS_OK;
+}
+
+/* Takes over the caller's reference to `m`. */
+static cs_status
+table_insert(cs_worker *w, cs_model *m)
+{
+    /* Keep the load (live + tombstones) under 70%. */
+    if ((w->count + w->tombstones + 1) * 10 > w->capacity * 7) {
+        cs_status status = table_grow(w);
+        if (status != CS_OK) {
+            return status;
+        }
+    }
+    size_t i = table_find_slot(w, m->id, m->id_len, m->hash);
+    w->slots[i] = m;
+    w->count++;
+    m->in_table = true;
+    return CS_OK;
+}
+
+/* Returns the table's reference; the caller drops it after unlocking. */
+static cs_model *
+table_remove(cs_worker *w, cs_model *m)
+{
+    size_t i = table_find_slot(w, m->id, m->id_len, m->hash);
+    if (w->slots[i] != m) {
+        return NULL;
+    }
+    w->slots[i] = TABLE_TOMBSTONE;
+    w->count--;
+    w->tombstones++;
+    m->in_table = false;
+    return m;
+}
+
+/* Empties the table; returns the array of references to drop (after the
+ * caller unlocks) and its length in *n. */
+static cs_model **
+table_take_all(cs_worker *w, size_t *n)
+{
+    cs_model **taken = w->slots;
+    size_t capacity = w->capacity;
+    size_t k = 0;
+    for (size_t i = 0; i < capacity; i++) {
+        cs_model *m = taken[i];
+        if (m != NULL && m != TABLE_TOMBSTONE) {
+            m->in_table = false;
+            taken[k++] = m;
+        }
+    }
+    w->slots = NULL;
+    w->capacity = 0;
+    w->count = 0;
+    w->tombstones = 0;
+    *n = k;
+    return taken;
+}
+
+static void
+drop_models(cs_model **models, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        cs_model_decref(models[i]);
+    }
+    free(models);
+}
+
+/* ---- workers --------------------------------------------------------- */
+
+static cs_worker *
+worker_new(uint64_t generation)
+{
+    cs_worker *w = calloc(1, sizeof(*w));
+    if (w == NULL) {
+        return NULL;
+    }
+    if (cs_mutex_init(&w->lock) != 0) {
+        free(w);
+        return NULL;
+    }
+    atomic_init(&w->refcount, 1);
+    atomic_init(&w->generation, generation);
+    atomic_init(&w->alive, true);
+    atomic_init(&w->in_flight, 0);
+    atomic_init(&w->held, 0);
+    atomic_init(&w->pinned, 0);
+    atomic_init(&w->overhead, 0);
+    atomic_init(&w->reading, 0);
+    atomic_init(&w->released, false);
+    return w;
+}
+
+void
+cs_worker_incref(cs_worker *worker)
+{
+    atomic_fetch_add_explicit(&worker->refcount, 1, memory_order_relaxed);
+}
+
+void
+cs_worker_decref(cs_worker *worker)
+{
+    if (worker == NULL) {
+        return;
+    }
+    if (atomic_fetch_sub_explicit(&worker->refcount, 1,
+                                  memory_order_acq_rel) != 1) {
+        return;
+    }
+    /* The table holds references to models, and every model holds one to
+     * its worker, so a worker whose count reached 0 has an empty table. */
+    free(worker->slots);
+    cs_mutex_destroy(&worker->lock);
+    free(worker);
+}
+
+uint64_t
+cs_worker_generation(const cs_worker *worker)
+{
+    return atomic_load_explicit(&((cs_worker *)worker)->generation,
+                                memory_order_acquire);
+}
+
+bool
+cs_worker_alive(const cs_worker *worker)
+{
+    return atomic_load_explicit(&((cs_worker *)worker)->alive,
+                                memory_order_acquire);
+}
+
+uint32_t
+cs_worker_in_flight(const cs_worker *worker)
+{
+    return atomic_load_explicit(&((cs_worker *)worker)->in_flight,
+                                memory_order_acquire);
+}
+
+static void
+worker_clear_report_locked(cs_worker *w)
+{
+    atomic_store_explicit(&w->in_flight, 0, memory_order_release);
+    atomic_store_explicit(&w->held, 0, memory_order_relaxed);
+    atomic_store_explicit(&w->pinned, 0, memory_order_relaxed);
+    atomic_store_explicit(&w->overhead, 0, memory_order_relaxed);
+    atomic_store_explicit(&w->reading, 0, memory_order_relaxed);
+    atomic_store_explicit(&w->released, true, memory_order_relaxed);
+}
+
+/* Caller holds w->lock; returns the references to drop after unlocking. */
+static cs_model **
+worker_bump_locked(cs_worker *w, uint64_t generation, size_t *n)
+{
+    cs_model **taken = table_take_all(w, n);
+    for (size_t i = 0; i < *n; i++) {
+        model_mark_gone_locked(taken[i]);
+    }
+    atomic_store_explicit(&w->generation, generation, memory_order_release);
+    atomic_store_explicit(&w->alive, true, memory_order_release);
+    worker_clear_report_locked(w);
+    return taken;
+}
+
+cs_status
+cs_worker_bump_generation(cs_worker *worker, uint64_t generation)
+{
+    size_t n = 0;
+    cs_model **taken;
+
+    if (generation > CS_VALUE_MAX) {
+        return CS_ERR_RANGE;
+    }
+    cs_mutex_lock(&worker->lock);
+    if (generation <= atomic_load_explicit(&worker->generation,
+                                           memory_order_relaxed)) {
+        cs_mutex_unlock(&worker->lock);
+        return CS_ERR_STATE;
+    }
+    taken = worker_bump_locked(worker, generation, &n);
+    cs_mutex_unlock(&worker->lock);
+    drop_models(taken, n);
+    return CS_OK;
+}
+
+void
+cs_worker_gone(cs_worker *worker)
+{
+    cs_mutex_lock(&worker->lock);
+    for (size_t i = 0; i < worker->capacity; i++) {
+        cs_model *m = worker->slots[i];
+        if (m != NULL && m != TABLE_TOMBSTONE) {
+            model_mark_gone_locked(m);
+        }
+    }
+    atomic_store_explicit(&worker->alive, false, memory_order_release);
+    worker_clear_report_locked(worker);
+    cs_mutex_unlock(&worker->lock);
+}
+
+cs_status
+cs_worker_begin_call(cs_worker *worker)
+{
+    cs_mutex_lock(&worker->lock);
+    if (atomic_load_explicit(&worker->alive, memory_order_relaxed)) {
+        atomic_fetch_add_explicit(&worker->in_flight, 1,
+                                  memory_order_release);
+    }
+    cs_mutex_unlock(&worker->lock);
+    return CS_OK;
+}
+
+cs_status
+cs_worker_end_call(cs_worker *worker)
+{
+    cs_status status = CS_OK;
+    cs_mutex_lock(&worker->lock);
+    if (atomic_load_explicit(&worker->alive, memory_order_relaxed)) {
+        if (atomic_load_explicit(&worker->in_flight,
+                                 memory_order_relaxed) == 0) {
+            status = CS_ERR_STATE;
+        }
+        else {
+            atomic_fetch_sub_explicit(&worker->in_flight, 1,
+                                      memory_order_release);
+        }
+    }
+    cs_mutex_unlock(&worker->lock);
+    return status;
+}
+
+cs_status
+cs_worker_set_report(cs_worker *worker, const uint64_t *held,
+                     const uint64_t *pinned, const uint64_t *overhead)
+{
+    if ((held && *held > CS_VALUE_MAX) ||
+        (pinned && *pinned > CS_VALUE_MAX) ||
+        (overhead && *overhead > CS_VALUE_MAX)) {
+        return CS_ERR_RANGE;
+    }
+    cs_mutex_lock(&worker->lock);
+    if (held != NULL) {
+        uint64_t before =
+            atomic_load_explicit(&worker->held, memory_order_relaxed);
+        atomic_store_explicit(&worker->held, *held, memory_order_relaxed);
+        if (*held < before) {
+            atomic_store_explicit(&worker->released, true,
+                                  memory_order_relaxed);
+        }
+    }
+    if (pinned != NULL) {
+        atomic_store_explicit(&worker->pinned, *pinned,
+                              memory_order_relaxed);
+    }
+    if (overhead != NULL) {
+        atomic_store_explicit(&worker->overhead, *overhead,
+                              memory_order_relaxed);
+    }
+    cs_mutex_unlock(&worker->lock);
+    return CS_OK;
+}
+
+void
+cs_worker_report(const cs_worker *worker, uint64_t *held, uint64_t *pinned,
+                 uint64_t *overhead)
+{
+    cs_worker *w = (cs_worker *)worker;
+    if (held) {
+        *held = atomic_load_explicit(&w->held, memory_order_relaxed);
+    }
+    if (pinned) {
+        *pinned = atomic_load_explicit(&w->pinned, memory_order_relaxed);
+    }
+    if (overhead) {
+        *overhead = atomic_load_explicit(&w->overhead, memory_order_relaxed);
+    }
+}
+
+cs_status
+cs_worker_set_reading(cs_worker *worker, uint64_t used_bytes)
+{
+    if (used_bytes > CS_VALUE_MAX) {
+        return CS_ERR_RANGE;
+    }
+    cs_mutex_lock(&worker->lock);
+    uint64_t before =
+        atomic_load_explicit(&worker->reading, memory_order_relaxed);
+    atomic_store_explicit(&worker->reading, used_bytes,
+                          memory_order_relaxed);
+    if (used_bytes < before) {
+        atomic_store_explicit(&worker->released, true, memory_order_relaxed);
+    }
+    cs_mutex_unlock(&worker->lock);
+    return CS_OK;
+}
+
+cs_status
+cs_worker_register_model(cs_worker *worker, uint64_t generation,
+                         const char *id, size_t id_len, uint64_t size,
+                         cs_model **out)
+{
+    cs_model **taken = NULL;
+    size_t n_taken = 0;
+    cs_status status = CS_OK;
+    cs_model *m;
+    uint64_t hash = hash_id(id, id_len);
+
+    *out = NULL;
+    if (size > CS_VALUE_MAX || generation > CS_VALUE_MAX) {
+        return CS_ERR_RANGE;
+    }
+    cs_mutex_lock(&worker->lock);
+    uint64_t current =
+        atomic_load_explicit(&worker->generation, memory_order_relaxed);
+    if (generation > current) {
+        taken = worker_bump_locked(worker, generation, &n_taken);
+        current = generation;
+    }
+    m = generation == current ? table_lookup(worker, id, id_len, hash)
+                              : NULL;
+    if (m != NULL) {
+        if (m->size != size) {
+            status = CS_ERR_SIZE_MISMATCH;
+            goto done;
+        }
+        m->handles++;
+        cs_model_incref(m);
+        *out = m;
+        goto done;
+    }
+    m = model_new(worker, generation, id, id_len, hash, size);
+    if (m == NULL) {
+        status = CS_ERR_NOMEM;
+        goto done;
+    }
+    if (generation < current ||
+        !atomic_load_explicit(&worker->alive, memory_order_relaxed)) {
+        /* A stand-in of an old process: it answers, as offloaded. */
+        model_mark_gone_locked(m);
+        *out = m;
+        goto done;
+    }
+    cs_model_incref(m); /* the table's reference */
+    status = table_insert(worker, m);
+    if (status != CS_OK) {
+        /* Both references go; m was never visible to anyone. */
+        cs_mutex_unlock(&worker->lock);
+        cs_model_decref(m);
+        cs_model_decref(m);
+        drop_models(taken, n_taken);
+        return status;
+    }
+    m->handles = 1;
+    *out = m;
+done:
+    cs_mutex_unlock(&worker->lock);
+    drop_models(taken, n_taken);
+    return status;
+}
+
+void
+cs_model_release_handle(cs_model *model)
+{
+    cs_worker *w = model->worker;
+    cs_model *table_ref = NULL;
+
+    cs_mutex_lock(&w->lock);
+    if (model->handles > 0 && --model->handles == 0 && model->in_table) {
+        table_ref = table_remove(w, model);
+    }
+    cs_mutex_unlock(&w->lock);
+    cs_model_decref(table_ref);
+    cs_model_decref(model);
+}
+
+cs_model *
+cs_worker_find_model(cs_worker *worker, const char *id, size_t id_len)
+{
+    cs_mutex_lock(&worker->lock);
+    cs_model *m = table_lookup(worker, id, id_len, hash_id(id, id_len));
+    if (m != NULL) {
+        cs_model_incref(m);
+    }
+    cs_mutex_unlock(&worker->lock);
+    return m;
+}
+
+cs_status
+cs_model_apply_echo(cs_model *model, uint64_t loaded, int64_t seq,
+                    cs_source source, bool unmapped, int in_flight)
+{
+    cs_worker *w = model->worker;
+    cs_status status = CS_OK;
+
+    if (loaded > model->size || (seq < 0 && seq != CS_SEQ_NONE) ||
+        (unsigned)source >= CS_SOURCE_COUNT) {
+        return CS_ERR_RANGE;
+    }
+    cs_mutex_lock(&w->lock);
+    if (atomic_load_explicit(&model->stale, memory_order_relaxed)) {
+        status = CS_ERR_STALE;
+        goto done;
+    }
+    if (seq == CS_SEQ_NONE) {
+        seq = atomic_load_explicit(&model->rc_seq, memory_order_relaxed);
+    }
+    bool busy = in_flight < 0 ? atomic_load_explicit(&w->in_flight,
+                                                     memory_order_relaxed) > 0
+                              : in_flight != 0;
+    receipt_write_locked(model, loaded, seq, source);
+    peak_update_locked(model, loaded, unmapped, busy);
+    atomic_store_explicit(&model->deferred, false, memory_order_relaxed);
+done:
+    cs_mutex_unlock(&w->lock);
+    return status;
+}
+
+cs_status
+cs_worker_apply_census(cs_worker *worker, const cs_census_entry *entries,
+                       size_t n, size_t *applied, size_t *bad_index)
+{
+    cs_status status = CS_OK;
+    size_t count = 0;
+
+    if (applied != NULL) {
+        *applied = 0;
+    }
+    cs_mutex_lock(&worker->lock);
+    /* Pass 1: validate everything; nothing is written. */
+    uint64_t stamp = ++worker->census_counter;
+    for (size_t i = 0; i < n; i++) {
+        const cs_census_entry *e = &entries[i];
+        if (e->resident > CS_VALUE_MAX || (e->has_seq && e->seq < 0)) {
+            status = CS_ERR_RANGE;
+        }
+        else {
+            cs_model *m = table_lookup(worker, e->id, e->id_len,
+                                       hash_id(e->id, e->id_len));
+            if (m == NULL) {
+                status = CS_ERR_UNKNOWN_ID;
+            }
+            else if (m->census_stamp == stamp) {
+                status = CS_ERR_DUPLICATE_ID;
+            }
+            else {
+                m->census_stamp = stamp;
+            }
+        }
+        if (status != CS_OK) {
+            if (bad_index != NULL) {
+                *bad_index = i;
+            }
+            goto done;
+        }
+    }
+    if (!atomic_load_explicit(&worker->alive, memory_order_relaxed)) {
+        goto done; /* valid, but nobody is there to be believed */
+    }
+    /* Pass 2: apply. */
+    bool busy =
+        atomic_load_explicit(&worker->in_flight, memory_order_relaxed) > 0;
+    for (size_t i = 0; i < n; i++) {
+        const cs_census_entry *e = &entries[i];
+        cs_model *m = table_lookup(worker, e->id, e->id_len,
+                                   hash_id(e->id, e->id_len));
+        int64_t seq = atomic_load_explicit(&m->rc_seq, memory_order_relaxed);
+        if (e->has_seq) {
+            if (e->seq < seq) {
+                continue; /* strictly older: a reply already superseded it */
+            }
+            seq = e->seq;
+        }
+        uint64_t loaded = e->resident < m->size ? e->resident : m->size;
+        receipt_write_locked(m, loaded, seq, CS_SOURCE_CENSUS);
+        peak_update_locked(m, loaded, false, busy);
+        atomic_store_explicit(&m->deferred, false, memory_order_relaxed);
+        count++;
+    }
+done:
+    cs_mutex_unlock(&worker->lock);
+    if (applied != NULL) {
+        *applied = count;
+    }
+    return status;
+}
+
+void
+cs_worker_charge(cs_worker *worker, uint64_t floor_bytes, cs_charge *out)
+{
+    memset(out, 0, sizeof(*out));
+    cs_mutex_lock(&worker->lock);
+    if (!atomic_load_explicit(&worker->alive, memory_order_relaxed)) {
+        cs_mutex_unlock(&worker->lock);
+        return;
+    }
+    out->alive = true;
+    out->floor = floor_bytes;
+    out->in_flight =
+        atomic_load_explicit(&worker->in_flight, memory_order_relaxed);
+    out->held = atomic_load_explicit(&worker->held, memory_order_relaxed);
+    out->reading =
+        atomic_load_explicit(&worker->reading, memory_order_relaxed);
+    for (size_t i = 0; i < worker->capacity; i++) {
+        cs_model *m = worker->slots[i];
+        if (m == NULL || m == TABLE_TOMBSTONE) {
+            continue;
+        }
+        out->models++;
+        out->sum_sizes = add_saturating(out->sum_sizes, m->size);
+        out->sum_loaded = add_saturating(
+            out->sum_loaded,
+            atomic_load_explicit(&m->rc_loaded, memory_order_relaxed));
+        out->sum_peak = add_saturating(
+            out->sum_peak,
+            atomic_load_explicit(&m->peak, memory_order_relaxed));
+    }
+    cs_mutex_unlock(&worker->lock);
+
+    out->held_from_reading = out->reading > out->held;
+    uint64_t body;
+    if (out->in_flight > 0) {
+        body = out->sum_sizes;
+    }
+    else {
+        body = max_u64(max_u64(out->sum_loaded, out->sum_peak),
+                       max_u64(out->held, out->reading));
+    }
+    out->charge = add_saturating(body, floor_bytes);
+}
+
+/* ---- ledger ---------------------------------------------------------- */
+
+cs_ledger *
+cs_ledger_new(uint64_t floor_bytes)
+{
+    cs_ledger *l = calloc(1, sizeof(*l));
+    if (l == NULL) {
+        return NULL;
+    }
+    if (cs_mutex_init(&l->lock) != 0) {
+        free(l);
+        return NULL;
+    }
+    l->floor = floor_bytes;
+    return l;
+}
+
+static void
+worker_empty_table(cs_worker *w)
+{
+    size_t n = 0;
+    cs_mutex_lock(&w->lock);
+    cs_model **taken = table_take_all(w, &n);
+    cs_mutex_unlock(&w->lock);
+    drop_models(taken, n);
+}
+
+void
+cs_ledger_free(cs_ledger *ledger)
+{
+    if (ledger == NULL) {
+        return;
+    }
+    for (size_t i = 0; i < ledger->count; i++) {
+        worker_empty_table(ledger->workers[i]);
+        cs_worker_decref(ledger->workers[i]);
+    }
+    free(ledger->workers);
+    cs_mutex_destroy(&ledger->lock);
+    free(ledger);
+}
+
+uint64_t
+cs_ledger_floor(const cs_ledger *ledger)
+{
+    return ledger->floor;
+}
+
+cs_worker *
+cs_ledger_add_worker(cs_ledger *ledger, uint64_t generation)
+{
+    if (generation > CS_VALUE_MAX) {
+        return NULL;
+    }
+    cs_worker *w = worker_new(generation);
+    if (w == NULL) {
+        return NULL;
+    }
+    cs_mutex_lock(&ledger->lock);
+    if (ledger->count == ledger->capacity) {
+        size_t capacity = ledger->capacity ? ledger->capacity * 2 : 4;
+        cs_worker **grown =
+            realloc(ledger->workers, capacity * sizeof(*grown));
+        if (grown == NULL) {
+            cs_mutex_unlock(&ledger->lock);
+            cs_worker_decref(w);
+            return NULL;
+        }
+        ledger->workers = grown;
+        ledger->capacity = capacity;
+    }
+    cs_worker_incref(w); /* the ledger's */
+    w->on_books = true;
+    ledger->workers[ledger->count++] = w;
+    cs_mutex_unlock(&ledger->lock);
+    return w;
+}
+
+void
+cs_ledger_forget_worker(cs_ledger *ledger, cs_worker *worker)
+{
+    bool found = false;
+    cs_mutex_lock(&ledger->lock);
+    for (size_t i = 0; i < ledger->count; i++) {
+        if (ledger->workers[i] == worker) {
+            memmove(&ledger->workers[i], &ledger->workers[i + 1],
+                    (ledger->count - i - 1) * sizeof(cs_worker *));
+            ledger->count--;
+            worker->on_books = false;
+            found = true;
+            break;
+        }
+    }
+    cs_mutex_unlock(&ledger->lock);
+    if (found) {
+        worker_empty_table(worker);
+        cs_worker_decref(worker);
+    }
+}
+
+size_t
+cs_ledger_worker_count(cs_ledger *ledger)
+{
+    cs_mutex_lock(&ledger->lock);
+    size_t n = ledger->count;
+    cs_mutex_unlock(&ledger->lock);
+    return n;
+}
+
+/* Caller holds ledger->lock. */
+static uint64_t
+ledger_total_charge_locked(cs_ledger *ledger, bool *released)
+{
+    uint64_t total = 0;
+    for (size_t i = 0; i < ledger->count; i++) {
+        cs_charge charge;
+        cs_worker *w = ledger->workers[i];
+        cs_worker_charge(w, ledger->floor, &charge);
+        total = add_saturating(total, charge.charge);
+        if (released != NULL &&
+            atomic_exchange_explicit(&w->released, false,
+                                     memory_order_relaxed)) {
+            *released = true;
+        }
+    }
+    return total;
+}
+
+uint64_t
+cs_ledger_total_charge(cs_ledger *ledger)
+{
+    cs_mutex_lock(&ledger->lock);
+    uint64_t total = ledger_total_charge_locked(ledger, NULL);
+    cs_mutex_unlock(&ledger->lock);
+    return total;
+}
+
+uint64_t
+cs_ledger_reserve(cs_ledger *ledger, uint64_t base, uint64_t total_bytes,
+                  bool process_local)
+{
+    if (!process_local) {
+        /* Device-wide free memory already lacks every worker byte. */
+        return base;
+    }
+    bool released = false;
+    cs_mutex_lock(&ledger->lock);
+    uint64_t target =
+        add_saturating(base, ledger_total_charge_locked(ledger, &released));
+    if (total_bytes > 0) {
+        uint64_t cap = total_bytes / 4 * 3 + (total_bytes % 4) * 3 / 4;
+        if (target > cap) {
+            target = cap;
+        }
+    }
+    if (target < base) {
+        target = base;
+    }
+    if (!ledger->has_published || target >= ledger->published ||
+        released) {
+        ledger->published = target;
+        ledger->has_published = true;
+    }
+    uint64_t published = ledger->published;
+    cs_mutex_unlock(&ledger->lock);
+    return published;
 }

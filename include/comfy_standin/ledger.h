@@ -198,8 +198,9 @@ cs_model *cs_worker_find_model(cs_worker *worker, const char *id,
  * names the entry.  Then per entry: a seq strictly older than the
  * receipt's is dropped (a tie goes to the census); resident is clamped to
  * [0, size].  Models missing from the census keep their receipt.  A gone
- * worker applies nothing and returns CS_ERR_STALE.  *applied (may be NULL)
- * counts the entries written. */
+ * worker validates, then applies nothing (CS_OK, *applied 0): nobody is
+ * left to be believed.  *applied (may be NULL) counts the entries
+ * written. */
 cs_status cs_worker_apply_census(cs_worker *worker,
                                  const cs_census_entry *entries, size_t n,
                                  size_t *applied, size_t *bad_index);
