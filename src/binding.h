@@ -43,6 +43,45 @@ int cs_standin_exec(PyObject *module, cs_module_state *state);
 int cs_probe_binding_exec(PyObject *module, cs_module_state *state);
 int cs_board_binding_exec(PyObject *module, cs_module_state *state);
 
+/* ---- values (values.c) ----------------------------------------------- */
+
+/* Checks a byte count / seq / generation: an int (not a bool) in
+ * [0, max].  Returns 0 and sets *out, or 1 (wrong type) or 2 (out of
+ * range) with no exception set. */
+int cs_value_check(PyObject *value, uint64_t max, uint64_t *out);
+
+/* Raises `exc` (or TypeError / ValueError when exc is NULL, by `code`)
+ * with "FIELD: expected an int in [0, MAX], got REPR".  Returns -1. */
+int cs_value_error(PyObject *exc, int code, const char *field,
+                   PyObject *value, uint64_t max);
+
+/* Decodes census[index] (a dict with 'id', 'resident', optional 'seq' and
+ * 'device').  Sets *id (borrowed str), *resident, *has_seq, *seq; or
+ * raises `echo_error` naming the field and returns -1. */
+int cs_decode_census_entry(PyObject *echo_error, PyObject *entry,
+                           Py_ssize_t index, PyObject **id,
+                           uint64_t *resident, int *has_seq, int64_t *seq);
+
+/* Checks a census container: a list or tuple.  Returns a new reference to
+ * a sequence-fast object or NULL with `echo_error` raised. */
+PyObject *cs_census_fast(PyObject *echo_error, PyObject *census);
+
+/* Logs a warning on the "comfy_standin" logger; never raises and keeps
+ * any pending exception as it was. */
+void cs_log_warning(const char *format, ...);
+
+/* ---- ledger binding (ledger_binding.c) ------------------------------- */
+
+typedef struct cs_worker cs_worker;
+typedef struct cs_ledger cs_ledger;
+
+/* The C books of `key` under `ledger` (a Ledger object), created or bumped
+ * to `generation` as Ledger.worker() does.  Returns a new reference to the
+ * WorkerBooks object, or NULL with an exception. */
+PyObject *cs_ledger_books_for(cs_module_state *state, PyObject *ledger,
+                              PyObject *key, uint64_t generation);
+cs_worker *cs_books_worker(PyObject *books); /* borrowed */
+
 int cs_state_traverse(cs_module_state *state, visitproc visit, void *arg);
 void cs_state_clear(cs_module_state *state);
 

@@ -872,6 +872,48 @@ done:
     return status;
 }
 
+/* The census rule for one model; caller holds the worker lock and has
+ * validated the values.  Returns whether the entry was written. */
+static bool
+census_apply_locked(cs_model *m, bool has_seq, int64_t seq,
+                    uint64_t resident, bool busy)
+{
+    int64_t kept = atomic_load_explicit(&m->rc_seq, memory_order_relaxed);
+    if (atomic_load_explicit(&m->stale, memory_order_relaxed)) {
+        return false;
+    }
+    if (has_seq) {
+        if (seq < kept) {
+            return false; /* strictly older: a reply superseded it */
+        }
+        kept = seq;
+    }
+    uint64_t loaded = resident < m->size ? resident : m->size;
+    receipt_write_locked(m, loaded, kept, CS_SOURCE_CENSUS);
+    peak_update_locked(m, loaded, false, busy);
+    atomic_store_explicit(&m->deferred, false, memory_order_relaxed);
+    return true;
+}
+
+cs_status
+cs_model_apply_census(cs_model *model, bool has_seq, int64_t seq,
+                      uint64_t resident, bool *applied)
+{
+    cs_worker *w = model->worker;
+    *applied = false;
+    if (resident > CS_VALUE_MAX || (has_seq && seq < 0)) {
+        return CS_ERR_RANGE;
+    }
+    cs_mutex_lock(&w->lock);
+    if (atomic_load_explicit(&w->alive, memory_order_relaxed)) {
+        bool busy =
+            atomic_load_explicit(&w->in_flight, memory_order_relaxed) > 0;
+        *applied = census_apply_locked(model, has_seq, seq, resident, busy);
+    }
+    cs_mutex_unlock(&w->lock);
+    return CS_OK;
+}
+
 cs_status
 cs_worker_apply_census(cs_worker *worker, const cs_census_entry *entries,
                        size_t n, size_t *applied, size_t *bad_index)
@@ -920,18 +962,8 @@ cs_worker_apply_census(cs_worker *worker, const cs_census_entry *entries,
         const cs_census_entry *e = &entries[i];
         cs_model *m = table_lookup(worker, e->id, e->id_len,
                                    hash_id(e->id, e->id_len));
-        int64_t seq = atomic_load_explicit(&m->rc_seq, memory_order_relaxed);
-        if (e->has_seq) {
-            if (e->seq < seq) {
-                continue; /* strictly older: a reply already superseded it */
-            }
-            seq = e->seq;
-        }
-        uint64_t loaded = e->resident < m->size ? e->resident : m->size;
-        receipt_write_locked(m, loaded, seq, CS_SOURCE_CENSUS);
-        peak_update_locked(m, loaded, false, busy);
-        atomic_store_explicit(&m->deferred, false, memory_order_relaxed);
-        count++;
+        count += census_apply_locked(m, e->has_seq, e->seq, e->resident,
+                                     busy);
     }
 done:
     cs_mutex_unlock(&worker->lock);

@@ -1,18 +1,138 @@
-/* comfy_standin._core: placeholder module, filled in by the binding. */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+/*
+ * module.c -- comfy_standin._core: module state, multi-phase init (PEP 489),
+ * and the exceptions every part raises.  The types and functions live in
+ * the part files (ledger_binding.c, standin.c, probe_binding.c,
+ * board_binding.c), each adding itself from its exec hook.
+ */
+#include "binding.h"
+
+#include "comfy_standin/ledger.h"
+
+int
+cs_state_traverse(cs_module_state *state, visitproc visit, void *arg)
+{
+    Py_VISIT(state->ledger_type);
+    Py_VISIT(state->books_type);
+    Py_VISIT(state->standin_type);
+    Py_VISIT(state->module_type);
+    Py_VISIT(state->sentinel_type);
+    Py_VISIT(state->board_type);
+    Py_VISIT(state->echo_error);
+    Py_VISIT(state->worker_gone_error);
+    return 0;
+}
+
+void
+cs_state_clear(cs_module_state *state)
+{
+    Py_CLEAR(state->ledger_type);
+    Py_CLEAR(state->books_type);
+    Py_CLEAR(state->standin_type);
+    Py_CLEAR(state->module_type);
+    Py_CLEAR(state->sentinel_type);
+    Py_CLEAR(state->board_type);
+    Py_CLEAR(state->echo_error);
+    Py_CLEAR(state->worker_gone_error);
+    Py_CLEAR(state->str_send_command);
+    Py_CLEAR(state->str_is_alive);
+}
+
+static int
+core_traverse(PyObject *module, visitproc visit, void *arg)
+{
+    return cs_state_traverse(cs_state_of_module(module), visit, arg);
+}
+
+static int
+core_clear(PyObject *module)
+{
+    cs_state_clear(cs_state_of_module(module));
+    return 0;
+}
+
+static void
+core_free(void *module)
+{
+    core_clear((PyObject *)module);
+}
+
+static int
+add_exception(PyObject *module, PyObject **slot, const char *name,
+              const char *doc, PyObject *base)
+{
+    *slot = PyErr_NewExceptionWithDoc(name, doc, base, NULL);
+    if (*slot == NULL) {
+        return -1;
+    }
+    /* The short name after the last dot. */
+    const char *attr = strrchr(name, '.') + 1;
+    return PyModule_AddObjectRef(module, attr, *slot);
+}
+
+static int
+core_exec(PyObject *module)
+{
+    cs_module_state *state = cs_state_of_module(module);
+
+    if (add_exception(module, &state->echo_error,
+                      "comfy_standin.EchoError",
+                      "A bad echo, census, report or command reply from a "
+                      "worker.\n\nNothing of it was applied; the message "
+                      "names the field and the value.",
+                      PyExc_ValueError) < 0) {
+        return -1;
+    }
+    if (add_exception(module, &state->worker_gone_error,
+                      "comfy_standin.WorkerGoneError",
+                      "A load was asked of a model whose worker died or "
+                      "restarted; reload the node.",
+                      PyExc_RuntimeError) < 0) {
+        return -1;
+    }
+    state->str_send_command = PyUnicode_InternFromString("send_command");
+    state->str_is_alive = PyUnicode_InternFromString("is_alive");
+    if (state->str_send_command == NULL || state->str_is_alive == NULL) {
+        return -1;
+    }
+    if (PyModule_AddIntConstant(module, "ABI_VERSION",
+                                CS_LEDGER_ABI_VERSION) < 0 ||
+        PyModule_AddIntConstant(module, "VALUE_MAX",
+                                (long long)CS_VALUE_MAX) < 0 ||
+        PyModule_AddIntConstant(module, "DEFAULT_FLOOR",
+                                (long long)CS_DEFAULT_FLOOR) < 0) {
+        return -1;
+    }
+    if (cs_ledger_binding_exec(module, state) < 0 ||
+        cs_standin_exec(module, state) < 0) {
+        return -1;
+    }
+    return 0;
+}
 
 static PyModuleDef_Slot core_slots[] = {
+    {Py_mod_exec, core_exec},
+#if PY_VERSION_HEX >= 0x030C0000
+    /* All state is per module: safe in subinterpreters with their own GIL.
+     * Free-threaded builds are not claimed (Py_mod_gil is not set), because
+     * the Python-object fields rely on the GIL. */
+    {Py_mod_multiple_interpreters, Py_MOD_PER_INTERPRETER_GIL_SUPPORTED},
+#endif
     {0, NULL},
 };
 
 static struct PyModuleDef core_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "comfy_standin._core",
-    .m_doc = "C core of comfy_standin.",
-    .m_size = 0,
+    .m_doc = "C core of comfy_standin: the residency ledger, the stand-in "
+             "type and the state sync.",
+    .m_size = sizeof(cs_module_state),
     .m_slots = core_slots,
+    .m_traverse = core_traverse,
+    .m_clear = core_clear,
+    .m_free = core_free,
 };
+
+PyMODINIT_FUNC PyInit__core(void);
 
 PyMODINIT_FUNC
 PyInit__core(void)

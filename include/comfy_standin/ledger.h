@@ -205,6 +205,14 @@ cs_status cs_worker_apply_census(cs_worker *worker,
                                  const cs_census_entry *entries, size_t n,
                                  size_t *applied, size_t *bad_index);
 
+/* One census entry applied to one model, the same rules as
+ * cs_worker_apply_census (for censuses keyed by stand-in rather than by
+ * worker).  A stale model, or a seq strictly older than the receipt's, is
+ * skipped (CS_OK, *applied false).  resident above CS_VALUE_MAX or a
+ * negative seq: CS_ERR_RANGE. */
+cs_status cs_model_apply_census(cs_model *model, bool has_seq, int64_t seq,
+                                uint64_t resident, bool *applied);
+
 /* The worker's charge (DESIGN.md 3.5):
  *   gone:      0
  *   in flight: sum of sizes + floor

@@ -1,0 +1,669 @@
+/*
+ * ledger_binding.c -- the Python face of the ledger: `Ledger` (one per
+ * Pool) and `WorkerBooks` (one per worker process).  Pool (pool.py) keeps
+ * the Python-object logic; every number lives in the C core.
+ */
+#include "binding.h"
+
+#include "comfy_standin/ledger.h"
+
+#include <stdint.h>
+
+typedef struct {
+    PyObject_HEAD
+    cs_ledger *ledger; /* owned; immutable after construction */
+    /* {id(worker): WorkerBooks}; strong.  Keyed by identity: a worker is a
+     * process handle, and two handles that compare equal are still two
+     * processes. */
+    PyObject *books;
+} LedgerObject;
+
+typedef struct {
+    PyObject_HEAD
+    cs_worker *worker; /* strong (C refcount); immutable */
+    PyObject *key;     /* strong: the worker object; immutable */
+    uint64_t floor;    /* the ledger's floor; immutable */
+} BooksObject;
+
+static inline cs_module_state *
+state_of(PyObject *self)
+{
+    return (cs_module_state *)PyType_GetModuleState(Py_TYPE(self));
+}
+
+/* ---- WorkerBooks ----------------------------------------------------- */
+
+static PyObject *
+books_new(cs_module_state *state, cs_worker *worker, PyObject *key,
+          uint64_t floor)
+{
+    BooksObject *self = PyObject_GC_New(BooksObject, state->books_type);
+    if (self == NULL) {
+        return NULL;
+    }
+    cs_worker_incref(worker);
+    self->worker = worker;
+    self->key = Py_NewRef(key);
+    self->floor = floor;
+    PyObject_GC_Track(self);
+    return (PyObject *)self;
+}
+
+cs_worker *
+cs_books_worker(PyObject *books)
+{
+    return ((BooksObject *)books)->worker;
+}
+
+static int
+books_traverse(BooksObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->key);
+    return 0;
+}
+
+static int
+books_clear(BooksObject *self)
+{
+    Py_CLEAR(self->key);
+    return 0;
+}
+
+static void
+books_dealloc(BooksObject *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    books_clear(self);
+    cs_worker_decref(self->worker);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+static PyObject *
+books_get_generation(BooksObject *self, void *closure)
+{
+    return PyLong_FromUnsignedLongLong(cs_worker_generation(self->worker));
+}
+
+static PyObject *
+books_get_alive(BooksObject *self, void *closure)
+{
+    return PyBool_FromLong(cs_worker_alive(self->worker));
+}
+
+static PyObject *
+books_get_in_flight(BooksObject *self, void *closure)
+{
+    return PyLong_FromUnsignedLong(cs_worker_in_flight(self->worker));
+}
+
+static PyObject *
+books_get_report(BooksObject *self, void *closure)
+{
+    uint64_t held, pinned, overhead;
+    cs_worker_report(self->worker, &held, &pinned, &overhead);
+    return Py_BuildValue("(KKK)", (unsigned long long)held,
+                         (unsigned long long)pinned,
+                         (unsigned long long)overhead);
+}
+
+static PyObject *
+books_get_reading(BooksObject *self, void *closure)
+{
+    cs_charge charge;
+    cs_worker_charge(self->worker, 0, &charge);
+    return PyLong_FromUnsignedLongLong(charge.reading);
+}
+
+static PyObject *
+books_get_key(BooksObject *self, void *closure)
+{
+    return Py_NewRef(self->key);
+}
+
+static PyObject *
+books_bump(BooksObject *self, PyObject *arg)
+{
+    uint64_t generation;
+    int code = cs_value_check(arg, CS_VALUE_MAX, &generation);
+    if (code != 0) {
+        return cs_value_error(NULL, code, "generation", arg, CS_VALUE_MAX),
+               NULL;
+    }
+    if (cs_worker_bump_generation(self->worker, generation) != CS_OK) {
+        PyErr_Format(PyExc_ValueError,
+                     "generation: a restart must raise the generation "
+                     "above %llu, got %R",
+                     (unsigned long long)cs_worker_generation(self->worker),
+                     arg);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+books_gone(BooksObject *self, PyObject *unused)
+{
+    cs_worker_gone(self->worker);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+books_begin_call(BooksObject *self, PyObject *unused)
+{
+    cs_worker_begin_call(self->worker);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+books_end_call(BooksObject *self, PyObject *unused)
+{
+    if (cs_worker_end_call(self->worker) != CS_OK) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "end_call() without a matching begin_call()");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+books_set_report(BooksObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *keywords[] = {"held", "pinned", "overhead", NULL};
+    PyObject *objects[3] = {Py_None, Py_None, Py_None};
+    uint64_t values[3];
+    const uint64_t *pointers[3] = {NULL, NULL, NULL};
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|OOO:set_report",
+                                     keywords, &objects[0], &objects[1],
+                                     &objects[2])) {
+        return NULL;
+    }
+    for (int i = 0; i < 3; i++) {
+        if (objects[i] == Py_None) {
+            continue;
+        }
+        int code = cs_value_check(objects[i], CS_VALUE_MAX, &values[i]);
+        if (code != 0) {
+            return cs_value_error(state_of((PyObject *)self)->echo_error,
+                                  code, keywords[i], objects[i],
+                                  CS_VALUE_MAX),
+                   NULL;
+        }
+        pointers[i] = &values[i];
+    }
+    cs_worker_set_report(self->worker, pointers[0], pointers[1],
+                         pointers[2]);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+books_set_reading(BooksObject *self, PyObject *arg)
+{
+    uint64_t used;
+    int code = cs_value_check(arg, CS_VALUE_MAX, &used);
+    if (code != 0) {
+        return cs_value_error(NULL, code, "reading", arg, CS_VALUE_MAX),
+               NULL;
+    }
+    cs_worker_set_reading(self->worker, used);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+books_apply_census(BooksObject *self, PyObject *census)
+{
+    cs_module_state *state = state_of((PyObject *)self);
+    PyObject *fast = NULL, *result = NULL;
+    cs_census_entry *entries = NULL;
+    size_t applied = 0, bad = 0;
+    Py_ssize_t n;
+
+    fast = cs_census_fast(state->echo_error, census);
+    if (fast == NULL) {
+        return NULL;
+    }
+    n = PySequence_Fast_GET_SIZE(fast);
+    entries = PyMem_Calloc(n ? (size_t)n : 1, sizeof(*entries));
+    if (entries == NULL) {
+        PyErr_NoMemory();
+        goto error;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *id;
+        int has_seq;
+        Py_ssize_t len;
+        if (cs_decode_census_entry(state->echo_error,
+                                   PySequence_Fast_GET_ITEM(fast, i), i, &id,
+                                   &entries[i].resident, &has_seq,
+                                   &entries[i].seq) < 0) {
+            goto error;
+        }
+        /* Borrowed UTF-8 buffer, alive as long as `fast` holds the entry
+         * and the entry holds the id. */
+        entries[i].id = PyUnicode_AsUTF8AndSize(id, &len);
+        if (entries[i].id == NULL) {
+            PyErr_Clear();
+            PyErr_Format(state->echo_error,
+                         "census[%zd]['id']: not encodable as UTF-8: %R", i,
+                         id);
+            goto error;
+        }
+        entries[i].id_len = (size_t)len;
+        entries[i].has_seq = has_seq != 0;
+    }
+    cs_status status =
+        cs_worker_apply_census(self->worker, entries, (size_t)n, &applied,
+                               &bad);
+    if (status == CS_ERR_UNKNOWN_ID || status == CS_ERR_DUPLICATE_ID) {
+        PyObject *entry = PySequence_Fast_GET_ITEM(fast, (Py_ssize_t)bad);
+        PyErr_Format(state->echo_error,
+                     status == CS_ERR_UNKNOWN_ID
+                         ? "census[%zd]['id']: unknown model id %R (no "
+                           "stand-in is registered for it on this worker)"
+                         : "census[%zd]['id']: duplicate model id %R",
+                     (Py_ssize_t)bad, PyDict_GetItemString(entry, "id"));
+        goto error;
+    }
+    if (status != CS_OK) {
+        PyErr_Format(state->echo_error, "census[%zd]: %s", (Py_ssize_t)bad,
+                     cs_status_message(status));
+        goto error;
+    }
+    result = PyLong_FromSize_t(applied);
+error:
+    PyMem_Free(entries);
+    Py_XDECREF(fast);
+    return result;
+}
+
+static PyObject *
+charge_to_dict(const cs_charge *c)
+{
+    return Py_BuildValue(
+        "{sKsKsKsKsKsKsKsIsIsOsO}", "charge", (unsigned long long)c->charge,
+        "sum_sizes", (unsigned long long)c->sum_sizes, "sum_loaded",
+        (unsigned long long)c->sum_loaded, "sum_peak",
+        (unsigned long long)c->sum_peak, "held", (unsigned long long)c->held,
+        "reading", (unsigned long long)c->reading, "floor",
+        (unsigned long long)c->floor, "in_flight", (unsigned int)c->in_flight,
+        "models", (unsigned int)c->models, "alive",
+        c->alive ? Py_True : Py_False, "held_from_reading",
+        c->held_from_reading ? Py_True : Py_False);
+}
+
+static PyObject *
+books_charge(BooksObject *self, PyObject *unused)
+{
+    cs_charge charge;
+    cs_worker_charge(self->worker, self->floor, &charge);
+    return charge_to_dict(&charge);
+}
+
+static PyGetSetDef books_getset[] = {
+    {"generation", (getter)books_get_generation, NULL,
+     "The worker's current generation (bumped on restart).", NULL},
+    {"alive", (getter)books_get_alive, NULL,
+     "False once the worker is gone.", NULL},
+    {"in_flight", (getter)books_get_in_flight, NULL,
+     "Calls in flight (begin_call minus end_call).", NULL},
+    {"report", (getter)books_get_report, NULL,
+     "(held, pinned, overhead) from the last _vram_report.", NULL},
+    {"reading", (getter)books_get_reading, NULL,
+     "The probe's per-pid reading of the worker (0: none).", NULL},
+    {"key", (getter)books_get_key, NULL, "The worker object.", NULL},
+    {NULL},
+};
+
+static PyMethodDef books_methods[] = {
+    {"bump", (PyCFunction)books_bump, METH_O,
+     "bump($self, generation, /)\n--\n\nA restart: the old generation's "
+     "models read 0 (\"worker gone\")."},
+    {"gone", (PyCFunction)books_gone, METH_NOARGS,
+     "gone($self, /)\n--\n\nThe worker died: every model reads 0."},
+    {"begin_call", (PyCFunction)books_begin_call, METH_NOARGS,
+     "begin_call($self, /)\n--\n\nA call to the worker starts."},
+    {"end_call", (PyCFunction)books_end_call, METH_NOARGS,
+     "end_call($self, /)\n--\n\nA call to the worker ended."},
+    {"set_report", (PyCFunction)(void (*)(void))books_set_report,
+     METH_VARARGS | METH_KEYWORDS,
+     "set_report($self, /, held=None, pinned=None, overhead=None)\n--\n\n"
+     "The scalar part of a _vram_report; None leaves a figure."},
+    {"set_reading", (PyCFunction)books_set_reading, METH_O,
+     "set_reading($self, used, /)\n--\n\nThe probe's per-pid reading."},
+    {"apply_census", (PyCFunction)books_apply_census, METH_O,
+     "apply_census($self, census, /)\n--\n\nApplies a census by model id, "
+     "all or nothing; returns the entries applied."},
+    {"charge", (PyCFunction)books_charge, METH_NOARGS,
+     "charge($self, /)\n--\n\nWhat the worker costs the card, and why."},
+    {NULL},
+};
+
+static PyObject *
+books_repr(BooksObject *self)
+{
+    return PyUnicode_FromFormat(
+        "<WorkerBooks of %R: generation %llu, %s, %u in flight>", self->key,
+        (unsigned long long)cs_worker_generation(self->worker),
+        cs_worker_alive(self->worker) ? "alive" : "gone",
+        cs_worker_in_flight(self->worker));
+}
+
+static PyType_Slot books_slots[] = {
+    {Py_tp_doc, "The pool's books for one worker process."},
+    {Py_tp_traverse, books_traverse},
+    {Py_tp_clear, books_clear},
+    {Py_tp_dealloc, books_dealloc},
+    {Py_tp_getset, books_getset},
+    {Py_tp_methods, books_methods},
+    {Py_tp_repr, books_repr},
+    {0, NULL},
+};
+
+static PyType_Spec books_spec = {
+    .name = "comfy_standin._core.WorkerBooks",
+    .basicsize = sizeof(BooksObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC |
+             Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = books_slots,
+};
+
+/* ---- Ledger ---------------------------------------------------------- */
+
+static PyObject *
+ledger_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static char *keywords[] = {"floor", NULL};
+    PyObject *floor_obj = NULL;
+    uint64_t floor = CS_DEFAULT_FLOOR;
+    LedgerObject *self;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|O:Ledger", keywords,
+                                     &floor_obj)) {
+        return NULL;
+    }
+    if (floor_obj != NULL) {
+        int code = cs_value_check(floor_obj, CS_VALUE_MAX, &floor);
+        if (code != 0) {
+            return cs_value_error(NULL, code, "floor", floor_obj,
+                                  CS_VALUE_MAX),
+                   NULL;
+        }
+    }
+    self = (LedgerObject *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->books = PyDict_New();
+    if (self->books == NULL) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    self->ledger = cs_ledger_new(floor);
+    if (self->ledger == NULL) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    return (PyObject *)self;
+}
+
+static int
+ledger_traverse(LedgerObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->books);
+    return 0;
+}
+
+static int
+ledger_clear(LedgerObject *self)
+{
+    Py_CLEAR(self->books);
+    return 0;
+}
+
+static void
+ledger_dealloc(LedgerObject *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    ledger_clear(self);
+    cs_ledger_free(self->ledger);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+static PyObject *
+ledger_find_books(LedgerObject *self, PyObject *key)
+{
+    PyObject *id = PyLong_FromVoidPtr(key);
+    if (id == NULL) {
+        return NULL;
+    }
+    PyObject *books = PyDict_GetItemWithError(self->books, id);
+    Py_DECREF(id);
+    return books; /* borrowed, or NULL (maybe with an error) */
+}
+
+PyObject *
+cs_ledger_books_for(cs_module_state *state, PyObject *ledger, PyObject *key,
+                    uint64_t generation)
+{
+    LedgerObject *self = (LedgerObject *)ledger;
+    PyObject *books = ledger_find_books(self, key);
+    if (books != NULL) {
+        BooksObject *b = (BooksObject *)books;
+        if (generation > cs_worker_generation(b->worker)) {
+            cs_worker_bump_generation(b->worker, generation);
+        }
+        return Py_NewRef(books);
+    }
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    cs_worker *worker = cs_ledger_add_worker(self->ledger, generation);
+    if (worker == NULL) {
+        return PyErr_NoMemory();
+    }
+    books = books_new(state, worker, key, cs_ledger_floor(self->ledger));
+    cs_worker_decref(worker);
+    if (books == NULL) {
+        return NULL;
+    }
+    PyObject *id = PyLong_FromVoidPtr(key);
+    if (id == NULL || PyDict_SetItem(self->books, id, books) < 0) {
+        Py_XDECREF(id);
+        cs_ledger_forget_worker(self->ledger,
+                                ((BooksObject *)books)->worker);
+        Py_DECREF(books);
+        return NULL;
+    }
+    Py_DECREF(id);
+    return books;
+}
+
+static PyObject *
+ledger_worker(LedgerObject *self, PyObject *args)
+{
+    PyObject *key, *generation_obj;
+    uint64_t generation;
+
+    if (!PyArg_ParseTuple(args, "OO:worker", &key, &generation_obj)) {
+        return NULL;
+    }
+    int code = cs_value_check(generation_obj, CS_VALUE_MAX, &generation);
+    if (code != 0) {
+        return cs_value_error(NULL, code, "generation", generation_obj,
+                              CS_VALUE_MAX),
+               NULL;
+    }
+    return cs_ledger_books_for(state_of((PyObject *)self), (PyObject *)self,
+                               key, generation);
+}
+
+static PyObject *
+ledger_find(LedgerObject *self, PyObject *key)
+{
+    PyObject *books = ledger_find_books(self, key);
+    if (books == NULL) {
+        if (PyErr_Occurred()) {
+            return NULL;
+        }
+        Py_RETURN_NONE;
+    }
+    return Py_NewRef(books);
+}
+
+static PyObject *
+ledger_forget(LedgerObject *self, PyObject *key)
+{
+    PyObject *id = PyLong_FromVoidPtr(key);
+    if (id == NULL) {
+        return NULL;
+    }
+    PyObject *books = PyDict_GetItemWithError(self->books, id);
+    if (books != NULL) {
+        Py_INCREF(books);
+        cs_ledger_forget_worker(self->ledger,
+                                ((BooksObject *)books)->worker);
+        int r = PyDict_DelItem(self->books, id);
+        Py_DECREF(books);
+        if (r < 0) {
+            Py_DECREF(id);
+            return NULL;
+        }
+    }
+    Py_DECREF(id);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+ledger_keys(LedgerObject *self, PyObject *unused)
+{
+    PyObject *keys = PyList_New(0);
+    PyObject *id, *books;
+    Py_ssize_t pos = 0;
+
+    if (keys == NULL) {
+        return NULL;
+    }
+    while (PyDict_Next(self->books, &pos, &id, &books)) {
+        if (PyList_Append(keys, ((BooksObject *)books)->key) < 0) {
+            Py_DECREF(keys);
+            return NULL;
+        }
+    }
+    return keys;
+}
+
+static PyObject *
+ledger_reserve(LedgerObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *keywords[] = {"base", "total", "process_local", NULL};
+    PyObject *base_obj, *total_obj;
+    int process_local;
+    uint64_t base, total;
+    int code;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOp:reserve", keywords,
+                                     &base_obj, &total_obj,
+                                     &process_local)) {
+        return NULL;
+    }
+    code = cs_value_check(base_obj, CS_VALUE_MAX, &base);
+    if (code != 0) {
+        return cs_value_error(NULL, code, "base", base_obj, CS_VALUE_MAX),
+               NULL;
+    }
+    code = cs_value_check(total_obj, CS_VALUE_MAX, &total);
+    if (code != 0) {
+        return cs_value_error(NULL, code, "total", total_obj, CS_VALUE_MAX),
+               NULL;
+    }
+    uint64_t reserve;
+    Py_BEGIN_ALLOW_THREADS
+    reserve = cs_ledger_reserve(self->ledger, base, total,
+                                process_local != 0);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromUnsignedLongLong(reserve);
+}
+
+static PyObject *
+ledger_total_charge(LedgerObject *self, PyObject *unused)
+{
+    return PyLong_FromUnsignedLongLong(cs_ledger_total_charge(self->ledger));
+}
+
+static PyObject *
+ledger_get_floor(LedgerObject *self, void *closure)
+{
+    return PyLong_FromUnsignedLongLong(cs_ledger_floor(self->ledger));
+}
+
+static PyGetSetDef ledger_getset[] = {
+    {"floor", (getter)ledger_get_floor, NULL,
+     "Per-process floor (CUDA context and handles), bytes.", NULL},
+    {NULL},
+};
+
+static PyMethodDef ledger_methods[] = {
+    {"worker", (PyCFunction)ledger_worker, METH_VARARGS,
+     "worker($self, key, generation, /)\n--\n\nThe books of a worker, "
+     "created or bumped to `generation`."},
+    {"find", (PyCFunction)ledger_find, METH_O,
+     "find($self, key, /)\n--\n\nThe books of a worker, or None."},
+    {"forget", (PyCFunction)ledger_forget, METH_O,
+     "forget($self, key, /)\n--\n\nDrops a worker from the books."},
+    {"keys", (PyCFunction)ledger_keys, METH_NOARGS,
+     "keys($self, /)\n--\n\nThe workers on the books, oldest first."},
+    {"reserve", (PyCFunction)(void (*)(void))ledger_reserve,
+     METH_VARARGS | METH_KEYWORDS,
+     "reserve($self, /, base, total, process_local)\n--\n\nThe reserve to "
+     "publish (DESIGN.md 3.5)."},
+    {"total_charge", (PyCFunction)ledger_total_charge, METH_NOARGS,
+     "total_charge($self, /)\n--\n\nSum of every worker's charge."},
+    {NULL},
+};
+
+static PyType_Slot ledger_slots[] = {
+    {Py_tp_doc, "Ledger(floor=300 << 20)\n--\n\nThe C residency ledger "
+                "behind a Pool."},
+    {Py_tp_new, ledger_new},
+    {Py_tp_traverse, ledger_traverse},
+    {Py_tp_clear, ledger_clear},
+    {Py_tp_dealloc, ledger_dealloc},
+    {Py_tp_getset, ledger_getset},
+    {Py_tp_methods, ledger_methods},
+    {0, NULL},
+};
+
+static PyType_Spec ledger_spec = {
+    .name = "comfy_standin._core.Ledger",
+    .basicsize = sizeof(LedgerObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC |
+             Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = ledger_slots,
+};
+
+int
+cs_ledger_binding_exec(PyObject *module, cs_module_state *state)
+{
+    state->books_type = (PyTypeObject *)PyType_FromModuleAndSpec(
+        module, &books_spec, NULL);
+    if (state->books_type == NULL ||
+        PyModule_AddType(module, state->books_type) < 0) {
+        return -1;
+    }
+    state->ledger_type = (PyTypeObject *)PyType_FromModuleAndSpec(
+        module, &ledger_spec, NULL);
+    if (state->ledger_type == NULL ||
+        PyModule_AddType(module, state->ledger_type) < 0) {
+        return -1;
+    }
+    return 0;
+}

@@ -1,0 +1,154 @@
+/*
+ * values.c -- decoding the integers that come from Python (host arguments
+ * and worker replies alike) and the errors that name what was wrong.
+ */
+#include "binding.h"
+
+#include "comfy_standin/ledger.h"
+
+#include <stdarg.h>
+
+int
+cs_value_check(PyObject *value, uint64_t max, uint64_t *out)
+{
+    int overflow = 0;
+    long long v;
+
+    /* bool is an int subclass, and True is never a byte count. */
+    if (!PyLong_Check(value) || PyBool_Check(value)) {
+        return 1;
+    }
+    v = PyLong_AsLongLongAndOverflow(value, &overflow);
+    if (v == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 1;
+    }
+    if (overflow != 0 || v < 0 || (uint64_t)v > max) {
+        return 2;
+    }
+    *out = (uint64_t)v;
+    return 0;
+}
+
+int
+cs_value_error(PyObject *exc, int code, const char *field, PyObject *value,
+               uint64_t max)
+{
+    if (exc == NULL) {
+        exc = code == 1 ? PyExc_TypeError : PyExc_ValueError;
+    }
+    if (max == CS_VALUE_MAX) {
+        PyErr_Format(exc, "%s: expected an int in [0, 2**63-1], got %R",
+                     field, value);
+    }
+    else {
+        PyErr_Format(exc, "%s: expected an int in [0, %llu], got %R", field,
+                     (unsigned long long)max, value);
+    }
+    return -1;
+}
+
+void
+cs_log_warning(const char *format, ...)
+{
+    PyObject *type, *value, *traceback;
+    PyObject *message = NULL, *logging = NULL, *logger = NULL, *r = NULL;
+    va_list va;
+
+    PyErr_Fetch(&type, &value, &traceback);
+    va_start(va, format);
+    message = PyUnicode_FromFormatV(format, va);
+    va_end(va);
+    if (message == NULL) {
+        goto error;
+    }
+    logging = PyImport_ImportModule("logging");
+    if (logging == NULL) {
+        goto error;
+    }
+    logger = PyObject_CallMethod(logging, "getLogger", "s", "comfy_standin");
+    if (logger == NULL) {
+        goto error;
+    }
+    r = PyObject_CallMethod(logger, "warning", "O", message);
+error:
+    /* Logging must never be why an eviction path raised. */
+    PyErr_Clear();
+    Py_XDECREF(r);
+    Py_XDECREF(logger);
+    Py_XDECREF(logging);
+    Py_XDECREF(message);
+    PyErr_Restore(type, value, traceback);
+}
+
+PyObject *
+cs_census_fast(PyObject *echo_error, PyObject *census)
+{
+    if (!PyList_Check(census) && !PyTuple_Check(census)) {
+        PyErr_Format(echo_error,
+                     "census: expected a list of entries, got %.100s %R",
+                     Py_TYPE(census)->tp_name, census);
+        return NULL;
+    }
+    return PySequence_Fast(census, "census");
+}
+
+int
+cs_decode_census_entry(PyObject *echo_error, PyObject *entry,
+                       Py_ssize_t index, PyObject **id, uint64_t *resident,
+                       int *has_seq, int64_t *seq)
+{
+    char field[64];
+    PyObject *value;
+    uint64_t v;
+    int code;
+
+    if (!PyDict_Check(entry)) {
+        PyErr_Format(echo_error, "census[%zd]: expected a dict, got %R",
+                     index, entry);
+        return -1;
+    }
+    value = PyDict_GetItemString(entry, "id");
+    if (value == NULL || !PyUnicode_Check(value) ||
+        PyUnicode_GetLength(value) == 0) {
+        PyErr_Format(echo_error,
+                     "census[%zd]['id']: expected a non-empty str, got %R",
+                     index, value ? value : Py_None);
+        return -1;
+    }
+    *id = value;
+
+    PyOS_snprintf(field, sizeof(field), "census[%zd]['resident']", index);
+    value = PyDict_GetItemString(entry, "resident");
+    if (value == NULL) {
+        PyErr_Format(echo_error, "%s: missing", field);
+        return -1;
+    }
+    code = cs_value_check(value, CS_VALUE_MAX, resident);
+    if (code != 0) {
+        return cs_value_error(echo_error, code, field, value, CS_VALUE_MAX);
+    }
+
+    *has_seq = 0;
+    *seq = CS_SEQ_NONE;
+    value = PyDict_GetItemString(entry, "seq");
+    if (value != NULL && value != Py_None) {
+        PyOS_snprintf(field, sizeof(field), "census[%zd]['seq']", index);
+        code = cs_value_check(value, CS_VALUE_MAX, &v);
+        if (code != 0) {
+            return cs_value_error(echo_error, code, field, value,
+                                  CS_VALUE_MAX);
+        }
+        *has_seq = 1;
+        *seq = (int64_t)v;
+    }
+
+    value = PyDict_GetItemString(entry, "device");
+    if (value != NULL && value != Py_None && !PyUnicode_Check(value)) {
+        PyErr_Format(echo_error,
+                     "census[%zd]['device']: expected a str or None, got %R",
+                     index, value);
+        return -1;
+    }
+    return 0;
+}
