@@ -1,0 +1,1300 @@
+"""Pure-Python reference implementation of comfy_standin.
+
+The same contract as the C implementation (docs/semantics.md; the ledger
+mirrors include/comfy_standin/ledger.h), written for clarity rather than
+speed.  The test-suite runs every test against both; the benchmarks
+measure the C one against this.
+
+Thread safety: every write to a worker's books and to its models' receipts
+happens under that worker's ``threading.Lock``.  A receipt is one tuple
+replaced whole, so a reader never sees a torn (loaded, seq) pair and never
+takes a lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any, NoReturn
+
+from . import pool as _pool
+from ._register import register
+
+__all__ = [
+    "EchoError",
+    "Ledger",
+    "ModelRecord",
+    "Pool",
+    "StandIn",
+    "StandInModule",
+    "WorkerBooks",
+    "WorkerGoneError",
+    "apply_echo",
+    "apply_residency",
+    "default_pool",
+    "register",
+]
+
+VALUE_MAX = 2**63 - 1
+SATURATED = 2**64 - 1
+DEFAULT_FLOOR = _pool.DEFAULT_FLOOR
+SOURCES = (
+    "registered",
+    "load echo",
+    "unload echo",
+    "detach echo",
+    "census",
+    "board",
+    "assigned",
+    "worker gone",
+)
+
+_BYTES = "an int in [0, 2**63-1]"
+
+log = logging.getLogger("comfy_standin")
+
+
+class EchoError(ValueError):
+    """A bad echo, census, report or command reply; nothing was applied."""
+
+
+class WorkerGoneError(RuntimeError):
+    """A load was asked of a worker that died or restarted."""
+
+
+# ---- values ---------------------------------------------------------------
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _host_bytes(field: str, value: object) -> int:
+    """A byte value given by the host: TypeError / ValueError."""
+    if not _is_int(value):
+        raise TypeError(f"{field}: expected {_BYTES}, got {value!r}")
+    if not 0 <= value <= VALUE_MAX:  # type: ignore[operator]
+        raise ValueError(f"{field}: expected {_BYTES}, got {value!r}")
+    return int(value)  # type: ignore[call-overload]
+
+
+def _host_id(field: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{field}: expected a non-empty str, got {value!r}")
+    if not value:
+        raise ValueError(f"{field}: expected a non-empty str, got {value!r}")
+    return str(value)
+
+
+def _echo_bytes(field: str, value: object, size: int | None = None) -> int:
+    """A byte value that came from a worker: EchoError."""
+    if not _is_int(value) or not 0 <= value <= VALUE_MAX:  # type: ignore
+        raise EchoError(f"{field}: expected {_BYTES}, got {value!r}")
+    if size is not None and value > size:  # type: ignore[operator]
+        raise EchoError(
+            f"{field}: expected an int in [0, {size}] (the model's size), "
+            f"got {value!r}"
+        )
+    return int(value)  # type: ignore[call-overload]
+
+
+def _echo_seq(field: str, value: object) -> int | None:
+    if value is None:
+        return None
+    if not _is_int(value) or not 0 <= value <= VALUE_MAX:  # type: ignore
+        raise EchoError(f"{field}: expected None or {_BYTES}, got {value!r}")
+    return int(value)  # type: ignore[call-overload]
+
+
+def _saturate(value: int) -> int:
+    return min(value, SATURATED)
+
+
+def _request(value: object, limit: int) -> int:
+    """Bytes to ask a worker for: `limit` for 0, None, negative, NaN,
+    infinite, unusable or >= `limit` (ComfyUI passes 1e32 for "all");
+    otherwise the value truncated, at least 1."""
+    if value is None or isinstance(value, bool):
+        return limit
+    if isinstance(value, int):
+        return limit if value <= 0 or value >= limit else value
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
+        return limit
+    if math.isnan(number) or math.isinf(number):
+        return limit
+    if number <= 0 or number >= limit:
+        return limit
+    return max(1, int(number))
+
+
+def _bad_type(field: str, expected: str, value: object) -> NoReturn:
+    raise TypeError(f"{field}: expected {expected}, got {value!r}")
+
+
+# ---- the ledger -----------------------------------------------------------
+
+
+class ModelRecord:
+    """One worker model's receipt, shared by every stand-in of that
+    (worker, generation, id).  Written only under its books' lock."""
+
+    __slots__ = (
+        "__weakref__",
+        "_deferred",
+        "_peak",
+        "_receipt",
+        "_writes",
+        "books",
+        "generation",
+        "model_id",
+        "size",
+    )
+
+    def __init__(
+        self,
+        books: WorkerBooks,
+        model_id: str,
+        size: int,
+        generation: int,
+        source: str,
+    ) -> None:
+        self.books = books
+        self.model_id = model_id
+        self.size = size
+        self.generation = generation
+        # (loaded bytes, worker seq or None, monotonic ns, source)
+        self._receipt: tuple[int, int | None, int, str] = (
+            0,
+            None,
+            time.monotonic_ns(),
+            source,
+        )
+        self._peak = 0
+        self._deferred = False
+        self._writes = 0
+
+    def __repr__(self) -> str:
+        loaded, seq, _, source = self.read()
+        return (
+            f"<ModelRecord {self.model_id!r} gen {self.generation}: "
+            f"{loaded}/{self.size} bytes, seq {seq}, {source}>"
+        )
+
+    @property
+    def stale(self) -> bool:
+        """The model's generation is over, or its worker is gone."""
+        books = self.books
+        return self.generation < books.generation or not books.alive
+
+    @property
+    def loaded(self) -> int:
+        return 0 if self.stale else self._receipt[0]
+
+    @property
+    def peak(self) -> int:
+        return self._peak
+
+    @property
+    def eviction_deferred(self) -> bool:
+        return self._deferred
+
+    @property
+    def write_count(self) -> int:
+        return self._writes
+
+    def read(self) -> tuple[int, int | None, int, str]:
+        """(loaded, seq or None, monotonic ns, source); 0 when stale."""
+        loaded, seq, written, source = self._receipt
+        if self.stale:
+            loaded = 0
+        return loaded, seq, written, source
+
+    def _write_locked(
+        self,
+        loaded: int,
+        seq: int | None,
+        source: str,
+        peak: int,
+    ) -> None:
+        before, kept_seq, _, _ = self._receipt
+        self._receipt = (
+            loaded,
+            kept_seq if seq is None else seq,
+            time.monotonic_ns(),
+            source,
+        )
+        self._peak = peak
+        self._deferred = False
+        self._writes += 1
+        if loaded < before:
+            self.books._released()
+
+    def _peak_for(self, loaded: int, unmapped: bool, in_flight: bool) -> int:
+        if unmapped:
+            return 0
+        if in_flight:
+            return max(self._peak, loaded)
+        return loaded
+
+    def echo(
+        self,
+        loaded: int,
+        seq: int | None,
+        source: str | None,
+        unmapped: bool,
+        in_flight: bool | None,
+    ) -> bool:
+        """Write a command echo (validated by the caller).  `source` None
+        derives it; `in_flight` None asks the worker's in-flight count."""
+        with self.books._lock:
+            if self.stale:
+                return False
+            if source is None:
+                if unmapped:
+                    source = "detach echo"
+                elif loaded < self._receipt[0]:
+                    source = "unload echo"
+                else:
+                    source = "load echo"
+            if in_flight is None:
+                in_flight = self.books._in_flight > 0
+            peak = self._peak_for(loaded, unmapped, in_flight)
+            self._write_locked(loaded, seq, source, peak)
+            return True
+
+    def lost(self) -> bool:
+        """The worker no longer knows the model ("not registered")."""
+        with self.books._lock:
+            if self.stale:
+                return False
+            self._write_locked(0, None, "worker gone", 0)
+            return True
+
+    def set_deferred(self) -> None:
+        with self.books._lock:
+            self._deferred = True
+
+
+class WorkerBooks:
+    """One worker's books: generation, liveness, calls in flight, its last
+    report, and the table of its current generation's models."""
+
+    __slots__ = (
+        "__weakref__",
+        "_alive",
+        "_floor",
+        "_generation",
+        "_held",
+        "_in_flight",
+        "_ledger",
+        "_lock",
+        "_overhead",
+        "_pinned",
+        "_reading",
+        "_table",
+        "key",
+    )
+
+    def __init__(self, ledger: Ledger, key: Any, generation: int) -> None:
+        self.key = key
+        self._ledger: Ledger | None = ledger
+        self._floor = ledger.floor
+        self._lock = threading.Lock()
+        self._generation = generation
+        self._alive = True
+        self._in_flight = 0
+        self._held = 0
+        self._pinned = 0
+        self._overhead = 0
+        self._reading = 0
+        # A model leaves the table when no stand-in holds it any more
+        # (cs_model_release_handle), at a restart, or when forgotten.
+        self._table: weakref.WeakValueDictionary[str, ModelRecord] = (
+            weakref.WeakValueDictionary()
+        )
+
+    def __repr__(self) -> str:
+        state = "alive" if self._alive else "gone"
+        return (
+            f"<WorkerBooks of {self.key!r}: gen {self._generation}, "
+            f"{state}, {self._in_flight} in flight, "
+            f"{len(self._table)} models>"
+        )
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    @property
+    def alive(self) -> bool:
+        return self._alive
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def _released(self) -> None:
+        ledger = self._ledger
+        if ledger is not None:
+            ledger._released = True
+
+    def _clear_locked(self) -> None:
+        """What a dead process leaves: no calls, no report, no reading."""
+        self._in_flight = 0
+        self._held = self._pinned = self._overhead = 0
+        self._reading = 0
+
+    def register(
+        self, model_id: str, size: int, generation: int
+    ) -> ModelRecord:
+        model_id = _host_id("model_id", model_id)
+        size = _host_bytes("size", size)
+        generation = _host_bytes("generation", generation)
+        with self._lock:
+            if generation < self._generation:
+                # A stand-in of a generation already over: it still
+                # answers, reading 0, outside the table.
+                return ModelRecord(
+                    self, model_id, size, generation, "worker gone"
+                )
+            if generation > self._generation:
+                self._bump_locked(generation)
+            record = self._table.get(model_id)
+            if record is not None:
+                if record.size != size:
+                    raise ValueError(
+                        f"model {model_id!r} is registered with size "
+                        f"{record.size}; cannot register it again with "
+                        f"size {size}"
+                    )
+                return record
+            record = ModelRecord(
+                self, model_id, size, generation, "registered"
+            )
+            self._table[model_id] = record
+            return record
+
+    def find(self, model_id: str) -> ModelRecord | None:
+        return self._table.get(model_id)
+
+    def _bump_locked(self, generation: int) -> None:
+        for record in list(self._table.values()):
+            seq = record._receipt[1]
+            record._write_locked(0, seq, "worker gone", 0)
+        self._table.clear()
+        self._generation = generation
+        self._alive = True
+        self._clear_locked()
+        self._released()
+
+    def bump(self, generation: int) -> None:
+        """A restart under a newer `generation`."""
+        generation = _host_bytes("generation", generation)
+        with self._lock:
+            if generation <= self._generation:
+                raise ValueError(
+                    f"generation: a restart needs a generation above "
+                    f"{self._generation}, got {generation!r}"
+                )
+            self._bump_locked(generation)
+
+    def gone(self) -> None:
+        """The worker's process died.  Idempotent."""
+        with self._lock:
+            if not self._alive:
+                return
+            self._alive = False
+            for record in list(self._table.values()):
+                record._write_locked(0, None, "worker gone", 0)
+            self._clear_locked()
+            self._released()
+
+    def begin_call(self) -> None:
+        with self._lock:
+            if self._alive:
+                self._in_flight += 1
+
+    def end_call(self) -> None:
+        with self._lock:
+            if not self._alive:
+                return
+            if self._in_flight == 0:
+                raise RuntimeError(
+                    f"end_call on worker {self.key!r} with no call in "
+                    f"flight (begin_call missing)"
+                )
+            self._in_flight -= 1
+
+    def set_report(
+        self,
+        held: int | None = None,
+        pinned: int | None = None,
+        overhead: int | None = None,
+    ) -> None:
+        figures = (
+            None if held is None else _echo_bytes("held", held),
+            None if pinned is None else _echo_bytes("pinned", pinned),
+            None if overhead is None else _echo_bytes("overhead", overhead),
+        )
+        new_held, new_pinned, new_overhead = figures
+        with self._lock:
+            if new_held is not None:
+                if new_held < self._held:
+                    self._released()
+                self._held = new_held
+            if new_pinned is not None:
+                self._pinned = new_pinned
+            if new_overhead is not None:
+                self._overhead = new_overhead
+
+    def set_reading(self, used: int) -> None:
+        used = _host_bytes("used", used)
+        with self._lock:
+            self._reading = used
+
+    def apply_census(self, census: object) -> int:
+        with self._lock:
+            entries = _decode_census(census, self._table.get)
+            if not self._alive:
+                return 0
+            in_flight = self._in_flight > 0
+            return sum(
+                _apply_entry_locked(record, resident, seq, in_flight)
+                for record, resident, seq in entries
+            )
+
+    def charge(self) -> dict[str, Any]:
+        with self._lock:
+            if not self._alive:
+                return {
+                    "charge": 0,
+                    "sum_sizes": 0,
+                    "sum_loaded": 0,
+                    "sum_peak": 0,
+                    "held": 0,
+                    "reading": 0,
+                    "floor": 0,
+                    "in_flight": 0,
+                    "models": 0,
+                    "alive": False,
+                    "held_from_reading": False,
+                }
+            records = list(self._table.values())
+            sum_sizes = _saturate(sum(r.size for r in records))
+            sum_loaded = _saturate(sum(r._receipt[0] for r in records))
+            sum_peak = _saturate(sum(r._peak for r in records))
+            if self._in_flight > 0:
+                charge = _saturate(sum_sizes + self._floor)
+            else:
+                charge = _saturate(
+                    max(sum_loaded, sum_peak, self._held, self._reading)
+                    + self._floor
+                )
+            return {
+                "charge": charge,
+                "sum_sizes": sum_sizes,
+                "sum_loaded": sum_loaded,
+                "sum_peak": sum_peak,
+                "held": self._held,
+                "reading": self._reading,
+                "floor": self._floor,
+                "in_flight": self._in_flight,
+                "models": len(records),
+                "alive": True,
+                "held_from_reading": self._reading > self._held,
+            }
+
+    def _forgotten(self) -> None:
+        with self._lock:
+            self._table.clear()
+            self._ledger = None
+
+
+class Ledger:
+    """Every worker's books, and the reserve they size."""
+
+    __slots__ = ("_books", "_floor", "_lock", "_published", "_released")
+
+    def __init__(self, floor: int = DEFAULT_FLOOR) -> None:
+        self._floor = _host_bytes("floor", floor)
+        self._lock = threading.Lock()
+        # id(key) -> books (the books hold the key, so the id stays valid).
+        self._books: dict[int, WorkerBooks] = {}
+        self._released = False
+        self._published: int | None = None
+
+    def __repr__(self) -> str:
+        return f"<Ledger: {len(self._books)} workers, floor={self._floor}>"
+
+    @property
+    def floor(self) -> int:
+        return self._floor
+
+    def worker(self, key: Any, generation: int) -> WorkerBooks:
+        """Get-or-create the books of `key` (compared by identity)."""
+        generation = _host_bytes("generation", generation)
+        with self._lock:
+            books = self._books.get(id(key))
+            if books is None:
+                books = WorkerBooks(self, key, generation)
+                self._books[id(key)] = books
+                return books
+        with books._lock:
+            if generation > books._generation:
+                books._bump_locked(generation)
+        return books
+
+    def find(self, key: Any) -> WorkerBooks | None:
+        return self._books.get(id(key))
+
+    def forget(self, key: Any) -> None:
+        with self._lock:
+            books = self._books.pop(id(key), None)
+        if books is not None:
+            books._forgotten()
+
+    def keys(self) -> list[Any]:
+        with self._lock:
+            return [books.key for books in self._books.values()]
+
+    def total_charge(self) -> int:
+        with self._lock:
+            books = list(self._books.values())
+        return _saturate(sum(b.charge()["charge"] for b in books))
+
+    def reserve(self, base: int, total: int, process_local: bool) -> int:
+        base = _host_bytes("base", base)
+        total = _host_bytes("total", total)
+        if not isinstance(process_local, bool):
+            _bad_type("process_local", "a bool", process_local)
+        if not process_local:
+            return base
+        with self._lock:
+            # Swap the mark first: a release racing this call is either
+            # seen now or kept for the next call, never lost.
+            released, self._released = self._released, False
+            books = list(self._books.values())
+            total_charge = _saturate(sum(b.charge()["charge"] for b in books))
+            target = _saturate(base + total_charge)
+            if total > 0:
+                target = min(target, total * 3 // 4)
+            target = max(target, base)
+            last = self._published
+            if last is None or target >= last or released:
+                self._published = target
+            return self._published
+
+
+# ---- receipts -------------------------------------------------------------
+
+
+def _decode_census(
+    census: object,
+    lookup: Callable[[str], Any],
+    path: str = "census",
+) -> list[tuple[Any, int, int | None]]:
+    """Validate a whole census; [(target, resident, seq)] or EchoError.
+
+    `lookup(id)` finds the target of an id, None when unknown."""
+    if not isinstance(census, (list, tuple)):
+        raise EchoError(
+            f"{path}: expected a list or tuple of mappings, got {census!r}"
+        )
+    seen: dict[str, int] = {}
+    entries = []
+    for index, entry in enumerate(census):
+        where = f"{path}[{index}]"
+        if not isinstance(entry, Mapping):
+            raise EchoError(f"{where}: expected a mapping, got {entry!r}")
+        if "id" not in entry:
+            raise EchoError(f"{where}['id']: missing (a non-empty str)")
+        model_id = entry["id"]
+        if not isinstance(model_id, str) or not model_id:
+            raise EchoError(
+                f"{where}['id']: expected a non-empty str, got {model_id!r}"
+            )
+        if "resident" not in entry:
+            raise EchoError(f"{where}['resident']: missing ({_BYTES})")
+        resident = _echo_bytes(f"{where}['resident']", entry["resident"])
+        seq = _echo_seq(f"{where}['seq']", entry.get("seq"))
+        device = entry.get("device")
+        if device is not None and not isinstance(device, str):
+            raise EchoError(
+                f"{where}['device']: expected None or a str, got {device!r}"
+            )
+        if model_id in seen:
+            raise EchoError(
+                f"{where}['id']: duplicate model id {model_id!r} "
+                f"(also {path}[{seen[model_id]}])"
+            )
+        seen[model_id] = index
+        target = lookup(model_id)
+        if target is None:
+            raise EchoError(f"{where}['id']: unknown model id {model_id!r}")
+        entries.append((target, resident, seq))
+    return entries
+
+
+def _apply_entry_locked(
+    record: ModelRecord, resident: int, seq: int | None, in_flight: bool
+) -> bool:
+    """One validated census entry; the books' lock is held."""
+    if record.stale:
+        return False
+    kept = record._receipt[1]
+    if seq is not None and kept is not None and seq < kept:
+        return False  # strictly older: dropped (a tie goes to the census)
+    loaded = min(resident, record.size)
+    peak = record._peak_for(loaded, False, in_flight)
+    record._write_locked(loaded, seq, "census", peak)
+    return True
+
+
+def apply_echo(
+    standin: StandIn,
+    resident: int,
+    seq: int | None = None,
+    unmapped: bool = False,
+    in_flight: bool = False,
+) -> bool:
+    """Write a command echo: the worker's word after a command.
+
+    Always written (a reply is the newest word; ``seq=None`` keeps the
+    receipt's seq).  Returns False, writing nothing, for a stale stand-in
+    or a gone worker."""
+    if not isinstance(standin, StandIn):
+        _bad_type("standin", f"a StandIn of {__name__}", standin)
+    record = standin._record
+    resident = _echo_bytes("resident", resident, record.size)
+    seq = _echo_seq("seq", seq)
+    return record.echo(resident, seq, None, bool(unmapped), bool(in_flight))
+
+
+def apply_residency(standins: Mapping[str, StandIn], census: object) -> int:
+    """Apply a node-boundary census to stand-ins; returns entries applied.
+
+    Call it at a node boundary, never inside ComfyUI's ``free_memory``
+    (which snapshots sort keys, then re-reads them).  All or nothing: any
+    problem raises EchoError and changes nothing.  Ids the census lacks
+    keep their receipts (missing means unknown, not zero)."""
+    if not isinstance(standins, Mapping):
+        _bad_type("standins", "a mapping of id -> StandIn", standins)
+    for key, standin in standins.items():
+        if not isinstance(standin, StandIn):
+            raise EchoError(
+                f"standins[{key!r}]: expected a StandIn of {__name__}, "
+                f"got {standin!r}"
+            )
+        if key != standin._record.model_id:
+            raise EchoError(
+                f"standins[{key!r}]: the key is not the stand-in's model "
+                f"id {standin._record.model_id!r}"
+            )
+    entries = _decode_census(census, standins.get)
+    applied = 0
+    for standin, resident, seq in entries:
+        record = standin._record
+        books = record.books
+        with books._lock:
+            if _apply_entry_locked(
+                record, resident, seq, books._in_flight > 0
+            ):
+                applied += 1
+    return applied
+
+
+# ---- the stand-in ---------------------------------------------------------
+
+_CONTRACT = (
+    "the upstream contract changed: comfy_standin answers only the "
+    "members ComfyUI is known to touch"
+)
+
+
+def _no_attribute(owner: str, name: str) -> NoReturn:
+    if name.startswith("__") and name.endswith("__"):
+        # Plain, so copy/pickle/weakref probes and getattr(x, n, default)
+        # behave as they do for any object.
+        raise AttributeError(name)
+    raise AttributeError(f"{owner} has no attribute {name!r}; {_CONTRACT}")
+
+
+def _no_pickling(obj: object) -> NoReturn:
+    raise TypeError(
+        f"cannot pickle {type(obj).__name__!r} object: it stands for a "
+        f"model held by a live worker process"
+    )
+
+
+class _CloneBaseSentinel:
+    """A stand-in's ``clone_base_uuid``: equal only to itself, so it never
+    matches a real uuid, None or another stand-in (COMFYUI_FACTS.md,
+    unload_model_and_clones and multigpu.py)."""
+
+    __slots__ = ("_model_id",)
+
+    def __init__(self, model_id: str) -> None:
+        self._model_id = model_id
+
+    def __repr__(self) -> str:
+        return (
+            f"<comfy_standin private clone_base_uuid of model "
+            f"{self._model_id!r} (never equals a uuid)>"
+        )
+
+    def __reduce_ex__(self, protocol: object) -> NoReturn:
+        _no_pickling(self)
+
+
+class StandInModule:
+    """The inner module (``StandIn.model``), read by ComfyUI as ``M``."""
+
+    __slots__ = (
+        "__weakref__",
+        "_assigned",
+        "_load_device",
+        "_offload_device",
+        "_record",
+    )
+
+    def __init__(
+        self, record: ModelRecord, load_device: Any, offload_device: Any
+    ) -> None:
+        self._record = record
+        self._load_device = load_device
+        self._offload_device = offload_device
+        # (device, receipt write count when assigned) or None.
+        self._assigned: tuple[Any, int] | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"<StandInModule of model {self._record.model_id!r} "
+            f"on {self.device!r}>"
+        )
+
+    def __getattr__(self, name: str) -> NoReturn:
+        _no_attribute("StandInModule", name)
+
+    def __reduce_ex__(self, protocol: object) -> NoReturn:
+        _no_pickling(self)
+
+    @property
+    def device(self) -> Any:
+        """The last assigned device until a receipt is written, then
+        load_device while loaded > 0, offload_device at 0."""
+        assigned = self._assigned
+        record = self._record
+        if assigned is not None and assigned[1] == record._writes:
+            return assigned[0]
+        return self._load_device if record.loaded > 0 else self._offload_device
+
+    @device.setter
+    def device(self, value: Any) -> None:
+        self._assigned = (value, self._record._writes)
+
+    @property
+    def model_loaded_weight_memory(self) -> int:
+        return self._record.loaded
+
+    @model_loaded_weight_memory.setter
+    def model_loaded_weight_memory(self, value: int) -> None:
+        record = self._record
+        value = _host_bytes("model_loaded_weight_memory", value)
+        if value > record.size:
+            raise ValueError(
+                f"model_loaded_weight_memory: expected an int in "
+                f"[0, {record.size}] (the model's size), got {value!r}"
+            )
+        record.echo(value, None, "assigned", False, False)
+
+    @property
+    def model_lowvram(self) -> bool:
+        return False
+
+    @property
+    def lowvram_patch_counter(self) -> int:
+        return 0
+
+    @property
+    def current_weight_patches_uuid(self) -> None:
+        return None
+
+    @property
+    def model_offload_buffer_memory(self) -> int:
+        return 0
+
+
+class StandIn:
+    """Stands in ComfyUI's loaded-model list for a model a worker holds.
+
+    Drop-in for comfy-env's SubprocessModelPatcher (DESIGN.md 3.1)."""
+
+    __slots__ = (
+        "__weakref__",
+        "_bad_replies",
+        "_generation",
+        "_kind",
+        "_load_device",
+        "_model",
+        "_offload_device",
+        "_pool",
+        "_record",
+        "_uuid",
+        "_worker",
+    )
+
+    def __init__(
+        self,
+        worker: Any,
+        worker_generation: int,
+        model_id: str,
+        model_size: int,
+        load_device: Any,
+        offload_device: Any,
+        kind: str = "other",
+        pool: Any = None,
+    ) -> None:
+        if not callable(getattr(worker, "send_command", None)) or not (
+            callable(getattr(worker, "is_alive", None))
+        ):
+            _bad_type(
+                "worker",
+                "an object with callable send_command() and is_alive()",
+                worker,
+            )
+        generation = _host_bytes("worker_generation", worker_generation)
+        model_id = _host_id("model_id", model_id)
+        size = _host_bytes("model_size", model_size)
+        if not isinstance(kind, str):
+            _bad_type("kind", "a str", kind)
+        if pool is None:
+            pool = default_pool()
+        elif not isinstance(pool, _pool.Pool) or pool._impl is not _this:
+            _bad_type("pool", f"None or a Pool of {__name__}", pool)
+        books = pool._ledger.worker(worker, generation)
+        record = books.register(model_id, size, generation)
+        self._worker = worker
+        self._generation = generation
+        self._kind = kind
+        self._load_device = load_device
+        self._offload_device = offload_device
+        self._pool = pool
+        self._record = record
+        self._model = StandInModule(record, load_device, offload_device)
+        self._uuid = _CloneBaseSentinel(model_id)
+        self._bad_replies = 0
+        pool._adopt(self)
+
+    def __repr__(self) -> str:
+        loaded, seq, _, source = self._record.read()
+        return (
+            f"<StandIn {self._record.model_id!r} ({self._kind}) of worker "
+            f"gen {self._generation}: {loaded}/{self._record.size} bytes, "
+            f"seq {seq}, {source}>"
+        )
+
+    def __getattr__(self, name: str) -> NoReturn:
+        _no_attribute("StandIn", name)
+
+    def __reduce_ex__(self, protocol: object) -> NoReturn:
+        _no_pickling(self)
+
+    # ---- what ComfyUI reads ----------------------------------------------
+
+    @property
+    def load_device(self) -> Any:
+        return self._load_device
+
+    @property
+    def offload_device(self) -> Any:
+        return self._offload_device
+
+    @property
+    def parent(self) -> None:
+        return None
+
+    @property
+    def model(self) -> StandInModule:
+        return self._model
+
+    @property
+    def clone_base_uuid(self) -> object:
+        return self._uuid
+
+    @property
+    def size(self) -> int:
+        return self._record.size
+
+    def model_size(self) -> int:
+        return self._record.size
+
+    def loaded_size(self) -> int:
+        return self._record.loaded
+
+    def current_loaded_device(self) -> Any:
+        return self._model.device
+
+    def is_dynamic(self) -> bool:
+        return False  # seed, inaccuracy 1
+
+    def is_clone(self, other: object) -> bool:
+        return (
+            isinstance(other, StandIn)
+            and other._worker is self._worker
+            and other._generation == self._generation
+            and other._record.model_id == self._record.model_id
+        )
+
+    def model_dtype(self) -> None:
+        return None
+
+    def model_patches_to(self, device: Any) -> None:
+        return None
+
+    def model_patches_models(self) -> list[Any]:
+        return []
+
+    def get_nested_additional_models(self) -> list[Any]:
+        return []
+
+    def lowvram_patch_counter(self) -> int:
+        return 0
+
+    def clone(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise NotImplementedError(
+            "StandIn.clone: a worker-held model has no clone semantics the "
+            "host could use (its weights live in another process)"
+        )
+
+    def add_patches(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise NotImplementedError(
+            "StandIn.add_patches: a worker-held model cannot be patched "
+            "from the host (its weights live in another process)"
+        )
+
+    def add_hook_patches(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise NotImplementedError(
+            "StandIn.add_hook_patches: a worker-held model cannot be "
+            "patched from the host (its weights live in another process)"
+        )
+
+    # ---- introspection ---------------------------------------------------
+
+    @property
+    def worker(self) -> Any:
+        return self._worker
+
+    @property
+    def worker_generation(self) -> int:
+        return self._generation
+
+    @property
+    def model_id(self) -> str:
+        return self._record.model_id
+
+    @property
+    def kind(self) -> str:
+        return self._kind
+
+    @property
+    def pool(self) -> Any:
+        return self._pool
+
+    @property
+    def stale(self) -> bool:
+        return self._record.stale
+
+    @property
+    def eviction_deferred(self) -> bool:
+        return self._record.eviction_deferred
+
+    @property
+    def bad_replies(self) -> int:
+        return self._bad_replies
+
+    def receipt(self) -> tuple[int, int | None, float, str]:
+        """(loaded bytes, worker seq or None, age in seconds, source)."""
+        loaded, seq, written, source = self._record.read()
+        age = max(0, time.monotonic_ns() - written) / 1e9
+        return loaded, seq, age, source
+
+    # ---- commands --------------------------------------------------------
+
+    def _is_alive(self) -> bool:
+        try:
+            return bool(self._worker.is_alive())
+        except Exception:  # an undecidable probe: treat as alive
+            log.warning(
+                "comfy_standin: is_alive() of the worker of model %r "
+                "raised; treating it as alive",
+                self._record.model_id,
+                exc_info=True,
+            )
+            return True
+
+    def _gone_error(self) -> WorkerGoneError:
+        record = self._record
+        return WorkerGoneError(
+            f"model {record.model_id!r} (worker generation "
+            f"{record.generation}) is gone: its worker process died or "
+            f"restarted; reload the node"
+        )
+
+    def _gone_path(self) -> None:
+        """The worker died: its VRAM went with the process."""
+        record = self._record
+        if record.stale:
+            return  # never touch the worker's newer generation
+        log.warning(
+            "comfy_standin: the worker of model %r is gone",
+            record.model_id,
+        )
+        try:
+            self._pool.worker_gone(self._worker)
+        finally:
+            record.books.gone()
+
+    def _deferred_path(self, what: str, exc: BaseException | None) -> None:
+        log.warning(
+            "comfy_standin: %s of model %r deferred: %s",
+            what,
+            self._record.model_id,
+            exc,
+        )
+        self._record.set_deferred()
+
+    def _bad_reply(self, exc: EchoError) -> None:
+        self._bad_replies += 1
+        log.warning(
+            "comfy_standin: bad reply for model %r: %s",
+            self._record.model_id,
+            exc,
+        )
+
+    def _pressure(self, wanted: int, freed: int) -> None:
+        callback = getattr(self._pool, "on_pressure", None)
+        if freed >= wanted or callback is None:
+            return
+        try:
+            callback(wanted - freed)
+        except Exception:
+            log.exception(
+                "comfy_standin: on_pressure(%d) raised (ignored)",
+                wanted - freed,
+            )
+
+    def partially_load(
+        self,
+        device_to: Any,
+        extra_memory: float = 0,
+        force_patch_weights: bool = False,
+    ) -> int:
+        """Ask the worker to load up to `extra_memory` more bytes; returns
+        the bytes it loaded.  A dead worker raises WorkerGoneError."""
+        record = self._record
+        if record.stale:
+            raise self._gone_error()
+        if not self._is_alive():
+            self._gone_path()
+            raise self._gone_error()
+        size = record.size
+        if size == 0:
+            return 0
+        want = _request(extra_memory, size)
+        before = record.loaded
+        command = "model_partial_load"
+        try:
+            reply = self._worker.send_command(
+                command,
+                model_id=record.model_id,
+                extra_bytes=want,
+                device=str(device_to),
+            )
+        except Exception as exc:
+            if not self._is_alive():
+                self._gone_path()
+                raise self._gone_error() from exc
+            raise
+        try:
+            loaded, resident, seq = _decode_load_reply(reply, size, before)
+        except EchoError as exc:
+            self._bad_reply(exc)
+            raise
+        record.echo(resident, seq, "load echo", False, None)
+        return loaded
+
+    def partially_unload(
+        self,
+        device_to: Any,
+        memory_to_free: float = 0,
+        force_patch_weights: bool = False,
+    ) -> int:
+        """Ask the worker to free up to `memory_to_free` bytes; returns the
+        bytes freed, exactly.  Never raises."""
+        try:
+            return self._partially_unload(memory_to_free)
+        except Exception:
+            log.exception(
+                "comfy_standin: partially_unload of model %r failed",
+                self._record.model_id,
+            )
+            return 0
+
+    def _partially_unload(self, memory_to_free: object) -> int:
+        record = self._record
+        before = record.loaded
+        if before == 0:
+            return 0
+        want = _request(memory_to_free, before)
+        if not self._is_alive():
+            self._gone_path()
+            return before
+        try:
+            reply = self._worker.send_command(
+                "model_partial_unload",
+                model_id=record.model_id,
+                bytes_to_free=want,
+            )
+        except Exception as exc:  # noqa: BLE001 -- eviction never raises
+            if not self._is_alive():
+                self._gone_path()
+                return before
+            self._deferred_path("model_partial_unload", exc)
+            self._pressure(want, 0)
+            return 0
+        try:
+            freed, resident, seq = _decode_unload_reply(
+                reply, record.size, before
+            )
+        except EchoError as exc:
+            self._bad_reply(exc)
+            self._deferred_path("model_partial_unload", exc)
+            self._pressure(want, 0)
+            return 0
+        record.echo(resident, seq, "unload echo", False, None)
+        self._pressure(want, freed)
+        return freed
+
+    def detach(self, unpatch_all: bool = True) -> StandInModule:
+        """Full offload.  Idempotent, never raises; returns ``model``."""
+        try:
+            self._detach()
+        except Exception:
+            log.exception(
+                "comfy_standin: detach of model %r failed",
+                self._record.model_id,
+            )
+        return self._model
+
+    def _detach(self) -> None:
+        record = self._record
+        if record.stale or record.loaded == 0:
+            return
+        if not self._is_alive():
+            self._gone_path()
+            return
+        command = "model_to_device"
+        try:
+            reply = self._worker.send_command(
+                command,
+                model_id=record.model_id,
+                device=str(self._offload_device),
+            )
+        except Exception as exc:  # noqa: BLE001 -- detach never raises
+            if not self._is_alive():
+                self._gone_path()
+            elif "not registered" in str(exc):
+                # The worker restarted and lost the model: nothing of it
+                # is on the card any more.
+                record.lost()
+            else:
+                self._deferred_path(command, exc)
+            return
+        try:
+            if not isinstance(reply, dict):
+                raise EchoError(
+                    f"reply from {command}: expected a dict, got {reply!r}"
+                )
+            seq = _echo_seq(f"reply['seq'] from {command}", reply.get("seq"))
+        except EchoError as exc:
+            self._bad_reply(exc)
+            self._deferred_path(command, exc)
+            return
+        record.echo(0, seq, "detach echo", True, None)
+
+
+def _decode_reply(
+    reply: object, command: str, required: str, size: int
+) -> tuple[int, int | None, int | None]:
+    """(required figure, resident or None, seq or None) or EchoError."""
+    if not isinstance(reply, dict):
+        raise EchoError(
+            f"reply from {command}: expected a dict, got {reply!r}"
+        )
+    if required not in reply:
+        raise EchoError(
+            f"reply[{required!r}] from {command}: missing ({_BYTES})"
+        )
+    value = _echo_bytes(
+        f"reply[{required!r}] from {command}", reply[required], size
+    )
+    resident = reply.get("resident")
+    if resident is not None:
+        resident = _echo_bytes(
+            f"reply['resident'] from {command}", resident, size
+        )
+    seq = _echo_seq(f"reply['seq'] from {command}", reply.get("seq"))
+    return value, resident, seq
+
+
+def _decode_load_reply(
+    reply: object, size: int, before: int
+) -> tuple[int, int, int | None]:
+    loaded, resident, seq = _decode_reply(
+        reply, "model_partial_load", "loaded", size
+    )
+    if resident is None:  # an old worker: derive it
+        resident = min(before + loaded, size)
+    return loaded, resident, seq
+
+
+def _decode_unload_reply(
+    reply: object, size: int, before: int
+) -> tuple[int, int, int | None]:
+    freed, resident, seq = _decode_reply(
+        reply, "model_partial_unload", "freed", size
+    )
+    if resident is None:  # an old worker: derive it
+        resident = max(0, before - freed)
+    return freed, resident, seq
+
+
+# ---- the pool -------------------------------------------------------------
+
+_this = sys.modules[__name__]
+
+
+class Pool(_pool.Pool):
+    __doc__ = _pool.Pool.__doc__
+    _impl = _this
+
+
+_default_pool: Pool | None = None
+_default_pool_lock = threading.Lock()
+
+
+def default_pool() -> Pool:
+    """The process-wide pool of this implementation (created on first
+    use, detecting process_local)."""
+    global _default_pool
+    with _default_pool_lock:
+        if _default_pool is None:
+            _default_pool = Pool()
+        return _default_pool

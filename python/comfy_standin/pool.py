@@ -1,0 +1,270 @@
+"""The pool: what every worker costs the card, and the graveyard.
+
+One Python class shared by both implementations (DESIGN.md 3.5,
+docs/semantics.md "The pool").  All arithmetic and state of charges live
+in the implementation's ``Ledger`` (the C core or the pure-Python
+reference); this class keeps only the Python-object logic: which stand-ins
+belong to which worker, and the graveyard that keeps stand-ins of a dead
+or restarted worker alive until the next node boundary, so no
+``weakref.finalize`` on their inner module fires inside ComfyUI's
+index-based ``free_memory`` loop.
+
+An implementation binds the class to itself with a subclass::
+
+    class Pool(pool.Pool):
+        _impl = sys.modules[__name__]
+
+or per instance with ``Pool(..., _impl=module)``.  The module must provide
+``Ledger`` and ``EchoError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from types import ModuleType
+from typing import Any
+
+__all__ = ["DEFAULT_FLOOR", "Pool"]
+
+#: CUDA context and handles of one worker process: comfy-env measured
+#: 276-300 MiB per live worker before any model (COMFYUI_FACTS.md).
+DEFAULT_FLOOR = 300 << 20
+
+_VALUE_MAX = 2**63 - 1
+_REPORT_FIGURES = ("held", "pinned", "overhead")
+
+log = logging.getLogger("comfy_standin")
+
+
+def _is_byte_value(value: object) -> bool:
+    return (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and 0 <= value <= _VALUE_MAX
+    )
+
+
+class Pool:
+    """Per-worker charges over one ledger, and the reserve they size.
+
+    ``on_pressure``: None or a callable taking the shortfall in bytes when
+    a stand-in's ``partially_unload`` freed less than ComfyUI asked
+    (comfy-env uses it to ask idle sibling workers to shrink).  It must not
+    block; its exceptions are logged, never raised into ComfyUI.
+    """
+
+    _impl: ModuleType | None = None
+
+    def __init__(
+        self,
+        floor: int = DEFAULT_FLOOR,
+        process_local: bool | None = None,
+        *,
+        _impl: ModuleType | None = None,
+    ) -> None:
+        impl = _impl if _impl is not None else type(self)._impl
+        if impl is None:
+            impl = importlib.import_module("comfy_standin._core")
+        if process_local is None:
+            # WDDM makes mem_get_info process-local (COMFYUI_FACTS.md,
+            # get_free_memory); elsewhere free memory is device-wide.
+            process_local = sys.platform == "win32"
+        elif not isinstance(process_local, bool):
+            raise TypeError(
+                f"process_local: expected None or a bool, "
+                f"got {process_local!r}"
+            )
+        self._impl = impl
+        self._ledger = impl.Ledger(floor)
+        self._process_local = process_local
+        self._lock = threading.Lock()
+        # id(worker) -> (worker, its adopted stand-ins, weakly).
+        self._adopted: dict[int, tuple[Any, weakref.WeakSet[Any]]] = {}
+        # Strong references to stand-ins of dead or restarted workers,
+        # dropped at the next boundary().
+        self._graveyard: list[Any] = []
+        self.on_pressure: Callable[[int], object] | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"<{type(self).__qualname__} of {self._impl.__name__}: "
+            f"{len(self._ledger.keys())} workers, floor={self.floor}, "
+            f"process_local={self._process_local}>"
+        )
+
+    @property
+    def floor(self) -> int:
+        return self._ledger.floor
+
+    @property
+    def process_local(self) -> bool:
+        return self._process_local
+
+    # ---- stand-ins --------------------------------------------------------
+
+    def _adopt(self, standin: Any) -> None:
+        """Called by every stand-in constructed over this pool."""
+        worker = standin.worker
+        with self._lock:
+            slot = self._adopted.get(id(worker))
+            if slot is None:
+                slot = (worker, weakref.WeakSet())
+                self._adopted[id(worker)] = slot
+            if not standin.stale:
+                # Registering a newer generation restarted the worker's
+                # books; its older stand-ins are dead like after restarted().
+                generation = standin.worker_generation
+                self._bury_locked(
+                    worker, lambda s: s.worker_generation < generation
+                )
+            slot[1].add(standin)
+
+    def _bury_locked(self, worker: Any, doomed: Callable[[Any], bool]) -> None:
+        slot = self._adopted.get(id(worker))
+        if slot is None:
+            return
+        for standin in list(slot[1]):
+            if doomed(standin):
+                self._graveyard.append(standin)
+                slot[1].discard(standin)
+
+    def boundary(self) -> None:
+        """Drop the graveyard.  Call at a node boundary, never inside
+        ComfyUI's ``free_memory`` (its loop pops entries by index)."""
+        with self._lock:
+            buried, self._graveyard = self._graveyard, []
+        # Finalizers (mm.cleanup_models) may run here, outside the lock.
+        del buried
+
+    # ---- workers ----------------------------------------------------------
+
+    def worker_gone(self, worker: Any) -> None:
+        """The worker's process died: its stand-ins read 0, never raise."""
+        books = self._ledger.find(worker)
+        if books is not None:
+            books.gone()
+        with self._lock:
+            self._bury_locked(worker, lambda s: True)
+
+    def restarted(self, worker: Any, generation: int) -> None:
+        """The worker was restarted under a newer `generation`."""
+        books = self._ledger.find(worker)
+        if books is None:
+            self._ledger.worker(worker, generation)
+        else:
+            books.bump(generation)
+        with self._lock:
+            self._bury_locked(
+                worker, lambda s: s.worker_generation < generation
+            )
+
+    def forget(self, worker: Any) -> None:
+        """Drop the worker's books: it is no longer charged."""
+        self._ledger.forget(worker)
+        with self._lock:
+            self._adopted.pop(id(worker), None)
+
+    def begin_call(self, worker: Any) -> None:
+        """A call into the worker starts: it may fault in anything."""
+        books = self._ledger.find(worker)
+        if books is not None:
+            books.begin_call()
+
+    def end_call(self, worker: Any) -> None:
+        books = self._ledger.find(worker)
+        if books is not None:
+            books.end_call()
+
+    @contextlib.contextmanager
+    def call(self, worker: Any) -> Iterator[None]:
+        """``with pool.call(worker):`` brackets one call into the worker.
+
+        A restart or death during the call already cleared the in-flight
+        count, so the exit does not end a call the books no longer hold.
+        """
+        books = self._ledger.find(worker)
+        if books is None:
+            yield
+            return
+        generation = books.generation
+        books.begin_call()
+        try:
+            yield
+        finally:
+            if (
+                books.alive
+                and books.generation == generation
+                and books.in_flight > 0
+            ):
+                try:
+                    books.end_call()
+                except RuntimeError:
+                    log.warning(
+                        "comfy_standin: call bracket of %r ended twice",
+                        worker,
+                    )
+
+    def report(self, worker: Any, vram_report: Mapping[str, Any]) -> int:
+        """Apply a reply frame's ``_vram_report``; returns census entries
+        applied.  The whole report is validated before anything changes;
+        any problem raises ``EchoError`` and changes nothing."""
+        echo_error = self._impl.EchoError
+        books = self._ledger.find(worker)
+        if books is None:
+            raise echo_error(
+                f"worker {worker!r} has no stand-ins in this pool: "
+                f"register its models before applying its reports"
+            )
+        if not isinstance(vram_report, Mapping):
+            raise echo_error(
+                f"vram_report: expected a mapping, got {vram_report!r}"
+            )
+        figures: dict[str, int] = {}
+        for name in _REPORT_FIGURES:
+            value = vram_report.get(name)
+            if value is None:
+                continue
+            if not _is_byte_value(value):
+                raise echo_error(
+                    f"{name}: expected an int in [0, 2**63-1], got {value!r}"
+                )
+            figures[name] = value
+        applied = 0
+        residency = vram_report.get("residency")
+        if residency is not None:
+            # All or nothing on its own; the figures cannot fail any more.
+            applied = books.apply_census(residency)
+        if figures:
+            books.set_report(**figures)
+        return applied
+
+    # ---- charges ----------------------------------------------------------
+
+    def worker_charges(self) -> dict[Any, int]:
+        """{worker: bytes it costs the card} (DESIGN.md 3.5)."""
+        charges: dict[Any, int] = {}
+        workers = self._ledger.keys()
+        for worker in workers:
+            books = self._ledger.find(worker)
+            if books is not None:
+                charges[worker] = books.charge()["charge"]
+        return charges
+
+    def reserve(self, device: Any, base: int, total: int | None = None) -> int:
+        """The EXTRA_RESERVED_VRAM to publish for `device`.
+
+        `total` is the card's size (None or 0: no cap yet; the probe
+        supplies it).  Device-wide free memory (Linux): `base`.
+        Process-local (Windows WDDM): `base` plus every worker's charge,
+        capped at 75% of the card, growing at once and shrinking only
+        after a release.
+        """
+        return self._ledger.reserve(
+            base, 0 if total is None else total, self._process_local
+        )

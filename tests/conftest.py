@@ -1,0 +1,129 @@
+"""Shared fixtures: every test runs against both implementations.
+
+``impl`` is the implementation module under test:
+
+- ``"c"``: ``comfy_standin`` (the C type from ``comfy_standin._core``).
+  Skipped only while ``comfy_standin._core`` has no ``StandIn`` yet and
+  ``COMFY_STANDIN_REQUIRE_C`` is unset; CI sets it, so a missing C type
+  fails there.
+- ``"reference"``: ``comfy_standin._reference`` (pure Python).
+
+Both expose StandIn, StandInModule, Ledger, apply_echo, apply_residency,
+register, EchoError, WorkerGoneError, Pool and default_pool.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import os
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+REQUIRE_C = "COMFY_STANDIN_REQUIRE_C"
+IMPLEMENTATIONS = ("c", "reference")
+
+
+def _c_implementation() -> ModuleType:
+    """The C implementation, or skip (fail under COMFY_STANDIN_REQUIRE_C)
+    when its stand-in type is not built yet."""
+    core = importlib.import_module("comfy_standin._core")
+    if not hasattr(core, "StandIn"):
+        if os.environ.get(REQUIRE_C):
+            pytest.fail(
+                f"comfy_standin._core has no StandIn and {REQUIRE_C} is set"
+            )
+        pytest.skip(
+            f"comfy_standin._core has no StandIn yet (set {REQUIRE_C}=1 "
+            f"to make this a failure)"
+        )
+    return importlib.import_module("comfy_standin")
+
+
+def load_implementation(name: str) -> ModuleType:
+    if name == "c":
+        return _c_implementation()
+    return importlib.import_module("comfy_standin._reference")
+
+
+@pytest.fixture(params=IMPLEMENTATIONS)
+def impl(request: pytest.FixtureRequest) -> ModuleType:
+    """The implementation module under test ("c" or "reference")."""
+    return load_implementation(request.param)
+
+
+@pytest.fixture
+def both_impls() -> tuple[ModuleType, ModuleType]:
+    """(C implementation, reference) for differential tests."""
+    return _c_implementation(), load_implementation("reference")
+
+
+class StubWorker:
+    """The least a worker must be: alive, answers every command with an
+    empty dict, and records what it was sent."""
+
+    def __init__(self, name: str = "worker") -> None:
+        self.name = name
+        self.alive = True
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+
+    def __repr__(self) -> str:
+        return f"<StubWorker {self.name}>"
+
+    def send_command(self, command: str, **kwargs: Any) -> dict[str, Any]:
+        self.calls.append((command, kwargs))
+        return {}
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+
+@pytest.fixture
+def make_worker() -> Callable[..., StubWorker]:
+    """Factory of fresh ``StubWorker`` objects."""
+    counter = itertools.count()
+
+    def make(name: str | None = None) -> StubWorker:
+        return StubWorker(name or f"worker-{next(counter)}")
+
+    return make
+
+
+@pytest.fixture
+def pool(impl: ModuleType) -> Any:
+    """A fresh pool of `impl`, process-local so the reserve is computed."""
+    return impl.Pool(process_local=True)
+
+
+@pytest.fixture
+def make_standin(
+    impl: ModuleType, pool: Any, make_worker: Callable[..., StubWorker]
+) -> Callable[..., Any]:
+    """Factory of stand-ins of `impl` over the `pool` fixture.
+
+    ``make_standin(worker=None, generation=1, model_id=None, size=1000,
+    **kw)``; a new StubWorker and a fresh id when not given."""
+    ids = itertools.count()
+
+    def make(
+        worker: Any = None,
+        generation: int = 1,
+        model_id: str | None = None,
+        size: int = 1000,
+        **kwargs: Any,
+    ) -> Any:
+        kwargs.setdefault("pool", pool)
+        return impl.StandIn(
+            worker=worker if worker is not None else make_worker(),
+            worker_generation=generation,
+            model_id=model_id or f"model-{next(ids)}",
+            model_size=size,
+            load_device="cuda:0",
+            offload_device="cpu",
+            **kwargs,
+        )
+
+    return make
