@@ -18,6 +18,7 @@ typedef struct {
     /* Types (strong references, created from specs in the exec hooks). */
     PyTypeObject *ledger_type;
     PyTypeObject *books_type;
+    PyTypeObject *record_type;   /* ModelRecord */
     PyTypeObject *standin_type;
     PyTypeObject *module_type;   /* the inner StandInModule */
     PyTypeObject *sentinel_type; /* clone_base_uuid sentinels */
@@ -81,6 +82,16 @@ typedef struct cs_ledger cs_ledger;
 PyObject *cs_ledger_books_for(cs_module_state *state, PyObject *ledger,
                               PyObject *key, uint64_t generation);
 cs_worker *cs_books_worker(PyObject *books); /* borrowed */
+
+/* A model id: a non-empty str (TypeError / ValueError naming model_id). */
+int cs_check_model_id(PyObject *id);
+
+typedef struct cs_model cs_model;
+/* cs_worker_register_model with the errors raised: a size mismatch is a
+ * ValueError naming both sizes.  *out is a handle. */
+int cs_register_model(cs_worker *worker, uint64_t generation,
+                      PyObject *id_obj, const char *id, size_t id_len,
+                      uint64_t size, PyObject *size_obj, cs_model **out);
 
 int cs_state_traverse(cs_module_state *state, visitproc visit, void *arg);
 void cs_state_clear(cs_module_state *state);

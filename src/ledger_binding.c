@@ -205,7 +205,7 @@ books_set_reading(BooksObject *self, PyObject *arg)
     uint64_t used;
     int code = cs_value_check(arg, CS_VALUE_MAX, &used);
     if (code != 0) {
-        return cs_value_error(NULL, code, "reading", arg, CS_VALUE_MAX),
+        return cs_value_error(NULL, code, "used", arg, CS_VALUE_MAX),
                NULL;
     }
     cs_worker_set_reading(self->worker, used);
@@ -302,6 +302,240 @@ books_charge(BooksObject *self, PyObject *unused)
     return charge_to_dict(&charge);
 }
 
+
+/* ---- ModelRecord ----------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    cs_model *model; /* a handle (released on dealloc); immutable */
+    PyObject *books; /* strong; immutable */
+} RecordObject;
+
+static int
+record_traverse(RecordObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->books);
+    return 0;
+}
+
+static int
+record_clear(RecordObject *self)
+{
+    Py_CLEAR(self->books);
+    return 0;
+}
+
+static void
+record_dealloc(RecordObject *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    record_clear(self);
+    /* The last holder out takes the model off its worker's table. */
+    cs_model_release_handle(self->model);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+static PyObject *
+record_get_model_id(RecordObject *self, void *closure)
+{
+    size_t len;
+    const char *id = cs_model_id(self->model, &len);
+    return PyUnicode_DecodeUTF8(id, (Py_ssize_t)len, "surrogatepass");
+}
+
+static PyObject *
+record_get_size(RecordObject *self, void *closure)
+{
+    return PyLong_FromUnsignedLongLong(cs_model_size(self->model));
+}
+
+static PyObject *
+record_get_generation(RecordObject *self, void *closure)
+{
+    return PyLong_FromUnsignedLongLong(cs_model_generation(self->model));
+}
+
+static PyObject *
+record_get_stale(RecordObject *self, void *closure)
+{
+    return PyBool_FromLong(cs_model_stale(self->model));
+}
+
+static PyObject *
+record_get_loaded(RecordObject *self, void *closure)
+{
+    return PyLong_FromUnsignedLongLong(cs_model_loaded(self->model));
+}
+
+static PyObject *
+record_get_peak(RecordObject *self, void *closure)
+{
+    return PyLong_FromUnsignedLongLong(cs_model_admission_peak(self->model));
+}
+
+static PyObject *
+record_get_deferred(RecordObject *self, void *closure)
+{
+    return PyBool_FromLong(cs_model_eviction_deferred(self->model));
+}
+
+static PyObject *
+record_get_write_count(RecordObject *self, void *closure)
+{
+    return PyLong_FromUnsignedLongLong(cs_model_write_count(self->model));
+}
+
+static PyObject *
+record_read(RecordObject *self, PyObject *unused)
+{
+    cs_receipt r;
+    cs_model_read(self->model, &r);
+    PyObject *seq = r.seq == CS_SEQ_NONE
+                        ? Py_NewRef(Py_None)
+                        : PyLong_FromLongLong((long long)r.seq);
+    if (seq == NULL) {
+        return NULL;
+    }
+    return Py_BuildValue("(KNKs)", (unsigned long long)r.loaded, seq,
+                         (unsigned long long)r.time_ns,
+                         cs_source_name(r.source));
+}
+
+static PyObject *
+record_repr(RecordObject *self)
+{
+    cs_receipt r;
+    size_t len;
+    const char *id = cs_model_id(self->model, &len);
+    cs_model_read(self->model, &r);
+    return PyUnicode_FromFormat("<ModelRecord '%.200s' gen %llu: %llu/%llu "
+                                "bytes, %s>",
+                                id,
+                                (unsigned long long)cs_model_generation(
+                                    self->model),
+                                (unsigned long long)r.loaded,
+                                (unsigned long long)cs_model_size(self->model),
+                                cs_source_name(r.source));
+}
+
+static PyGetSetDef record_getset[] = {
+    {"model_id", (getter)record_get_model_id, NULL, NULL, NULL},
+    {"size", (getter)record_get_size, NULL, NULL, NULL},
+    {"generation", (getter)record_get_generation, NULL, NULL, NULL},
+    {"stale", (getter)record_get_stale, NULL,
+     "The model's generation is over, or its worker is gone.", NULL},
+    {"loaded", (getter)record_get_loaded, NULL, NULL, NULL},
+    {"peak", (getter)record_get_peak, NULL, "The admission peak.", NULL},
+    {"eviction_deferred", (getter)record_get_deferred, NULL, NULL, NULL},
+    {"write_count", (getter)record_get_write_count, NULL,
+     "Receipts written so far.", NULL},
+    {NULL},
+};
+
+static PyMethodDef record_methods[] = {
+    {"read", (PyCFunction)record_read, METH_NOARGS,
+     "read($self, /)\n--\n\n(loaded, seq or None, monotonic ns, source)."},
+    {NULL},
+};
+
+static PyType_Slot record_slots[] = {
+    {Py_tp_doc, "One worker model's receipt, shared by every holder of "
+                "that (worker, generation, id)."},
+    {Py_tp_traverse, record_traverse},
+    {Py_tp_clear, record_clear},
+    {Py_tp_dealloc, record_dealloc},
+    {Py_tp_getset, record_getset},
+    {Py_tp_methods, record_methods},
+    {Py_tp_repr, record_repr},
+    {0, NULL},
+};
+
+static PyType_Spec record_spec = {
+    .name = "comfy_standin._core.ModelRecord",
+    .basicsize = sizeof(RecordObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC |
+             Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = record_slots,
+};
+
+static PyObject *
+books_register(BooksObject *self, PyObject *args)
+{
+    cs_module_state *state = state_of((PyObject *)self);
+    PyObject *id_obj, *size_obj, *generation_obj;
+    uint64_t size, generation;
+    Py_ssize_t id_len;
+    const char *id;
+    cs_model *model = NULL;
+    int code;
+
+    if (!PyArg_ParseTuple(args, "OOO:register", &id_obj, &size_obj,
+                          &generation_obj)) {
+        return NULL;
+    }
+    if (cs_check_model_id(id_obj) < 0) {
+        return NULL;
+    }
+    code = cs_value_check(size_obj, CS_VALUE_MAX, &size);
+    if (code != 0) {
+        return cs_value_error(NULL, code, "size", size_obj, CS_VALUE_MAX),
+               NULL;
+    }
+    code = cs_value_check(generation_obj, CS_VALUE_MAX, &generation);
+    if (code != 0) {
+        return cs_value_error(NULL, code, "generation", generation_obj,
+                              CS_VALUE_MAX),
+               NULL;
+    }
+    id = PyUnicode_AsUTF8AndSize(id_obj, &id_len);
+    if (id == NULL) {
+        return NULL;
+    }
+    if (cs_register_model(self->worker, generation, id_obj, id,
+                          (size_t)id_len, size, size_obj, &model) < 0) {
+        return NULL;
+    }
+    RecordObject *record =
+        PyObject_GC_New(RecordObject, state->record_type);
+    if (record == NULL) {
+        cs_model_release_handle(model);
+        return NULL;
+    }
+    record->model = model;
+    record->books = Py_NewRef((PyObject *)self);
+    PyObject_GC_Track(record);
+    return (PyObject *)record;
+}
+
+static PyObject *
+books_find(BooksObject *self, PyObject *id_obj)
+{
+    Py_ssize_t id_len;
+    if (!PyUnicode_Check(id_obj)) {
+        Py_RETURN_NONE;
+    }
+    const char *id = PyUnicode_AsUTF8AndSize(id_obj, &id_len);
+    if (id == NULL) {
+        return NULL;
+    }
+    cs_model *model = cs_worker_find_model(self->worker, id, (size_t)id_len);
+    if (model == NULL) {
+        Py_RETURN_NONE;
+    }
+    /* A new handle on the same model: the record keeps it on the table
+     * while it lives, like any holder. */
+    PyObject *r = PyObject_CallMethod((PyObject *)self, "register", "OKK",
+                                      id_obj,
+                                      (unsigned long long)cs_model_size(model),
+                                      (unsigned long long)
+                                          cs_model_generation(model));
+    cs_model_decref(model);
+    return r;
+}
+
 static PyGetSetDef books_getset[] = {
     {"generation", (getter)books_get_generation, NULL,
      "The worker's current generation (bumped on restart).", NULL},
@@ -318,6 +552,12 @@ static PyGetSetDef books_getset[] = {
 };
 
 static PyMethodDef books_methods[] = {
+    {"register", (PyCFunction)books_register, METH_VARARGS,
+     "register($self, model_id, size, generation, /)\n--\n\nThe model's "
+     "record, shared by every holder of (worker, generation, id)."},
+    {"find", (PyCFunction)books_find, METH_O,
+     "find($self, model_id, /)\n--\n\nThe current generation's record of "
+     "model_id, or None."},
     {"bump", (PyCFunction)books_bump, METH_O,
      "bump($self, generation, /)\n--\n\nA restart: the old generation's "
      "models read 0 (\"worker gone\")."},
@@ -565,16 +805,20 @@ static PyObject *
 ledger_reserve(LedgerObject *self, PyObject *args, PyObject *kwargs)
 {
     static char *keywords[] = {"base", "total", "process_local", NULL};
-    PyObject *base_obj, *total_obj;
-    int process_local;
+    PyObject *base_obj, *total_obj, *local_obj;
     uint64_t base, total;
     int code;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOp:reserve", keywords,
-                                     &base_obj, &total_obj,
-                                     &process_local)) {
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO:reserve", keywords,
+                                     &base_obj, &total_obj, &local_obj)) {
         return NULL;
     }
+    if (!PyBool_Check(local_obj)) {
+        PyErr_Format(PyExc_TypeError,
+                     "process_local: expected a bool, got %R", local_obj);
+        return NULL;
+    }
+    int process_local = local_obj == Py_True;
     code = cs_value_check(base_obj, CS_VALUE_MAX, &base);
     if (code != 0) {
         return cs_value_error(NULL, code, "base", base_obj, CS_VALUE_MAX),
@@ -653,6 +897,12 @@ static PyType_Spec ledger_spec = {
 int
 cs_ledger_binding_exec(PyObject *module, cs_module_state *state)
 {
+    state->record_type = (PyTypeObject *)PyType_FromModuleAndSpec(
+        module, &record_spec, NULL);
+    if (state->record_type == NULL ||
+        PyModule_AddType(module, state->record_type) < 0) {
+        return -1;
+    }
     state->books_type = (PyTypeObject *)PyType_FromModuleAndSpec(
         module, &books_spec, NULL);
     if (state->books_type == NULL ||

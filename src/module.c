@@ -13,6 +13,7 @@ cs_state_traverse(cs_module_state *state, visitproc visit, void *arg)
 {
     Py_VISIT(state->ledger_type);
     Py_VISIT(state->books_type);
+    Py_VISIT(state->record_type);
     Py_VISIT(state->standin_type);
     Py_VISIT(state->module_type);
     Py_VISIT(state->sentinel_type);
@@ -27,6 +28,7 @@ cs_state_clear(cs_module_state *state)
 {
     Py_CLEAR(state->ledger_type);
     Py_CLEAR(state->books_type);
+    Py_CLEAR(state->record_type);
     Py_CLEAR(state->standin_type);
     Py_CLEAR(state->module_type);
     Py_CLEAR(state->sentinel_type);

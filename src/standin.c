@@ -392,9 +392,7 @@ standin_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
                               CS_VALUE_MAX),
                NULL;
     }
-    if (!PyUnicode_Check(model_id) || PyUnicode_GetLength(model_id) == 0) {
-        PyErr_Format(PyExc_TypeError,
-                     "model_id: expected a non-empty str, got %R", model_id);
+    if (cs_check_model_id(model_id) < 0) {
         return NULL;
     }
     id = PyUnicode_AsUTF8AndSize(model_id, &id_len);
@@ -429,25 +427,8 @@ standin_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     if (books == NULL) {
         goto error;
     }
-    switch (cs_worker_register_model(cs_books_worker(books), generation, id,
-                                     (size_t)id_len, size, &record)) {
-    case CS_OK:
-        break;
-    case CS_ERR_SIZE_MISMATCH: {
-        cs_model *existing =
-            cs_worker_find_model(cs_books_worker(books), id, (size_t)id_len);
-        PyErr_Format(PyExc_ValueError,
-                     "model_size: model %R of this worker is already "
-                     "registered with size %llu, got %R",
-                     model_id,
-                     existing ? (unsigned long long)cs_model_size(existing)
-                              : 0ull,
-                     size_obj);
-        cs_model_decref(existing);
-        goto error;
-    }
-    default:
-        PyErr_NoMemory();
+    if (cs_register_model(cs_books_worker(books), generation, model_id, id,
+                          (size_t)id_len, size, size_obj, &record) < 0) {
         goto error;
     }
 

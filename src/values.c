@@ -152,3 +152,46 @@ cs_decode_census_entry(PyObject *echo_error, PyObject *entry,
     }
     return 0;
 }
+
+int
+cs_check_model_id(PyObject *id)
+{
+    if (!PyUnicode_Check(id)) {
+        PyErr_Format(PyExc_TypeError, "model_id: expected a non-empty str, "
+                     "got %R", id);
+        return -1;
+    }
+    if (PyUnicode_GetLength(id) == 0) {
+        PyErr_Format(PyExc_ValueError, "model_id: expected a non-empty str, "
+                     "got %R", id);
+        return -1;
+    }
+    return 0;
+}
+
+int
+cs_register_model(cs_worker *worker, uint64_t generation, PyObject *id_obj,
+                  const char *id, size_t id_len, uint64_t size,
+                  PyObject *size_obj, cs_model **out)
+{
+    switch (cs_worker_register_model(worker, generation, id, id_len, size,
+                                     out)) {
+    case CS_OK:
+        return 0;
+    case CS_ERR_SIZE_MISMATCH: {
+        cs_model *existing = cs_worker_find_model(worker, id, id_len);
+        PyErr_Format(PyExc_ValueError,
+                     "model_size: model %R of this worker is registered "
+                     "with size %llu; cannot register it again with size %R",
+                     id_obj,
+                     existing ? (unsigned long long)cs_model_size(existing)
+                              : 0ull,
+                     size_obj);
+        cs_model_decref(existing);
+        return -1;
+    }
+    default:
+        PyErr_NoMemory();
+        return -1;
+    }
+}
