@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-import comfy.model_management as mm
+from mock_fixtures import mock_mm as mm
 
 __all__ = [
     "GARBAGE",

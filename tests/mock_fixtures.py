@@ -30,7 +30,14 @@ MOCK_ROOT = os.path.join(
 if MOCK_ROOT not in sys.path:
     sys.path.insert(0, MOCK_ROOT)
 
+import comfy.controlnet as mock_controlnet
 import comfy.model_management as _mm
+import comfy.multigpu as mock_multigpu
+
+#: the mock modules, for code that must not depend on import order
+mock_mm = _mm
+__all__ = ["impl", "mm", "mock_controlnet", "mock_mm", "mock_multigpu"]
+__all__ += ["pool", "sim"]
 
 IMPLEMENTATIONS = ("comfy_standin", "comfy_standin._reference")
 
