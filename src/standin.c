@@ -666,12 +666,16 @@ standin_add_patches(StandInObject *self, PyObject *args, PyObject *kwargs)
 /* ---- StandIn: talking to the worker ------------------------------------ */
 
 /* The byte count to ask for: `cap` unless `value` names a positive amount
- * below it (ComfyUI passes 1e32 for "everything"; 0 means the same). */
+ * below it, rounded up (ComfyUI passes 1e32 for "everything"; 0 means the same). */
 static uint64_t
 requested_bytes(PyObject *value, uint64_t cap)
 {
     double d;
     if (value == NULL || value == Py_None) {
+        return cap;
+    }
+    if (PyBool_Check(value) || PyUnicode_Check(value) ||
+        PyBytes_Check(value)) {
         return cap;
     }
     if (PyLong_Check(value)) {
@@ -694,8 +698,11 @@ requested_bytes(PyObject *value, uint64_t cap)
     if (!(d > 0.0) || isinf(d) || d >= (double)cap) {
         return cap; /* NaN fails d > 0 */
     }
-    uint64_t v = (uint64_t)d;
-    return v == 0 ? 1 : (v < cap ? v : cap);
+    /* Rounded up: ComfyUI keeps an entry only when freed >= the float it
+     * asked for (load_models_gpu's targets are floats), so the truncated
+     * figure would always fall short and escalate to a full detach. */
+    uint64_t v = (uint64_t)ceil(d);
+    return v < cap ? v : cap;
 }
 
 /* worker.is_alive(): 1, 0, or -1 with an exception. */
@@ -727,6 +734,26 @@ worker_is_alive_quiet(StandInObject *self)
         return 1;
     }
     return alive;
+}
+
+/* After a send raised: whether the worker still lives.  The send's
+ * exception is set aside while is_alive() runs (no Python call may run
+ * with an exception pending); it is dropped when the worker is dead and
+ * left pending when it lives, for the caller to read and clear. */
+static int
+send_failed_worker_alive(StandInObject *self)
+{
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    int alive = worker_is_alive_quiet(self);
+    if (!alive) {
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(traceback);
+        return 0;
+    }
+    PyErr_Restore(type, value, traceback);
+    return 1;
 }
 
 static PyObject *
@@ -1025,8 +1052,7 @@ unload_body(StandInObject *self, PyObject *memory_to_free)
                          want_obj, NULL, NULL);
     Py_DECREF(want_obj);
     if (reply == NULL) {
-        if (!worker_is_alive_quiet(self)) {
-            PyErr_Clear();
+        if (!send_failed_worker_alive(self)) {
             standin_worker_gone(self);
             return before;
         }
@@ -1138,8 +1164,7 @@ detach_body(StandInObject *self)
                          NULL);
     Py_DECREF(device_str);
     if (reply == NULL) {
-        if (!worker_is_alive_quiet(self)) {
-            PyErr_Clear();
+        if (!send_failed_worker_alive(self)) {
             standin_worker_gone(self);
             return;
         }
@@ -1278,6 +1303,20 @@ standin_get_parent(StandInObject *self, void *closure)
 }
 
 static PyObject *
+standin_get_peak(StandInObject *self, void *closure)
+{
+    return PyLong_FromUnsignedLongLong(cs_model_admission_peak(self->record));
+}
+
+static PyObject *
+standin_get_seq(StandInObject *self, void *closure)
+{
+    cs_receipt r;
+    cs_model_read(self->record, &r);
+    return PyLong_FromLongLong((long long)r.seq); /* -1: none, as comfy-env */
+}
+
+static PyObject *
 standin_repr(StandInObject *self)
 {
     return PyUnicode_FromFormat(
@@ -1319,6 +1358,21 @@ static PyGetSetDef standin_getset[] = {
      NULL},
     {"bad_replies", (getter)standin_get_bad_replies, NULL,
      "Malformed replies rejected so far.", NULL},
+    /* comfy-env's own code reads these off its stand-in (pool.py's
+     * held-bytes snapshot, state_sync.held_ceiling, the generation filter
+     * of the census apply); read-only views so it can run unchanged. */
+    {"_worker", (getter)standin_get_worker, NULL,
+     "comfy-env compatibility: worker.", NULL},
+    {"_worker_generation", (getter)standin_get_generation, NULL,
+     "comfy-env compatibility: worker_generation.", NULL},
+    {"_model_id", (getter)standin_get_model_id, NULL,
+     "comfy-env compatibility: model_id.", NULL},
+    {"_kind", (getter)standin_get_kind, NULL,
+     "comfy-env compatibility: kind.", NULL},
+    {"_residency_peak", (getter)standin_get_peak, NULL,
+     "comfy-env compatibility: the admission peak.", NULL},
+    {"_residency_seq", (getter)standin_get_seq, NULL,
+     "comfy-env compatibility: the receipt's seq (-1: none).", NULL},
     {NULL},
 };
 
@@ -1589,7 +1643,33 @@ done:
     return result;
 }
 
+static PyObject *
+raise_peak(PyObject *module, PyObject *args)
+{
+    PyObject *object, *bytes_obj;
+    uint64_t bytes;
+
+    if (!PyArg_ParseTuple(args, "OO:raise_peak", &object, &bytes_obj)) {
+        return NULL;
+    }
+    StandInObject *s = as_standin(module, object, "standin");
+    if (s == NULL) {
+        return NULL;
+    }
+    int code = cs_value_check(bytes_obj, CS_VALUE_MAX, &bytes);
+    if (code != 0) {
+        return cs_value_error(cs_state_of_module(module)->echo_error, code,
+                              "resident", bytes_obj, CS_VALUE_MAX),
+               NULL;
+    }
+    return PyBool_FromLong(cs_model_raise_peak(s->record, bytes) == CS_OK);
+}
+
 static PyMethodDef sync_functions[] = {
+    {"raise_peak", (PyCFunction)raise_peak, METH_VARARGS,
+     "raise_peak(standin, resident, /)\n--\n\nRaises the admission peak "
+     "only (never lowers, never writes the receipt): comfy-env's peak pass "
+     "for calls with no node boundary.  False when stale."},
     {"apply_echo", (PyCFunction)(void (*)(void))apply_echo,
      METH_VARARGS | METH_KEYWORDS,
      "apply_echo(standin, resident, seq=None, unmapped=False, "

@@ -8,11 +8,11 @@ importing them into a test module.
 - ``mm``: the mock ``comfy.model_management``, freshly reset (one 24 GiB
   card ``cuda:0``, Linux semantics), reset again afterwards;
 - ``sim``: its simulated machine (``mm.sim``);
-- ``impl``: the implementation under test, ``comfy_standin`` (C) or
-  ``comfy_standin._reference``; skipped only when that implementation has
-  not been built yet (no ``StandIn``);
 - ``pool``: a fresh ``impl.Pool`` (Linux: ``process_local=False``, floor 0)
-  so no test shares the default pool.
+  so no test shares the default pool.  Test modules that want this one
+  rather than conftest's import it (``from mock_fixtures import pool``).
+
+``impl`` comes from ``tests/conftest.py``.
 """
 
 from __future__ import annotations
@@ -36,11 +36,8 @@ import comfy.multigpu as mock_multigpu
 
 #: the mock modules, for code that must not depend on import order
 mock_mm = _mm
-__all__ = ["impl", "mm", "mock_controlnet", "mock_mm", "mock_multigpu"]
+__all__ = ["mm", "mock_controlnet", "mock_mm", "mock_multigpu"]
 __all__ += ["pool", "sim"]
-
-IMPLEMENTATIONS = ("comfy_standin", "comfy_standin._reference")
-
 
 @pytest.fixture
 def mm():
@@ -54,22 +51,6 @@ def mm():
 @pytest.fixture
 def sim(mm):
     return mm.sim
-
-
-def load_impl(name: str):
-    """Import an implementation; skip (with the reason) if not built."""
-    try:
-        module = importlib.import_module(name)
-    except ImportError as exc:
-        pytest.skip(f"{name} not importable yet: {exc}")
-    if not hasattr(module, "StandIn"):
-        pytest.skip(f"{name} has no StandIn yet")
-    return module
-
-
-@pytest.fixture(params=IMPLEMENTATIONS, ids=("c", "reference"))
-def impl(request):
-    return load_impl(request.param)
 
 
 @pytest.fixture

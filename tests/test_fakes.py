@@ -7,7 +7,6 @@ import math
 import fakes
 import pytest
 
-pytest_plugins = ["mock_fixtures"]
 
 MiB = 1024 * 1024
 

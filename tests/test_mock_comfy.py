@@ -13,7 +13,6 @@ import weakref
 
 import pytest
 
-pytest_plugins = ["mock_fixtures"]
 from mock_fixtures import mock_controlnet as controlnet
 from mock_fixtures import mock_mm as _mm
 from mock_fixtures import mock_multigpu as multigpu

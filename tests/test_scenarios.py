@@ -16,8 +16,8 @@ import pytest
 from mock_fixtures import mock_controlnet as controlnet
 from mock_fixtures import mock_mm as _mm
 from mock_fixtures import mock_multigpu as multigpu
+from mock_fixtures import pool  # noqa: F401  (Linux, floor 0)
 
-pytest_plugins = ["mock_fixtures"]
 
 MiB = _mm.MiB
 GiB = _mm.GiB
@@ -150,13 +150,6 @@ def test_partial_unload_that_frees_enough_keeps_the_entry(impl, pool, mm, sim):
     assert s.eviction_deferred is False
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="docs/semantics.md truncates a fractional memory_to_free "
-    "(int(x)), and upstream model_unload keeps the entry only when "
-    "freed >= memory_to_free (a float from load_models_gpu), so a worker "
-    "that frees exactly what it was asked is escalated to detach",
-)
 def test_partial_unload_of_a_fractional_target_keeps_the_entry(impl, pool, mm):
     w = fakes.FakeWorker("w")
     s = make_standin(impl, pool, w, "m", 4 * GiB, 4 * GiB)
