@@ -294,6 +294,12 @@ def get_torch_device() -> Device:
     return CUDA0
 
 
+def unet_offload_device() -> Device:
+    # ComfyUI keeps weights on the card only in HIGH_VRAM; the mock's
+    # default state offloads to the CPU, as a normal-VRAM host does.
+    return CPU
+
+
 def get_all_torch_devices(exclude_current=False) -> list[Device]:
     devices = [d for d in sim.cards if d.type != "cpu"]
     if exclude_current and get_torch_device() in devices:
