@@ -248,7 +248,8 @@ nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
 }
 #endif
 
-/* Both layouts through one routine: `stride` is the entry size. */
+/* Both layouts through one routine (layout 1 or 2). */
+#ifndef STUB_NO_PROCESSES
 static nvmlReturn_t
 get_processes(nvmlDevice_t device, unsigned int *count, void *infos,
               int layout)
@@ -294,7 +295,6 @@ get_processes(nvmlDevice_t device, unsigned int *count, void *infos,
     return SUCCESS;
 }
 
-#ifndef STUB_NO_PROCESSES
 #ifndef STUB_NO_PROCESSES_V3
 EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(
     nvmlDevice_t device, unsigned int *count, nvmlProcessInfo_v2_t *infos);

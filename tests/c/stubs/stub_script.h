@@ -207,7 +207,8 @@ stub_failure(const char *name)
     return 0;
 }
 
-static void
+/* Unused in the STUB_NO_UUID variant of the CUDA stub. */
+__attribute__((unused)) static void
 stub_uuid_bytes(int index, unsigned char bytes[16])
 {
     memset(bytes, 0, 16);

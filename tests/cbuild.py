@@ -1,0 +1,113 @@
+"""Compile C for the tests with the system compiler.
+
+Flags: always ``-std=c11 -Wall -Wextra -Werror`` (plus the warnings the
+meson build holds the core to), then whatever ``CS_TEST_CFLAGS`` holds (CI
+puts ``-fsanitize=address,undefined`` there).  ``CC`` picks the compiler
+(default ``cc``).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+STUBS = REPO / "tests" / "c" / "stubs"
+
+BASE_FLAGS = ["-std=c11", "-Wall", "-Wextra", "-Werror"]
+# What meson.build's core_args hold the core to (warning_level=3 adds
+# -Wpedantic).
+STRICT_FLAGS = [
+    "-Wpedantic",
+    "-Wshadow",
+    "-Wstrict-prototypes",
+    "-Wmissing-prototypes",
+    "-Wpointer-arith",
+    "-Wcast-align",
+    "-Wwrite-strings",
+    "-Wvla",
+]
+
+# The library names the probe looks for, and the sonames the stubs carry
+# so that dlopen(..., RTLD_NOLOAD) finds a preloaded stub by that name.
+SONAMES = {"cuda": "libcuda.so.1", "nvml": "libnvidia-ml.so.1"}
+
+
+def compiler() -> list[str]:
+    return shlex.split(os.environ.get("CC", "cc"))
+
+
+def extra_cflags(*, for_python: bool = False) -> list[str]:
+    """CS_TEST_CFLAGS, split.  A library loaded into the (uninstrumented)
+    Python interpreter cannot carry sanitizer instrumentation: its runtime
+    must come first in the process.  Those flags are dropped there; the C
+    unit test gets them all."""
+    flags = shlex.split(os.environ.get("CS_TEST_CFLAGS", ""))
+    if for_python:
+        flags = [f for f in flags if not f.startswith("-fsanitize")]
+    return flags
+
+
+def compile_c(
+    sources: list[Path | str],
+    output: Path,
+    *,
+    shared: bool = False,
+    strict: bool = True,
+    defines: tuple[str, ...] = (),
+    include_dirs: tuple[Path, ...] = (),
+    libraries: tuple[str, ...] = (),
+    soname: str | None = None,
+    for_python: bool = False,
+) -> Path:
+    """Compiles and links; raises with the compiler's output on failure."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    command = [*compiler(), *BASE_FLAGS]
+    if strict:
+        command += STRICT_FLAGS
+    command += [f"-D{d}" for d in defines]
+    command += [f"-I{d}" for d in include_dirs]
+    if shared:
+        command += ["-shared", "-fPIC", "-fvisibility=hidden"]
+        if soname:
+            command.append(f"-Wl,-soname,{soname}")
+    command += ["-pthread"]
+    command += extra_cflags(for_python=for_python)
+    command += [str(s) for s in sources]
+    command += ["-o", str(output)]
+    command += [f"-l{lib}" for lib in libraries]
+    completed = subprocess.run(
+        command, capture_output=True, text=True, check=False
+    )
+    if completed.returncode != 0:
+        raise RuntimeError(
+            f"compile failed ({completed.returncode}): "
+            f"{shlex.join(command)}\n{completed.stdout}{completed.stderr}"
+        )
+    return output
+
+
+def build_stub(
+    kind: str,
+    directory: Path,
+    defines: tuple[str, ...] = (),
+    *,
+    for_python: bool = True,
+) -> Path:
+    """Builds tests/c/stubs/stub_<kind>.c as <directory>/<soname>.
+
+    kind is "cuda" or "nvml"; defines select a variant (e.g.
+    STUB_NO_GET_PROC_ADDRESS).  Stubs are test fixtures, never installed.
+    """
+    soname = SONAMES[kind]
+    return compile_c(
+        [STUBS / f"stub_{kind}.c"],
+        directory / soname,
+        shared=True,
+        strict=False,  # the stubs mimic foreign ABIs, not house style
+        defines=defines,
+        soname=soname,
+        for_python=for_python,
+    )
