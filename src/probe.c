@@ -173,6 +173,9 @@ static struct {
     nvml_functions nvml;
     size_t device_count;
     bool devices_truncated;
+    /* The driver enumerated (even zero devices): the table is CUDA's and
+     * NVML only fills in; devices hidden from CUDA stay out. */
+    bool devices_from_cuda;
     device_static devices[CS_PROBE_MAX_DEVICES];
 } probe_state;
 
@@ -786,6 +789,7 @@ cuda_enumerate(void)
         }
     }
     probe_state.device_count = (size_t)count;
+    probe_state.devices_from_cuda = true;
 }
 
 /* Matches NVML devices to the CUDA table by UUID, or, when the driver
@@ -794,7 +798,7 @@ static void
 nvml_enumerate(void)
 {
     nvml_functions *nvml = &probe_state.nvml;
-    bool from_cuda = probe_state.device_count > 0;
+    bool from_cuda = probe_state.devices_from_cuda;
     unsigned int count = 0;
     cs_nvml_return result = nvml->device_get_count(&count);
 

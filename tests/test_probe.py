@@ -585,6 +585,22 @@ def test_devices_truncated(tmp_path, stubs):
     assert [d["index"] for d in result["devices"]] == list(range(16))
 
 
+def test_devices_hidden_from_cuda_are_not_listed(tmp_path, stubs):
+    # CUDA_VISIBLE_DEVICES="" in a worker: the driver sees no device, so
+    # neither does the probe, although NVML sees two.
+    out = run_probe(
+        tmp_path, TWO_DEVICES + "cuda_devices\n", cuda=stubs("cuda"),
+        nvml=stubs("nvml"),
+    )
+    assert out["result"]["devices"] == []
+    out = run_probe(
+        tmp_path, TWO_DEVICES + "cuda_devices 1\n", cuda=stubs("cuda"),
+        nvml=stubs("nvml"),
+    )
+    devices = out["result"]["devices"]
+    assert [(d["index"], d["nvml_index"]) for d in devices] == [(0, 1)]
+
+
 def test_no_devices(tmp_path, stubs):
     out = run_probe(tmp_path, "", cuda=stubs("cuda"), nvml=stubs("nvml"))
     result = out["result"]
