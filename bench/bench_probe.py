@@ -173,6 +173,20 @@ def main(argv=None) -> int:
         inside = sorted(_core.probe()["elapsed_ns"] for _ in range(1000))
         median_inside = inside[len(inside) // 2]
 
+    rows = [
+        "| call | calls/s | time per call | time / probe() time |",
+        "|---|---:|---:|---:|",
+    ]
+    for label, rate in (
+        ("`probe()`", probe_rate),
+        ("ctypes NVML path", ctypes_rate),
+        ("no-op Python call", noop_rate),
+    ):
+        rows.append(
+            f"| {label} | {rate:,.0f} | {1e6 / rate:.3f} us "
+            f"| {probe_rate / rate:.4g} |"
+        )
+    table = "\n".join(rows)
     command = "python bench/bench_probe.py" + (" --real" if arguments.real
                                                else "")
     section = textwrap.dedent(
@@ -183,11 +197,7 @@ def main(argv=None) -> int:
         {platform.python_version()}, {platform.machine()}
         ({libraries}).
 
-        | call | calls/s | time per call | time / probe() time |
-        |---|---:|---:|---:|
-        | `probe()` | {probe_rate:,.0f} | {1e6 / probe_rate:.2f} us | 1.00 |
-        | ctypes NVML path | {ctypes_rate:,.0f} | {1e6 / ctypes_rate:.2f} us | {probe_rate / ctypes_rate:.2f} |
-        | no-op Python call | {noop_rate:,.0f} | {1e6 / noop_rate:.3f} us | {probe_rate / noop_rate:.4f} |
+        TABLE
 
         Median time inside the C probe (`elapsed_ns`, GIL released):
         {median_inside / 1000:.2f} us; the rest of a `probe()` call is
@@ -196,7 +206,7 @@ def main(argv=None) -> int:
         pure-Python probe.  With stubs every library call is nearly free:
         on a GPU the driver's ioctls dominate both paths alike.
         """
-    )
+    ).replace("TABLE", table)
     print(section)
     if arguments.write:
         print(f"written to {write_results(section)}")
