@@ -123,12 +123,12 @@ def run_probe(
     out = ast.literal_eval(completed.stdout.strip().splitlines()[-1])
     results = out["results"]
     for later in results[1:]:
-        assert strip_elapsed(later) == strip_elapsed(results[0])
+        assert without_clock(later) == without_clock(results[0])
     out["result"] = results[-1]
     return out
 
 
-def strip_elapsed(result: dict) -> dict:
+def without_clock(result: dict) -> dict:
     return {k: v for k, v in result.items() if k != "elapsed_ns"}
 
 
@@ -178,8 +178,9 @@ def test_every_field_from_both_libraries(tmp_path, stubs):
         "preloaded": False,
     }
     assert result["devices_truncated"] is False
-    assert isinstance(result["elapsed_ns"], int)
-    assert result["elapsed_ns"] >= 0
+    # A duration field, checked for type only (speed lives in bench/).
+    clock = result["elapsed_ns"]
+    assert type(clock) is int and clock >= 0
     assert result["devices"] == [
         {
             "index": 0,
