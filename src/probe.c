@@ -981,7 +981,7 @@ read_processes(const device_static *source, cs_probe_device *device)
         if (grown == NULL) {
             message_set_first(device->error, sizeof(device->error),
                               "out of memory reading the process list");
-            goto error;
+            goto done;
         }
         heap_buffer = grown;
         buffer = heap_buffer;
@@ -990,7 +990,7 @@ read_processes(const device_static *source, cs_probe_device *device)
         nvml_describe(result, nvml->processes_symbol, message,
                       sizeof(message));
         message_set_first(device->error, sizeof(device->error), message);
-        goto error;
+        goto done;
     }
     if (count > capacity) {
         count = capacity; /* never trust a count beyond the buffer */
@@ -1018,7 +1018,7 @@ read_processes(const device_static *source, cs_probe_device *device)
                                   : (uint64_t)used;
     }
 
-error:
+done:
     free(heap_buffer);
 }
 
