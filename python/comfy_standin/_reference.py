@@ -447,6 +447,8 @@ class WorkerBooks:
         )
         new_held, new_pinned, new_overhead = figures
         with self._lock:
+            if not self._alive:
+                return  # a dead process's figures mean nothing (like gone)
             if new_held is not None:
                 if new_held < self._held:
                     self._released()
