@@ -713,6 +713,11 @@ cs_worker_set_report(cs_worker *worker, const uint64_t *held,
         return CS_ERR_RANGE;
     }
     cs_mutex_lock(&worker->lock);
+    if (!atomic_load_explicit(&worker->alive, memory_order_relaxed)) {
+        /* Nobody is left to be believed (a late frame of a dead worker). */
+        cs_mutex_unlock(&worker->lock);
+        return CS_OK;
+    }
     if (held != NULL) {
         uint64_t before =
             atomic_load_explicit(&worker->held, memory_order_relaxed);

@@ -264,6 +264,14 @@ static PyGetSetDef module_getset[] = {
     {NULL},
 };
 
+static PyObject *refuse_pickle(PyObject *self, PyObject *unused);
+
+static PyMethodDef module_methods[] = {
+    {"__reduce_ex__", refuse_pickle, METH_O,
+     "__reduce_ex__($self, protocol, /)\n--\n\nRaises TypeError."},
+    {NULL},
+};
+
 static PyMemberDef module_members[] = {
     {"__weaklistoffset__", T_PYSSIZET, offsetof(ModuleObject, weakreflist),
      READONLY},
@@ -288,6 +296,7 @@ static PyType_Slot module_slots[] = {
     {Py_tp_dealloc, module_dealloc},
     {Py_tp_getset, module_getset},
     {Py_tp_members, module_members},
+    {Py_tp_methods, module_methods},
     {Py_tp_getattro, contract_getattro},
     {Py_tp_repr, module_repr},
     {0, NULL},
@@ -651,6 +660,18 @@ standin_not_implemented(StandInObject *self, const char *what)
     return NULL;
 }
 
+/* Neither object can cross a process boundary or be duplicated: a copy
+ * would be a second stand-in for one worker model, outside the pool. */
+static PyObject *
+refuse_pickle(PyObject *self, PyObject *unused)
+{
+    PyErr_Format(PyExc_TypeError,
+                 "cannot pickle or copy %.100s object: it stands in for a "
+                 "model held by a worker process",
+                 _PyType_Name(Py_TYPE(self)));
+    return NULL;
+}
+
 static PyObject *
 standin_clone(StandInObject *self, PyObject *args, PyObject *kwargs)
 {
@@ -930,7 +951,7 @@ gone_error(StandInObject *self, int chain)
     cs_module_state *state = state_of((PyObject *)self);
     PyObject *message = PyUnicode_FromFormat(
         "the worker of model %R (generation %llu) died or restarted; the "
-        "model is no longer available. Reload the node that loaded it.",
+        "model is no longer available: reload the node that loaded it.",
         self->model_id, (unsigned long long)self->generation);
     if (message == NULL) {
         return NULL;
@@ -985,16 +1006,20 @@ standin_partially_load(StandInObject *self, PyObject *args, PyObject *kwargs)
                          "device", device_str);
     if (reply == NULL) {
         /* Loading is not eviction: failures propagate.  A transport that
-         * died is told apart so the caller gets the actionable error. */
+         * died is told apart so the caller gets the actionable error, with
+         * the transport's exception as its cause.  No Python runs while an
+         * exception is pending, so it is set aside meanwhile. */
         PyObject *type, *value, *traceback;
         PyErr_Fetch(&type, &value, &traceback);
         alive = worker_is_alive(self);
         if (alive < 0) {
             PyErr_Clear();
         }
-        PyErr_Restore(type, value, traceback);
         if (alive == 0) {
             standin_worker_gone(self);
+        }
+        PyErr_Restore(type, value, traceback);
+        if (alive == 0) {
             gone_error(self, 1);
         }
         goto done;
@@ -1383,6 +1408,8 @@ static PyMemberDef standin_members[] = {
 };
 
 static PyMethodDef standin_methods[] = {
+    {"__reduce_ex__", refuse_pickle, METH_O,
+     "__reduce_ex__($self, protocol, /)\n--\n\nRaises TypeError."},
     {"model_size", (PyCFunction)standin_model_size, METH_NOARGS,
      "model_size($self, /)\n--\n\nRegistered parameter+buffer bytes."},
     {"loaded_size", (PyCFunction)standin_loaded_size, METH_NOARGS,
@@ -1536,6 +1563,47 @@ typedef struct {
     int has_seq;
 } residency_entry;
 
+/* Every value of the map must be a C stand-in filed under its own id,
+ * whether or not this census names it: a wrong map is a caller's bug that
+ * would otherwise surface only on the census that happens to name it. */
+static int
+check_standins_map(cs_module_state *state, PyObject *standins)
+{
+    PyObject *items = PyMapping_Items(standins);
+    if (items == NULL) {
+        return -1;
+    }
+    int result = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items) && result == 0; i++) {
+        PyObject *pair = PyList_GET_ITEM(items, i);
+        PyObject *key = PyTuple_GET_ITEM(pair, 0);
+        PyObject *value = PyTuple_GET_ITEM(pair, 1);
+        if (!PyObject_TypeCheck(value, state->standin_type)) {
+            PyErr_Format(state->echo_error,
+                         "standins[%R]: expected a comfy_standin.StandIn (C "
+                         "implementation), got %R",
+                         key, value);
+            result = -1;
+            break;
+        }
+        int same = PyUnicode_Check(key)
+                       ? PyUnicode_Compare(((StandInObject *)value)->model_id,
+                                           key)
+                       : 1;
+        if (same == -1 && PyErr_Occurred()) {
+            result = -1;
+        }
+        else if (same != 0) {
+            PyErr_Format(state->echo_error,
+                         "standins[%R]: the stand-in is for model %R", key,
+                         ((StandInObject *)value)->model_id);
+            result = -1;
+        }
+    }
+    Py_DECREF(items);
+    return result;
+}
+
 static PyObject *
 apply_residency(PyObject *module, PyObject *args)
 {
@@ -1549,11 +1617,15 @@ apply_residency(PyObject *module, PyObject *args)
         return NULL;
     }
     if (!PyMapping_Check(standins) || PyList_Check(standins) ||
-        PyTuple_Check(standins) || PyUnicode_Check(standins)) {
-        PyErr_Format(state->echo_error,
+        PyTuple_Check(standins) || PyUnicode_Check(standins) ||
+        PyBytes_Check(standins)) {
+        PyErr_Format(PyExc_TypeError,
                      "standins: expected a mapping of model id to StandIn, "
                      "got %R",
                      standins);
+        return NULL;
+    }
+    if (check_standins_map(state, standins) < 0) {
         return NULL;
     }
     fast = cs_census_fast(state->echo_error, census);

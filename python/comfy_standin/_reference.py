@@ -461,6 +461,8 @@ class WorkerBooks:
     def set_reading(self, used: int) -> None:
         used = _host_bytes("used", used)
         with self._lock:
+            if used < self._reading:
+                self._released()  # a measured drop is a release receipt
             self._reading = used
 
     def apply_census(self, census: object) -> int:
