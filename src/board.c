@@ -116,6 +116,9 @@ static_assert(sizeof(((board_slot *)0)->key_text) == CS_BOARD_KEY_TEXT_SIZE,
 #define WRITE_YIELDS 10000
 
 #define OPEN_NAME_MAX 256
+/* How far ahead of the reader's clock a writer's stamp may legitimately
+ * be (it took its clock after the reader did). */
+#define CLOCK_SLACK_NS UINT64_C(1000000000)
 #define PERIOD_MIN_NS UINT64_C(1000000)
 #define PERIOD_MAX_NS UINT64_C(3600000000000)
 
@@ -1056,10 +1059,13 @@ board_check_owner(const cs_board *board, uint64_t now)
     }
     uint64_t beat = atomic_load_explicit(&head->heartbeat,
                                          memory_order_relaxed);
-    if (beat == 0 || beat > now) {
+    /* A beat written after the caller took `now` is legitimately a little
+     * ahead; one far in the future is garbage. */
+    if (beat == 0 || beat > now + CLOCK_SLACK_NS) {
         return CS_BOARD_STALE;
     }
-    if (board->heartbeat_limit != 0 && now - beat > board->heartbeat_limit) {
+    if (board->heartbeat_limit != 0 && beat < now &&
+        now - beat > board->heartbeat_limit) {
         return CS_BOARD_STALE;
     }
     return CS_BOARD_VALID;
