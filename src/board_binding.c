@@ -27,8 +27,8 @@ typedef struct {
 
 /* Raises the exception that says what `status` means for `what`. */
 static void
-board_raise(cs_board_status status, int os_error, const char *what,
-            const char *name)
+board_raise_role(cs_board_status status, int os_error, const char *what,
+                 const char *name, bool role_is_host)
 {
     const char *message = cs_board_status_message(status);
     switch (status) {
@@ -54,6 +54,12 @@ board_raise(cs_board_status status, int os_error, const char *what,
         PyErr_Format(PyExc_ValueError, "%s: board %s refused: %s", what,
                      name ? name : "?", message);
         return;
+    case CS_BOARD_ERR_ROLE:
+        PyErr_Format(PyExc_RuntimeError,
+                     "%s is a %s call; this is the %s side of board %s",
+                     what, role_is_host ? "worker" : "host",
+                     role_is_host ? "host" : "worker", name ? name : "?");
+        return;
     case CS_BOARD_ERR_UNSUPPORTED:
         PyErr_Format(PyExc_NotImplementedError, "%s: %s", what, message);
         return;
@@ -61,6 +67,22 @@ board_raise(cs_board_status status, int os_error, const char *what,
         PyErr_Format(PyExc_RuntimeError, "%s: %s", what, message);
         return;
     }
+}
+
+/* The same for a call on an existing board. */
+static void
+board_raise_on(cs_board *board, cs_board_status status, int os_error,
+               const char *what)
+{
+    board_raise_role(status, os_error, what, cs_board_name(board),
+                     cs_board_is_host(board));
+}
+
+static void
+board_raise(cs_board_status status, int os_error, const char *what,
+            const char *name)
+{
+    board_raise_role(status, os_error, what, name, false);
 }
 
 static cs_board *
@@ -309,8 +331,7 @@ Board_unlink(PyObject *op, PyObject *unused)
     int os_error = 0;
     cs_board_status status = cs_board_unlink(board, &os_error);
     if (status != CS_BOARD_OK) {
-        board_raise(status, os_error, "Board.unlink() (a host call)",
-                    cs_board_name(board));
+        board_raise_on(board, status, os_error, "Board.unlink()");
         return NULL;
     }
     Py_RETURN_NONE;
@@ -356,7 +377,7 @@ Board_assign(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     if (status != CS_BOARD_OK) {
-        board_raise(status, 0, what, cs_board_name(board));
+        board_raise_on(board, status, 0, what);
         return NULL;
     }
     return PyLong_FromUnsignedLong(slot);
@@ -373,7 +394,7 @@ Board_release(PyObject *op, PyObject *arg)
     }
     cs_board_status status = cs_board_release(board, slot);
     if (status != CS_BOARD_OK) {
-        board_raise(status, 0, what, cs_board_name(board));
+        board_raise_on(board, status, 0, what);
         return NULL;
     }
     Py_RETURN_NONE;
@@ -443,8 +464,7 @@ Board_publish(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
     }
     cs_board_status status = cs_board_publish(board, slot, loaded);
     if (status != CS_BOARD_OK) {
-        board_raise(status, 0, "Board.publish() (a worker call)",
-                    cs_board_name(board));
+        board_raise_on(board, status, 0, "Board.publish()");
         return NULL;
     }
     Py_RETURN_NONE;
@@ -459,8 +479,7 @@ Board_heartbeat(PyObject *op, PyObject *unused)
     }
     cs_board_status status = cs_board_heartbeat(board);
     if (status != CS_BOARD_OK) {
-        board_raise(status, 0, "Board.heartbeat() (a worker call)",
-                    cs_board_name(board));
+        board_raise_on(board, status, 0, "Board.heartbeat()");
         return NULL;
     }
     Py_RETURN_NONE;
@@ -479,8 +498,8 @@ board_read_args(cs_board *board, PyObject *const *args, Py_ssize_t nargs,
     }
     if (!cs_board_is_host(board)) {
         PyErr_Format(PyExc_RuntimeError,
-                     "%s: reads are a host call; this is the worker side",
-                     what);
+                     "%s is a host call; this is the worker side of board "
+                     "%s", what, cs_board_name(board));
         return -1;
     }
     if (board_slot_arg(board, args[0], what, slot) < 0) {
@@ -578,8 +597,7 @@ Board_add_sampler(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
      * samplers are native code (documented), so holding it is safe. */
     status = cs_board_add_sampler(board, slot, fn, context, &os_error);
     if (status != CS_BOARD_OK) {
-        board_raise(status, os_error, "Board.add_sampler() (a worker call)",
-                    cs_board_name(board));
+        board_raise_on(board, status, os_error, "Board.add_sampler()");
         return NULL;
     }
     Py_RETURN_NONE;
@@ -596,8 +614,7 @@ Board_remove_sampler(PyObject *op, PyObject *arg)
     }
     cs_board_status status = cs_board_remove_sampler(board, slot);
     if (status != CS_BOARD_OK) {
-        board_raise(status, 0, "Board.remove_sampler() (a worker call)",
-                    cs_board_name(board));
+        board_raise_on(board, status, 0, "Board.remove_sampler()");
         return NULL;
     }
     Py_RETURN_NONE;
