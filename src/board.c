@@ -175,6 +175,8 @@ cs_board_reading_name(cs_board_reading reading)
     return reading_names[reading];
 }
 
+#ifndef _WIN32
+
 /* FNV-1a, 64-bit; 0 is reserved for "unassigned". */
 static uint64_t
 board_key(const char *id, size_t id_len)
@@ -206,8 +208,6 @@ board_cpu_relax(void)
     __asm__ __volatile__("yield");
 #endif
 }
-
-#ifndef _WIN32
 
 /* ---- the handle ------------------------------------------------------ */
 
@@ -1347,6 +1347,205 @@ cs_board_read_slot(const cs_board *board, uint32_t slot, uint64_t size,
 {
     return cs_board_read_slot_status(board, slot, size, loaded,
                                      updated_ns) == CS_BOARD_VALID;
+}
+
+/* No handle can exist here (create and open fail), so the accessors below
+ * are never reached with one; they exist so the binding links. */
+
+const char *
+cs_board_name(const cs_board *board)
+{
+    (void)board;
+    return "";
+}
+
+bool
+cs_board_is_host(const cs_board *board)
+{
+    (void)board;
+    return false;
+}
+
+uint32_t
+cs_board_slot_count(const cs_board *board)
+{
+    (void)board;
+    return 0;
+}
+
+uint64_t
+cs_board_generation(const cs_board *board)
+{
+    (void)board;
+    return 0;
+}
+
+int64_t
+cs_board_owner_pid(const cs_board *board)
+{
+    (void)board;
+    return 0;
+}
+
+cs_board_status
+cs_board_find(const cs_board *board, const char *id, size_t id_len,
+              uint32_t *slot)
+{
+    (void)board;
+    (void)id;
+    (void)id_len;
+    (void)slot;
+    return CS_BOARD_ERR_UNSUPPORTED;
+}
+
+void *
+cs_board_memory(const cs_board *board, size_t *length)
+{
+    (void)board;
+    if (length != NULL) {
+        *length = 0;
+    }
+    return NULL;
+}
+
+cs_board_status
+cs_board_assign(cs_board *board, const char *id, size_t id_len,
+                uint64_t size, uint32_t *slot)
+{
+    (void)board;
+    (void)id;
+    (void)id_len;
+    (void)size;
+    (void)slot;
+    return CS_BOARD_ERR_UNSUPPORTED;
+}
+
+cs_board_status
+cs_board_release(cs_board *board, uint32_t slot)
+{
+    (void)board;
+    (void)slot;
+    return CS_BOARD_ERR_UNSUPPORTED;
+}
+
+uint64_t
+cs_board_assigned_size(const cs_board *board, uint32_t slot)
+{
+    (void)board;
+    (void)slot;
+    return 0;
+}
+
+cs_board_status
+cs_board_unlink(cs_board *board, int *os_error)
+{
+    (void)board;
+    *os_error = 0;
+    return CS_BOARD_ERR_UNSUPPORTED;
+}
+
+bool
+cs_board_linked(const cs_board *board)
+{
+    (void)board;
+    return false;
+}
+
+bool
+cs_board_attached(const cs_board *board)
+{
+    (void)board;
+    return false;
+}
+
+void
+cs_board_expect_owner(cs_board *board, int64_t pid)
+{
+    (void)board;
+    (void)pid;
+}
+
+int64_t
+cs_board_expected_owner(const cs_board *board)
+{
+    (void)board;
+    return 0;
+}
+
+uint64_t
+cs_board_heartbeat_limit(const cs_board *board)
+{
+    (void)board;
+    return 0;
+}
+
+cs_board_status
+cs_board_publish(cs_board *board, uint32_t slot, uint64_t loaded)
+{
+    (void)board;
+    (void)slot;
+    (void)loaded;
+    return CS_BOARD_ERR_UNSUPPORTED;
+}
+
+cs_board_status
+cs_board_publish_at(cs_board *board, uint32_t slot, uint64_t loaded,
+                    uint64_t updated_ns)
+{
+    (void)board;
+    (void)slot;
+    (void)loaded;
+    (void)updated_ns;
+    return CS_BOARD_ERR_UNSUPPORTED;
+}
+
+cs_board_status
+cs_board_heartbeat(cs_board *board)
+{
+    (void)board;
+    return CS_BOARD_ERR_UNSUPPORTED;
+}
+
+cs_board_status
+cs_board_add_sampler(cs_board *board, uint32_t slot, cs_board_sampler_fn fn,
+                     void *context, int *os_error)
+{
+    (void)board;
+    (void)slot;
+    (void)fn;
+    (void)context;
+    *os_error = 0;
+    return CS_BOARD_ERR_UNSUPPORTED;
+}
+
+cs_board_status
+cs_board_remove_sampler(cs_board *board, uint32_t slot)
+{
+    (void)board;
+    (void)slot;
+    return CS_BOARD_ERR_UNSUPPORTED;
+}
+
+cs_board_status
+cs_board_set_period(cs_board *board, uint64_t period_ns)
+{
+    (void)board;
+    (void)period_ns;
+    return CS_BOARD_ERR_UNSUPPORTED;
+}
+
+uint64_t
+cs_board_period(const cs_board *board)
+{
+    (void)board;
+    return 0;
+}
+
+uint64_t
+cs_board_sampler_passes(const cs_board *board)
+{
+    (void)board;
+    return 0;
 }
 
 #endif /* _WIN32 */
