@@ -64,6 +64,7 @@ def compile_c(
     libraries: tuple[str, ...] = (),
     soname: str | None = None,
     for_python: bool = False,
+    hidden: bool = True,
 ) -> Path:
     """Compiles and links; raises with the compiler's output on failure."""
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -74,7 +75,9 @@ def compile_c(
     command += [f"-I{d}" for d in (*include_dirs, INCLUDE, SRC)]
     command += ["-g", "-O1", "-fno-omit-frame-pointer"]
     if shared:
-        command += ["-shared", "-fPIC", "-fvisibility=hidden"]
+        command += ["-shared", "-fPIC"]
+        if hidden:  # the stubs mark their exports; test libraries do not
+            command.append("-fvisibility=hidden")
         if soname:
             command.append(f"-Wl,-soname,{soname}")
     command += ["-pthread"]
@@ -131,3 +134,19 @@ def run_c_test(binary: Path, timeout: float = 300) -> str:
     output = completed.stdout + completed.stderr
     assert completed.returncode == 0, f"{binary.name} failed:\n{output}"
     return output
+
+
+def build(sources, out, *, shared: bool = False, libs=()) -> Path:
+    """compile_c for the board tests: an executable, or a .so (loaded into
+    the interpreter, so without sanitizer instrumentation) if shared.
+    `libs` are linker arguments ("-lrt")."""
+    return compile_c(
+        list(sources),
+        Path(out),
+        shared=shared,
+        strict=False,
+        for_python=shared,
+        hidden=False,
+        libraries=tuple(lib[2:] if lib.startswith("-l") else lib
+                        for lib in libs),
+    )
