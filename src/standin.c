@@ -11,6 +11,7 @@
  */
 #include "binding.h"
 
+#include "board_binding.h"
 #include "comfy_standin/ledger.h"
 
 #include <math.h>
@@ -31,6 +32,8 @@ typedef struct {
     PyObject *offload_device; /* strong; immutable */
     PyObject *device_assigned;   /* strong or NULL; GIL */
     uint64_t device_assigned_at; /* receipt write count when assigned */
+    PyObject *board;             /* strong Board or NULL; GIL */
+    uint32_t board_slot;         /* GIL, with `board` */
     PyObject *weakreflist;
 } ModuleObject;
 
@@ -132,10 +135,48 @@ static PyType_Spec sentinel_spec = {
 
 /* ---- the inner module ------------------------------------------------- */
 
+/* What the host knows of the model's residency: the receipt, or the
+ * board's reading when one is attached, valid, and newer than the receipt
+ * (DESIGN.md 5).  Fills *out when given; its source is "board" when the
+ * board won.  Never blocks: the board read is wait-free with bounded
+ * retries, and an untrustworthy board (torn slot, dead or stale owner,
+ * rewritten header) falls back to the receipt. */
+static uint64_t
+module_read(ModuleObject *m, cs_receipt *out)
+{
+    cs_receipt local;
+    cs_board *board;
+    uint64_t loaded, updated_ns;
+
+    if (m->board == NULL && out == NULL) {
+        return cs_model_loaded(m->record); /* the hot path: one load */
+    }
+    if (out == NULL) {
+        out = &local;
+    }
+    cs_model_read(m->record, out);
+    if (m->board == NULL || cs_model_stale(m->record)) {
+        return out->loaded;
+    }
+    board = cs_board_from_object(m->board);
+    if (board == NULL) {
+        PyErr_Clear(); /* closed since: the receipt is all we have */
+        return out->loaded;
+    }
+    if (cs_board_read_slot(board, m->board_slot, cs_model_size(m->record),
+                           &loaded, &updated_ns) &&
+        updated_ns > out->time_ns) {
+        out->loaded = loaded;
+        out->time_ns = updated_ns;
+        out->source = CS_SOURCE_BOARD;
+    }
+    return out->loaded;
+}
+
 static uint64_t
 module_loaded(ModuleObject *m)
 {
-    return cs_model_loaded(m->record);
+    return module_read(m, NULL);
 }
 
 static PyObject *
@@ -157,6 +198,7 @@ module_traverse(ModuleObject *self, visitproc visit, void *arg)
     Py_VISIT(self->load_device);
     Py_VISIT(self->offload_device);
     Py_VISIT(self->device_assigned);
+    Py_VISIT(self->board);
     return 0;
 }
 
@@ -166,6 +208,7 @@ module_clear(ModuleObject *self)
     Py_CLEAR(self->load_device);
     Py_CLEAR(self->offload_device);
     Py_CLEAR(self->device_assigned);
+    Py_CLEAR(self->board);
     return 0;
 }
 
@@ -451,6 +494,8 @@ standin_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     module->offload_device = Py_NewRef(offload_device);
     module->device_assigned = NULL;
     module->device_assigned_at = 0;
+    module->board = NULL;
+    module->board_slot = 0;
     module->weakreflist = NULL;
     PyObject_GC_Track(module);
 
@@ -557,7 +602,8 @@ standin_module(StandInObject *self)
 static uint64_t
 standin_loaded(StandInObject *self)
 {
-    return cs_model_loaded(self->record);
+    ModuleObject *m = standin_module(self);
+    return m ? module_loaded(m) : cs_model_loaded(self->record);
 }
 
 static PyObject *
@@ -635,16 +681,23 @@ static PyObject *
 standin_receipt(StandInObject *self, PyObject *unused)
 {
     cs_receipt r;
-    cs_model_read(self->record, &r);
-    double age = (double)(cs_monotonic_ns() - r.time_ns) / 1e9;
+    ModuleObject *m = standin_module(self);
+    if (m != NULL) {
+        module_read(m, &r);
+    }
+    else {
+        cs_model_read(self->record, &r);
+    }
+    uint64_t now = cs_monotonic_ns();
+    double age = now > r.time_ns ? (double)(now - r.time_ns) / 1e9 : 0.0;
     PyObject *seq = r.seq == CS_SEQ_NONE
                         ? Py_NewRef(Py_None)
                         : PyLong_FromLongLong((long long)r.seq);
     if (seq == NULL) {
         return NULL;
     }
-    return Py_BuildValue("(KNds)", (unsigned long long)r.loaded, seq,
-                         age < 0 ? 0.0 : age, cs_source_name(r.source));
+    return Py_BuildValue("(KNds)", (unsigned long long)r.loaded, seq, age,
+                         cs_source_name(r.source));
 }
 
 static PyObject *
@@ -1239,6 +1292,109 @@ standin_detach(StandInObject *self, PyObject *args, PyObject *kwargs)
     return Py_NewRef(self->module);
 }
 
+/* ---- StandIn: the live residency board --------------------------------- */
+
+static PyObject *
+standin_attach_board(StandInObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *keywords[] = {"board", "slot", NULL};
+    PyObject *board_obj, *slot_obj = Py_None;
+    ModuleObject *m = standin_module(self);
+    cs_board *board;
+    uint32_t slot, found;
+    uint64_t value;
+    size_t id_len;
+    const char *id = cs_model_id(self->record, &id_len);
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|O:attach_board",
+                                     keywords, &board_obj, &slot_obj)) {
+        return NULL;
+    }
+    if (m == NULL) {
+        PyErr_SetString(PyExc_ValueError, "attach_board: stand-in cleared");
+        return NULL;
+    }
+    board = cs_board_from_object(board_obj);
+    if (board == NULL) {
+        return NULL;
+    }
+    if (!cs_board_is_host(board)) {
+        PyErr_Format(PyExc_ValueError,
+                     "attach_board: model %R needs the host's side of the "
+                     "board (Board.create), got a worker's handle",
+                     self->model_id);
+        return NULL;
+    }
+    if (slot_obj == Py_None) {
+        cs_board_status status =
+            cs_board_find(board, id, id_len, &slot) == CS_BOARD_OK
+                ? CS_BOARD_OK
+                : cs_board_assign(board, id, id_len, self->size, &slot);
+        if (status != CS_BOARD_OK) {
+            PyErr_Format(PyExc_ValueError,
+                         "attach_board: no slot for model %R: %s",
+                         self->model_id, cs_board_status_message(status));
+            return NULL;
+        }
+    }
+    else {
+        int code = cs_value_check(slot_obj, UINT32_MAX, &value);
+        if (code != 0) {
+            return cs_value_error(NULL, code, "slot", slot_obj, UINT32_MAX),
+                   NULL;
+        }
+        slot = (uint32_t)value;
+        if (cs_board_find(board, id, id_len, &found) != CS_BOARD_OK ||
+            found != slot) {
+            PyErr_Format(PyExc_ValueError,
+                         "attach_board: slot %R of the board does not carry "
+                         "model %R",
+                         slot_obj, self->model_id);
+            return NULL;
+        }
+    }
+    if (cs_board_assigned_size(board, slot) != self->size) {
+        PyErr_Format(PyExc_ValueError,
+                     "attach_board: slot %lu is assigned %llu bytes, model "
+                     "%R has %llu",
+                     (unsigned long)slot,
+                     (unsigned long long)cs_board_assigned_size(board, slot),
+                     self->model_id, (unsigned long long)self->size);
+        return NULL;
+    }
+    uint64_t loaded, stamp;
+    if (cs_board_read_slot_status(board, slot, self->size, &loaded,
+                                  &stamp) == CS_BOARD_BAD_HEADER) {
+        PyErr_Format(PyExc_ValueError,
+                     "attach_board: the board's header is not a comfy_standin "
+                     "board of this layout (magic, version or size wrong)");
+        return NULL;
+    }
+    Py_XSETREF(m->board, Py_NewRef(board_obj));
+    m->board_slot = slot;
+    return PyLong_FromUnsignedLong(slot);
+}
+
+static PyObject *
+standin_detach_board(StandInObject *self, PyObject *unused)
+{
+    ModuleObject *m = standin_module(self);
+    if (m != NULL) {
+        Py_CLEAR(m->board);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+standin_get_board(StandInObject *self, void *closure)
+{
+    ModuleObject *m = standin_module(self);
+    if (m == NULL || m->board == NULL) {
+        Py_RETURN_NONE;
+    }
+    return Py_BuildValue("(Ok)", m->board, (unsigned long)m->board_slot);
+}
+
 /* ---- StandIn: attributes ----------------------------------------------- */
 
 static PyObject *
@@ -1383,6 +1539,8 @@ static PyGetSetDef standin_getset[] = {
      NULL},
     {"bad_replies", (getter)standin_get_bad_replies, NULL,
      "Malformed replies rejected so far.", NULL},
+    {"board", (getter)standin_get_board, NULL,
+     "(board, slot) when a residency board is attached, else None.", NULL},
     /* comfy-env's own code reads these off its stand-in (pool.py's
      * held-bytes snapshot, state_sync.held_ceiling, the generation filter
      * of the census apply); read-only views so it can run unchanged. */
@@ -1434,6 +1592,14 @@ static PyMethodDef standin_methods[] = {
      METH_NOARGS, "get_nested_additional_models($self, /)\n--\n\n[]"},
     {"lowvram_patch_counter", (PyCFunction)standin_zero, METH_NOARGS,
      "lowvram_patch_counter($self, /)\n--\n\n0"},
+    {"attach_board", (PyCFunction)(void (*)(void))standin_attach_board,
+     METH_VARARGS | METH_KEYWORDS,
+     "attach_board($self, /, board, slot=None)\n--\n\nReads residency "
+     "from a live board (host side): loaded_size() then returns the "
+     "board's reading when valid and newer than the receipt.  slot None "
+     "finds or assigns the model's slot.  Returns the slot."},
+    {"detach_board", (PyCFunction)standin_detach_board, METH_NOARGS,
+     "detach_board($self, /)\n--\n\nBack to receipts only."},
     {"receipt", (PyCFunction)standin_receipt, METH_NOARGS,
      "receipt($self, /)\n--\n\n(loaded, seq or None, age in seconds, "
      "source)."},

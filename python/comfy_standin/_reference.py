@@ -765,6 +765,7 @@ class StandInModule:
     __slots__ = (
         "__weakref__",
         "_assigned",
+        "_board",
         "_load_device",
         "_offload_device",
         "_record",
@@ -778,6 +779,28 @@ class StandInModule:
         self._offload_device = offload_device
         # (device, receipt write count when assigned) or None.
         self._assigned: tuple[Any, int] | None = None
+        # (Board, slot) when a live residency board is attached.
+        self._board: tuple[Any, int] | None = None
+
+    def _read(self) -> tuple[int, int | None, int, str]:
+        """The receipt, or the board's reading when one is attached, valid
+        and newer than the receipt (source "board")."""
+        receipt = self._record.read()
+        board = self._board
+        if board is None or self._record.stale:
+            return receipt
+        try:
+            reading = board[0].read(board[1], self._record.size)
+        except (ValueError, OSError):  # closed since: receipts only
+            return receipt
+        if reading is None or reading[1] <= receipt[2]:
+            return receipt
+        return reading[0], receipt[1], reading[1], "board"
+
+    def _loaded(self) -> int:
+        if self._board is None:
+            return self._record.loaded
+        return self._read()[0]
 
     def __repr__(self) -> str:
         return (
@@ -799,7 +822,7 @@ class StandInModule:
         record = self._record
         if assigned is not None and assigned[1] == record._writes:
             return assigned[0]
-        return self._load_device if record.loaded > 0 else self._offload_device
+        return self._load_device if self._loaded() > 0 else self._offload_device
 
     @device.setter
     def device(self, value: Any) -> None:
@@ -807,7 +830,7 @@ class StandInModule:
 
     @property
     def model_loaded_weight_memory(self) -> int:
-        return self._record.loaded
+        return self._loaded()
 
     @model_loaded_weight_memory.setter
     def model_loaded_weight_memory(self, value: int) -> None:
@@ -942,7 +965,7 @@ class StandIn:
         return self._record.size
 
     def loaded_size(self) -> int:
-        return self._record.loaded
+        return self._model._loaded()
 
     def current_loaded_device(self) -> Any:
         return self._model.device
@@ -1027,9 +1050,69 @@ class StandIn:
 
     def receipt(self) -> tuple[int, int | None, float, str]:
         """(loaded bytes, worker seq or None, age in seconds, source)."""
-        loaded, seq, written, source = self._record.read()
+        loaded, seq, written, source = self._model._read()
         age = max(0, time.monotonic_ns() - written) / 1e9
         return loaded, seq, age, source
+
+    # ---- the live residency board ----------------------------------------
+
+    @property
+    def board(self) -> tuple[Any, int] | None:
+        """(board, slot) when a residency board is attached, else None."""
+        return self._model._board
+
+    def attach_board(self, board: Any, slot: int | None = None) -> int:
+        """Reads residency from a live board (host side): loaded_size()
+        then returns the board's reading when valid and newer than the
+        receipt.  `slot` None finds or assigns the model's slot."""
+        from . import _core  # the Board type is C: shared memory
+
+        model_id, size = self._record.model_id, self._record.size
+        if not isinstance(board, _core.Board):
+            raise TypeError(
+                f"attach_board: expected a comfy_standin Board, got {board!r}"
+            )
+        if not board.is_host:
+            raise ValueError(
+                f"attach_board: model {model_id!r} needs the host's side of "
+                f"the board (Board.create), got a worker's handle"
+            )
+        if slot is None:
+            slot = board.find(model_id)
+            if slot is None:
+                try:
+                    slot = board.assign(model_id, size)
+                except (ValueError, RuntimeError) as exc:
+                    raise ValueError(
+                        f"attach_board: no slot for model {model_id!r}: {exc}"
+                    ) from exc
+        else:
+            if not _is_int(slot) or not 0 <= slot <= 2**32 - 1:
+                raise (ValueError if _is_int(slot) else TypeError)(
+                    f"slot: expected an int in [0, {2**32 - 1}], got {slot!r}"
+                )
+            if board.find(model_id) != slot:
+                raise ValueError(
+                    f"attach_board: slot {slot!r} of the board does not carry "
+                    f"model {model_id!r}"
+                )
+        assigned = board.assigned_size(slot)
+        if assigned != size:
+            raise ValueError(
+                f"attach_board: slot {slot} is assigned {assigned} bytes, "
+                f"model {model_id!r} has {size}"
+            )
+        if board.status(slot, size) == "bad header":
+            raise ValueError(
+                "attach_board: the board's header is not a comfy_standin "
+                "board of this layout (magic, version or size wrong)"
+            )
+        self._model._board = (board, slot)
+        return slot
+
+    def detach_board(self) -> None:
+        """Back to receipts only."""
+        self._model._board = None
 
     # ---- commands --------------------------------------------------------
 
@@ -1114,7 +1197,7 @@ class StandIn:
         if size == 0:
             return 0
         want = _request(extra_memory, size)
-        before = record.loaded
+        before = self._model._loaded()
         command = "model_partial_load"
         try:
             reply = self._worker.send_command(
@@ -1155,7 +1238,7 @@ class StandIn:
 
     def _partially_unload(self, memory_to_free: object) -> int:
         record = self._record
-        before = record.loaded
+        before = self._model._loaded()
         if before == 0:
             return 0
         want = _request(memory_to_free, before)
@@ -1201,7 +1284,7 @@ class StandIn:
 
     def _detach(self) -> None:
         record = self._record
-        if record.stale or record.loaded == 0:
+        if record.stale or self._model._loaded() == 0:
             return
         if not self._is_alive():
             self._gone_path()

@@ -1,0 +1,245 @@
+"""A stand-in reading a live residency board (DESIGN.md 5; issue 5.3).
+
+Both implementations, against real shared memory and a real worker
+process (tests/board_worker.py) that publishes without sending a message.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from comfy_standin import _core
+from test_board import Worker, map_raw, name_exists, wait_until
+
+Board = _core.Board
+GIB = 1 << 30
+
+
+class QuietWorker:
+    """A comfy-env worker that is alive and never asked anything here."""
+
+    def send_command(self, command, **kwargs):
+        raise AssertionError(f"no command expected, got {command}")
+
+    def is_alive(self):
+        return True
+
+
+@pytest.fixture
+def host_board():
+    made = []
+
+    def make(slots=4, **kwargs):
+        board = Board.create(slots, **kwargs)
+        made.append((board, board.name))
+        return board
+
+    yield make
+    for board, name in made:
+        board.close()
+        assert not name_exists(name)
+
+
+@pytest.fixture
+def spawn():
+    workers = []
+
+    def start(name):
+        w = Worker(name)
+        workers.append(w)
+        return w
+
+    yield start
+    for w in workers:
+        w.close()
+
+
+def make(impl, pool, size=8 * GIB, model_id="unet-0"):
+    return impl.StandIn(QuietWorker(), 1, model_id, size, "cuda:0", "cpu",
+                        pool=pool)
+
+
+def test_reads_a_real_worker_mid_call_with_no_message(
+    impl, pool, host_board, spawn
+):
+    board = host_board(2)
+    s = make(impl, pool)
+    slot = s.attach_board(board)
+    assert s.board == (board, slot)
+    assert board.find("unet-0") == slot
+    impl.apply_echo(s, 1 * GIB, seq=1)
+    w = spawn(board.name)
+    board.expected_owner = w.pid
+    board.unlink()  # the worker has it open: the name may go
+
+    steps = [2 * GIB, 5 * GIB, 3 * GIB]
+    w.send(f"page {slot} " + " ".join(map(str, steps)))
+    for i, value in enumerate(steps):
+        wait_until(lambda v=value: s.loaded_size() == v, f"{value} bytes")
+        loaded, seq, age, source = s.receipt()
+        assert (loaded, seq, source) == (value, 1, "board")
+        assert s.current_loaded_device() == "cuda:0"
+        assert s.model.model_loaded_weight_memory == value
+        if i + 1 < len(steps):
+            assert not w.pending()  # mid-call: the worker said nothing
+            w.send("go")
+    assert w.reply() == f"done {steps[-1]}"
+
+    # A newer receipt (a command reply) beats an older reading.
+    impl.apply_echo(s, 4 * GIB, seq=2)
+    assert s.loaded_size() == 4 * GIB
+    assert s.receipt()[3] == "load echo"
+    # ... until the worker publishes again.
+    assert w.ask(f"publish {slot} {6 * GIB}") == "ok"
+    assert s.loaded_size() == 6 * GIB
+
+    # The worker is killed: its board is ignored, the receipt answers.
+    w.kill()
+    assert s.loaded_size() == 4 * GIB
+    assert s.receipt()[3] == "load echo"
+
+
+def test_board_values_clamp_and_zero_flips_the_device(impl, pool, host_board):
+    board = host_board(1)
+    s = make(impl, pool, size=1000)
+    slot = s.attach_board(board)
+    worker_side = Board.open(board.name)
+    try:
+        impl.apply_echo(s, 500, seq=1)
+        worker_side.publish(slot, 0)
+        assert s.loaded_size() == 0
+        assert s.current_loaded_device() == "cpu"
+        # the board is untrusted: a value beyond the size clamps
+        mem = map_raw(board.name)
+        base = _core.BOARD_HEADER_SIZE + slot * _core.BOARD_SLOT_SIZE
+        mem[base + 48:base + 56] = (2**63).to_bytes(8, "little")
+        mem[base + 56:base + 64] = time.monotonic_ns().to_bytes(8, "little")
+        assert s.loaded_size() == 1000
+        mem.close()
+    finally:
+        worker_side.close()
+
+
+def test_closed_or_detached_board_falls_back_to_the_receipt(
+    impl, pool, host_board
+):
+    board = host_board(1)
+    s = make(impl, pool, size=1000)
+    slot = s.attach_board(board)
+    worker_side = Board.open(board.name)
+    impl.apply_echo(s, 100, seq=1)
+    worker_side.publish(slot, 900)
+    assert s.loaded_size() == 900
+    s.detach_board()
+    assert s.board is None and s.loaded_size() == 100
+    s.attach_board(board, slot)
+    assert s.loaded_size() == 900
+    worker_side.close()  # detached from the board: ignored
+    assert s.loaded_size() == 100
+    board.close()
+    assert s.loaded_size() == 100
+    assert s.receipt()[3] == "load echo"
+
+
+def test_stale_standin_ignores_the_board(impl, pool, host_board):
+    board = host_board(1)
+    s = make(impl, pool, size=1000)
+    slot = s.attach_board(board)
+    worker_side = Board.open(board.name)
+    try:
+        worker_side.publish(slot, 700)
+        assert s.loaded_size() == 700
+        pool.worker_gone(s.worker)
+        assert s.loaded_size() == 0
+        assert s.receipt()[3] == "worker gone"
+    finally:
+        worker_side.close()
+
+
+def test_attach_refuses_what_does_not_fit(impl, pool, host_board):
+    board = host_board(2)
+    s = make(impl, pool, size=1000)
+    other = board.assign("someone-else", 1000)
+    with pytest.raises(ValueError, match="does not carry"):
+        s.attach_board(board, other)
+    mine = board.assign("unet-0", 1000)
+    with pytest.raises(TypeError):
+        s.attach_board(object())
+    with pytest.raises((TypeError, ValueError), match="slot"):
+        s.attach_board(board, -1)
+    worker_side = Board.open(board.name)
+    try:
+        with pytest.raises(ValueError, match="host"):
+            s.attach_board(worker_side)
+    finally:
+        worker_side.close()
+    assert s.board is None
+    assert s.attach_board(board, mine) == mine
+    # another size under the same id: the board refuses at attach
+    t = impl.StandIn(QuietWorker(), 1, "unet-0", 999, "cuda:0", "cpu",
+                     pool=impl.Pool())
+    with pytest.raises(ValueError, match="1000|999"):
+        t.attach_board(board)
+    assert t.board is None
+
+
+def test_rewritten_header_is_refused_at_attach(impl, pool, host_board):
+    board = host_board(1)
+    s = make(impl, pool, size=1000)
+    mem = map_raw(board.name)
+    mem[0:8] = b"NOTABORD"
+    try:
+        with pytest.raises(ValueError, match="header"):
+            s.attach_board(board)
+        assert s.board is None
+    finally:
+        mem.close()
+
+
+SIZE = 10_000
+
+
+@pytest.fixture(scope="module")
+def scribbled():
+    board = Board.create(2, heartbeat_limit=None)
+    worker_side = Board.open(board.name)
+    mem = map_raw(board.name)
+    yield board, worker_side, mem
+    mem.close()
+    worker_side.close()
+    board.close()
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1), receipt=st.integers(0, SIZE))
+def test_random_bytes_never_escape_the_size(impl, scribbled, seed, receipt):
+    board, worker_side, mem = scribbled
+    pool = impl.Pool(floor=0)
+    s = impl.StandIn(QuietWorker(), 1, f"m-{seed % 2}", SIZE, "cuda:0",
+                     "cpu", pool=pool)
+    slot = s.attach_board(board)
+    impl.apply_echo(s, receipt, seq=1)
+    rng = random.Random(seed)
+    pristine = bytes(mem)
+    try:
+        for _ in range(8):
+            off = rng.randrange(len(mem))
+            data = rng.randbytes(rng.randint(1, 16))[: len(mem) - off]
+            mem[off:off + len(data)] = data
+            loaded = s.loaded_size()
+            assert 0 <= loaded <= SIZE
+            assert s.receipt()[3] in ("board", "load echo", "unload echo")
+            assert s.current_loaded_device() in ("cuda:0", "cpu")
+    finally:
+        mem[:] = pristine
+    s.detach_board()
+    assert s.loaded_size() == receipt
+    assert slot in (0, 1)
+    assert os.getpid() > 0
