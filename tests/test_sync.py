@@ -538,3 +538,38 @@ def test_report_on_a_gone_worker_applies_nothing(impl, pool, trio):
     )
     assert receipt(trio["m0"]) == (0, 10, "worker gone")
     assert pool.worker_charges()[w] == 0
+
+
+# ---- raise_peak (comfy-env's peak-only pass) --------------------------------
+
+
+def test_raise_peak_only_raises(impl, pool, make_standin):
+    s = make_standin(size=1000)
+    impl.apply_echo(s, 200, seq=1)
+    writes = s.receipt()
+    assert impl.raise_peak(s, 700) is True
+    assert s._residency_peak == 700
+    assert impl.raise_peak(s, 100) is True
+    assert s._residency_peak == 700
+    assert impl.raise_peak(s, 10**6) is True
+    assert s._residency_peak == 1000  # clamped to the size
+    assert s.receipt()[:2] == writes[:2]  # the receipt is untouched
+    with pytest.raises(impl.EchoError, match="resident"):
+        impl.raise_peak(s, -1)
+    with pytest.raises(TypeError):
+        impl.raise_peak(object(), 1)
+    pool.worker_gone(s.worker)
+    assert impl.raise_peak(s, 5) is False
+    assert s._residency_peak == 0
+
+
+def test_compat_views_follow_the_ledger(impl, make_standin):
+    s = make_standin(size=1000, generation=3)
+    assert (s._residency_seq, s._residency_peak) == (-1, 0)
+    assert s._worker_generation == 3 and s._model_id == s.model_id
+    assert s._worker is s.worker and s._kind == s.kind
+    impl.apply_echo(s, 400, seq=9, in_flight=True)
+    assert (s._residency_seq, s._residency_peak) == (9, 400)
+    for name in ("_residency_peak", "_residency_seq", "_model_id"):
+        with pytest.raises(AttributeError):
+            setattr(s, name, 1)

@@ -14,6 +14,7 @@ import threading
 from . import _core
 from . import pool as _pool
 from ._core import (
+    Board,
     CloneBaseSentinel,
     EchoError,
     Ledger,
@@ -24,12 +25,14 @@ from ._core import (
     apply_echo,
     apply_residency,
     probe,
+    raise_peak,
 )
 from ._register import register
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Board",
     "CloneBaseSentinel",
     "EchoError",
     "Ledger",
@@ -42,6 +45,7 @@ __all__ = [
     "apply_residency",
     "default_pool",
     "probe",
+    "raise_peak",
     "register",
 ]
 

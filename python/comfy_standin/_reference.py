@@ -37,6 +37,7 @@ __all__ = [
     "apply_echo",
     "apply_residency",
     "default_pool",
+    "raise_peak",
     "register",
 ]
 
@@ -683,6 +684,24 @@ def apply_echo(
     return record.echo(resident, seq, None, bool(unmapped), bool(in_flight))
 
 
+def raise_peak(standin: StandIn, resident: object) -> bool:
+    """Raises the admission peak only (never lowers, never writes the
+    receipt): comfy-env's peak pass for calls with no node boundary.
+    False when stale."""
+    if not isinstance(standin, StandIn):
+        raise TypeError(
+            f"standin: expected a comfy_standin._reference.StandIn, "
+            f"got {standin!r}"
+        )
+    value = _echo_bytes("resident", resident)
+    record = standin._record
+    with record.books._lock:
+        if record.stale:
+            return False
+        record._peak = max(record._peak, min(value, record.size))
+        return True
+
+
 def apply_residency(standins: Mapping[str, StandIn], census: object) -> int:
     """Apply a node-boundary census to stand-ins; returns entries applied.
 
@@ -1053,6 +1072,25 @@ class StandIn:
         loaded, seq, written, source = self._model._read()
         age = max(0, time.monotonic_ns() - written) / 1e9
         return loaded, seq, age, source
+
+    # ---- comfy-env compatibility (read-only views of the ledger) ----------
+
+    @property
+    def _worker_generation(self) -> int:
+        return self._generation
+
+    @property
+    def _model_id(self) -> str:
+        return self._record.model_id
+
+    @property
+    def _residency_peak(self) -> int:
+        return self._record.peak
+
+    @property
+    def _residency_seq(self) -> int:
+        seq = self._record.read()[1]
+        return -1 if seq is None else seq
 
     # ---- the live residency board ----------------------------------------
 

@@ -170,7 +170,7 @@ def _wrap_apply_peak_raise(original: Any) -> Any:
             try:
                 p = (patchers or {}).get(entry.get("id"))
                 if _is_ours(p):
-                    cs._core.raise_peak(p, int(entry.get("resident", 0)))
+                    cs.raise_peak(p, max(0, int(entry.get("resident", 0))))
             except Exception:
                 continue  # comfy-env's contract: never raises
 

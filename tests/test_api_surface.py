@@ -1,0 +1,75 @@
+"""The typed surface (python/comfy_standin/__init__.pyi) is what both
+implementations have: every name the stub declares exists at run time."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+import comfy_standin
+
+STUB = Path(comfy_standin.__file__).with_name("__init__.pyi")
+
+
+def declared() -> dict[str, set[str]]:
+    tree = ast.parse(STUB.read_text())
+    names: dict[str, set[str]] = {"": set()}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            members = names.setdefault(node.name, set())
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    members.add(item.name)
+                elif isinstance(item, ast.AnnAssign):
+                    members.add(item.target.id)
+        elif isinstance(node, ast.FunctionDef):
+            names[""].add(node.name)
+    return names
+
+
+SURFACE = declared()
+SHARED = ["StandIn", "StandInModule", "Pool", "EchoError", "WorkerGoneError"]
+
+
+def test_stub_is_parsed():
+    assert {"StandIn", "Pool", "Board", "StandInModule"} <= set(SURFACE)
+    assert {"apply_echo", "apply_residency", "register", "default_pool",
+            "probe"} <= SURFACE[""]
+
+
+@pytest.mark.parametrize("cls", SHARED)
+def test_every_declared_member_exists(impl, cls):
+    runtime = getattr(impl, cls)
+    missing = [
+        name for name in sorted(SURFACE.get(cls, ()))
+        if name != "__init__" and not hasattr(runtime, name)
+        # instance attributes assigned in __init__ (Pool.on_pressure)
+        and name not in {"on_pressure", "device",
+                         "model_loaded_weight_memory"}
+    ]
+    assert missing == [], f"{impl.__name__}.{cls} lacks {missing}"
+
+
+def test_module_functions_exist(impl):
+    for name in SURFACE[""] - {"probe"}:
+        assert callable(getattr(impl, name)), name
+    assert callable(comfy_standin.probe)
+
+
+def test_board_surface():
+    missing = [n for n in SURFACE["Board"]
+               if not hasattr(comfy_standin.Board, n)]
+    assert missing == []
+
+
+def test_c_methods_have_signatures():
+    # docstrings carry a signature line, so inspect.signature works
+    for name in ("partially_load", "partially_unload", "detach",
+                 "attach_board", "is_clone"):
+        sig = inspect.signature(getattr(comfy_standin.StandIn, name))
+        assert "self" in sig.parameters
+    assert list(inspect.signature(comfy_standin.apply_echo).parameters)[:2] \
+        == ["standin", "resident"]
