@@ -606,6 +606,18 @@ def test_reserve_does_not_shrink_on_a_raise(impl, pool, make_standin):
     assert ledger.reserve(0, 0, True) == 7000 + FLOOR
 
 
+def test_reserve_cap_holds_for_a_kept_value(impl, pool, make_standin):
+    ledger = pool._ledger
+    s = make_standin(size=10**12)
+    impl.apply_echo(s, 10**10)
+    assert ledger.reserve(0, 0, True) == 10**10 + FLOOR
+    # No release, so the value would be kept, but the card's size arrived.
+    total = 4 * 10**9
+    assert ledger.reserve(0, total, True) == total * 3 // 4
+    # Never below the base, though.
+    assert ledger.reserve(total, total, True) == total
+
+
 def test_reserve_cap_and_base(impl, pool, make_standin):
     ledger = pool._ledger
     s = make_standin(size=10**12)

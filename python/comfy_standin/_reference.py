@@ -590,13 +590,22 @@ class Ledger:
             books = list(self._books.values())
             total_charge = _saturate(sum(b.charge()["charge"] for b in books))
             target = _saturate(base + total_charge)
-            if total > 0:
-                target = min(target, total * 3 // 4)
+            cap = total * 3 // 4 if total > 0 else None
+            if cap is not None:
+                target = min(target, cap)
             target = max(target, base)
             last = self._published
             if last is None or target >= last or released:
-                self._published = target
-            return self._published
+                value = target
+            else:
+                value = last
+            if cap is not None:
+                # The cap holds for a kept value too (the card's size may
+                # arrive after the first call, or the base may drop): a
+                # reserve above 75% of the card would starve ComfyUI.
+                value = max(min(value, cap), base)
+            self._published = value
+            return value
 
 
 # ---- receipts -------------------------------------------------------------
