@@ -391,6 +391,23 @@ cs_model_admission_peak(const cs_model *model)
                                 memory_order_relaxed);
 }
 
+cs_status
+cs_model_raise_peak(cs_model *model, uint64_t bytes)
+{
+    cs_status status = CS_OK;
+    uint64_t clamped = bytes < model->size ? bytes : model->size;
+    cs_mutex_lock(&model->worker->lock);
+    if (atomic_load_explicit(&model->stale, memory_order_relaxed)) {
+        status = CS_ERR_STALE;
+    }
+    else if (atomic_load_explicit(&model->peak, memory_order_relaxed) <
+             clamped) {
+        atomic_store_explicit(&model->peak, clamped, memory_order_relaxed);
+    }
+    cs_mutex_unlock(&model->worker->lock);
+    return status;
+}
+
 void
 cs_model_set_eviction_deferred(cs_model *model, bool deferred)
 {
@@ -696,6 +713,11 @@ cs_worker_set_report(cs_worker *worker, const uint64_t *held,
         return CS_ERR_RANGE;
     }
     cs_mutex_lock(&worker->lock);
+    if (!atomic_load_explicit(&worker->alive, memory_order_relaxed)) {
+        /* Nobody is left to be believed (a late frame of a dead worker). */
+        cs_mutex_unlock(&worker->lock);
+        return CS_OK;
+    }
     if (held != NULL) {
         uint64_t before =
             atomic_load_explicit(&worker->held, memory_order_relaxed);

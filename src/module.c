@@ -105,7 +105,9 @@ core_exec(PyObject *module)
         return -1;
     }
     if (cs_ledger_binding_exec(module, state) < 0 ||
-        cs_standin_exec(module, state) < 0) {
+        cs_standin_exec(module, state) < 0 ||
+        cs_probe_binding_exec(module, state) < 0 ||
+        cs_board_binding_exec(module, state) < 0) {
         return -1;
     }
     return 0;

@@ -264,6 +264,14 @@ static PyGetSetDef module_getset[] = {
     {NULL},
 };
 
+static PyObject *refuse_pickle(PyObject *self, PyObject *unused);
+
+static PyMethodDef module_methods[] = {
+    {"__reduce_ex__", refuse_pickle, METH_O,
+     "__reduce_ex__($self, protocol, /)\n--\n\nRaises TypeError."},
+    {NULL},
+};
+
 static PyMemberDef module_members[] = {
     {"__weaklistoffset__", T_PYSSIZET, offsetof(ModuleObject, weakreflist),
      READONLY},
@@ -288,6 +296,7 @@ static PyType_Slot module_slots[] = {
     {Py_tp_dealloc, module_dealloc},
     {Py_tp_getset, module_getset},
     {Py_tp_members, module_members},
+    {Py_tp_methods, module_methods},
     {Py_tp_getattro, contract_getattro},
     {Py_tp_repr, module_repr},
     {0, NULL},
@@ -651,6 +660,18 @@ standin_not_implemented(StandInObject *self, const char *what)
     return NULL;
 }
 
+/* Neither object can cross a process boundary or be duplicated: a copy
+ * would be a second stand-in for one worker model, outside the pool. */
+static PyObject *
+refuse_pickle(PyObject *self, PyObject *unused)
+{
+    PyErr_Format(PyExc_TypeError,
+                 "cannot pickle or copy %.100s object: it stands in for a "
+                 "model held by a worker process",
+                 _PyType_Name(Py_TYPE(self)));
+    return NULL;
+}
+
 static PyObject *
 standin_clone(StandInObject *self, PyObject *args, PyObject *kwargs)
 {
@@ -666,12 +687,16 @@ standin_add_patches(StandInObject *self, PyObject *args, PyObject *kwargs)
 /* ---- StandIn: talking to the worker ------------------------------------ */
 
 /* The byte count to ask for: `cap` unless `value` names a positive amount
- * below it (ComfyUI passes 1e32 for "everything"; 0 means the same). */
+ * below it, rounded up (ComfyUI passes 1e32 for "everything"; 0 means the same). */
 static uint64_t
 requested_bytes(PyObject *value, uint64_t cap)
 {
     double d;
     if (value == NULL || value == Py_None) {
+        return cap;
+    }
+    if (PyBool_Check(value) || PyUnicode_Check(value) ||
+        PyBytes_Check(value)) {
         return cap;
     }
     if (PyLong_Check(value)) {
@@ -694,8 +719,11 @@ requested_bytes(PyObject *value, uint64_t cap)
     if (!(d > 0.0) || isinf(d) || d >= (double)cap) {
         return cap; /* NaN fails d > 0 */
     }
-    uint64_t v = (uint64_t)d;
-    return v == 0 ? 1 : (v < cap ? v : cap);
+    /* Rounded up: ComfyUI keeps an entry only when freed >= the float it
+     * asked for (load_models_gpu's targets are floats), so the truncated
+     * figure would always fall short and escalate to a full detach. */
+    uint64_t v = (uint64_t)ceil(d);
+    return v < cap ? v : cap;
 }
 
 /* worker.is_alive(): 1, 0, or -1 with an exception. */
@@ -727,6 +755,26 @@ worker_is_alive_quiet(StandInObject *self)
         return 1;
     }
     return alive;
+}
+
+/* After a send raised: whether the worker still lives.  The send's
+ * exception is set aside while is_alive() runs (no Python call may run
+ * with an exception pending); it is dropped when the worker is dead and
+ * left pending when it lives, for the caller to read and clear. */
+static int
+send_failed_worker_alive(StandInObject *self)
+{
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    int alive = worker_is_alive_quiet(self);
+    if (!alive) {
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(traceback);
+        return 0;
+    }
+    PyErr_Restore(type, value, traceback);
+    return 1;
 }
 
 static PyObject *
@@ -903,7 +951,7 @@ gone_error(StandInObject *self, int chain)
     cs_module_state *state = state_of((PyObject *)self);
     PyObject *message = PyUnicode_FromFormat(
         "the worker of model %R (generation %llu) died or restarted; the "
-        "model is no longer available. Reload the node that loaded it.",
+        "model is no longer available: reload the node that loaded it.",
         self->model_id, (unsigned long long)self->generation);
     if (message == NULL) {
         return NULL;
@@ -958,16 +1006,20 @@ standin_partially_load(StandInObject *self, PyObject *args, PyObject *kwargs)
                          "device", device_str);
     if (reply == NULL) {
         /* Loading is not eviction: failures propagate.  A transport that
-         * died is told apart so the caller gets the actionable error. */
+         * died is told apart so the caller gets the actionable error, with
+         * the transport's exception as its cause.  No Python runs while an
+         * exception is pending, so it is set aside meanwhile. */
         PyObject *type, *value, *traceback;
         PyErr_Fetch(&type, &value, &traceback);
         alive = worker_is_alive(self);
         if (alive < 0) {
             PyErr_Clear();
         }
-        PyErr_Restore(type, value, traceback);
         if (alive == 0) {
             standin_worker_gone(self);
+        }
+        PyErr_Restore(type, value, traceback);
+        if (alive == 0) {
             gone_error(self, 1);
         }
         goto done;
@@ -1025,8 +1077,7 @@ unload_body(StandInObject *self, PyObject *memory_to_free)
                          want_obj, NULL, NULL);
     Py_DECREF(want_obj);
     if (reply == NULL) {
-        if (!worker_is_alive_quiet(self)) {
-            PyErr_Clear();
+        if (!send_failed_worker_alive(self)) {
             standin_worker_gone(self);
             return before;
         }
@@ -1138,8 +1189,7 @@ detach_body(StandInObject *self)
                          NULL);
     Py_DECREF(device_str);
     if (reply == NULL) {
-        if (!worker_is_alive_quiet(self)) {
-            PyErr_Clear();
+        if (!send_failed_worker_alive(self)) {
             standin_worker_gone(self);
             return;
         }
@@ -1278,6 +1328,20 @@ standin_get_parent(StandInObject *self, void *closure)
 }
 
 static PyObject *
+standin_get_peak(StandInObject *self, void *closure)
+{
+    return PyLong_FromUnsignedLongLong(cs_model_admission_peak(self->record));
+}
+
+static PyObject *
+standin_get_seq(StandInObject *self, void *closure)
+{
+    cs_receipt r;
+    cs_model_read(self->record, &r);
+    return PyLong_FromLongLong((long long)r.seq); /* -1: none, as comfy-env */
+}
+
+static PyObject *
 standin_repr(StandInObject *self)
 {
     return PyUnicode_FromFormat(
@@ -1319,6 +1383,21 @@ static PyGetSetDef standin_getset[] = {
      NULL},
     {"bad_replies", (getter)standin_get_bad_replies, NULL,
      "Malformed replies rejected so far.", NULL},
+    /* comfy-env's own code reads these off its stand-in (pool.py's
+     * held-bytes snapshot, state_sync.held_ceiling, the generation filter
+     * of the census apply); read-only views so it can run unchanged. */
+    {"_worker", (getter)standin_get_worker, NULL,
+     "comfy-env compatibility: worker.", NULL},
+    {"_worker_generation", (getter)standin_get_generation, NULL,
+     "comfy-env compatibility: worker_generation.", NULL},
+    {"_model_id", (getter)standin_get_model_id, NULL,
+     "comfy-env compatibility: model_id.", NULL},
+    {"_kind", (getter)standin_get_kind, NULL,
+     "comfy-env compatibility: kind.", NULL},
+    {"_residency_peak", (getter)standin_get_peak, NULL,
+     "comfy-env compatibility: the admission peak.", NULL},
+    {"_residency_seq", (getter)standin_get_seq, NULL,
+     "comfy-env compatibility: the receipt's seq (-1: none).", NULL},
     {NULL},
 };
 
@@ -1329,6 +1408,8 @@ static PyMemberDef standin_members[] = {
 };
 
 static PyMethodDef standin_methods[] = {
+    {"__reduce_ex__", refuse_pickle, METH_O,
+     "__reduce_ex__($self, protocol, /)\n--\n\nRaises TypeError."},
     {"model_size", (PyCFunction)standin_model_size, METH_NOARGS,
      "model_size($self, /)\n--\n\nRegistered parameter+buffer bytes."},
     {"loaded_size", (PyCFunction)standin_loaded_size, METH_NOARGS,
@@ -1482,6 +1563,47 @@ typedef struct {
     int has_seq;
 } residency_entry;
 
+/* Every value of the map must be a C stand-in filed under its own id,
+ * whether or not this census names it: a wrong map is a caller's bug that
+ * would otherwise surface only on the census that happens to name it. */
+static int
+check_standins_map(cs_module_state *state, PyObject *standins)
+{
+    PyObject *items = PyMapping_Items(standins);
+    if (items == NULL) {
+        return -1;
+    }
+    int result = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items) && result == 0; i++) {
+        PyObject *pair = PyList_GET_ITEM(items, i);
+        PyObject *key = PyTuple_GET_ITEM(pair, 0);
+        PyObject *value = PyTuple_GET_ITEM(pair, 1);
+        if (!PyObject_TypeCheck(value, state->standin_type)) {
+            PyErr_Format(state->echo_error,
+                         "standins[%R]: expected a comfy_standin.StandIn (C "
+                         "implementation), got %R",
+                         key, value);
+            result = -1;
+            break;
+        }
+        int same = PyUnicode_Check(key)
+                       ? PyUnicode_Compare(((StandInObject *)value)->model_id,
+                                           key)
+                       : 1;
+        if (same == -1 && PyErr_Occurred()) {
+            result = -1;
+        }
+        else if (same != 0) {
+            PyErr_Format(state->echo_error,
+                         "standins[%R]: the stand-in is for model %R", key,
+                         ((StandInObject *)value)->model_id);
+            result = -1;
+        }
+    }
+    Py_DECREF(items);
+    return result;
+}
+
 static PyObject *
 apply_residency(PyObject *module, PyObject *args)
 {
@@ -1495,11 +1617,15 @@ apply_residency(PyObject *module, PyObject *args)
         return NULL;
     }
     if (!PyMapping_Check(standins) || PyList_Check(standins) ||
-        PyTuple_Check(standins) || PyUnicode_Check(standins)) {
-        PyErr_Format(state->echo_error,
+        PyTuple_Check(standins) || PyUnicode_Check(standins) ||
+        PyBytes_Check(standins)) {
+        PyErr_Format(PyExc_TypeError,
                      "standins: expected a mapping of model id to StandIn, "
                      "got %R",
                      standins);
+        return NULL;
+    }
+    if (check_standins_map(state, standins) < 0) {
         return NULL;
     }
     fast = cs_census_fast(state->echo_error, census);
@@ -1589,7 +1715,33 @@ done:
     return result;
 }
 
+static PyObject *
+raise_peak(PyObject *module, PyObject *args)
+{
+    PyObject *object, *bytes_obj;
+    uint64_t bytes;
+
+    if (!PyArg_ParseTuple(args, "OO:raise_peak", &object, &bytes_obj)) {
+        return NULL;
+    }
+    StandInObject *s = as_standin(module, object, "standin");
+    if (s == NULL) {
+        return NULL;
+    }
+    int code = cs_value_check(bytes_obj, CS_VALUE_MAX, &bytes);
+    if (code != 0) {
+        return cs_value_error(cs_state_of_module(module)->echo_error, code,
+                              "resident", bytes_obj, CS_VALUE_MAX),
+               NULL;
+    }
+    return PyBool_FromLong(cs_model_raise_peak(s->record, bytes) == CS_OK);
+}
+
 static PyMethodDef sync_functions[] = {
+    {"raise_peak", (PyCFunction)raise_peak, METH_VARARGS,
+     "raise_peak(standin, resident, /)\n--\n\nRaises the admission peak "
+     "only (never lowers, never writes the receipt): comfy-env's peak pass "
+     "for calls with no node boundary.  False when stale."},
     {"apply_echo", (PyCFunction)(void (*)(void))apply_echo,
      METH_VARARGS | METH_KEYWORDS,
      "apply_echo(standin, resident, seq=None, unmapped=False, "

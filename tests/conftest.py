@@ -23,6 +23,9 @@ from typing import Any
 
 import pytest
 
+# The mock comfy.model_management (tests/mockcomfy) and its fixtures.
+pytest_plugins = ["mock_fixtures"]
+
 REQUIRE_C = "COMFY_STANDIN_REQUIRE_C"
 IMPLEMENTATIONS = ("c", "reference")
 

@@ -11,6 +11,7 @@ def test_ledger_core_c(tmp_path):
     binary = compile_c(
         [SRC / "ledger.c", ROOT / "tests" / "c" / "test_ledger.c"],
         tmp_path / "test_ledger",
+        defines=("_GNU_SOURCE",),
     )
     output = run_c_test(binary)
     match = re.search(r"(\d+) checks, (\d+) failed", output)

@@ -255,6 +255,11 @@ cs_status cs_model_apply_echo(cs_model *model, uint64_t loaded, int64_t seq,
                               cs_source source, bool unmapped,
                               int in_flight);
 
+/* Raises the admission peak to min(bytes, size) if it is lower; never
+ * lowers it, never touches the receipt (comfy-env's peak-only pass for a
+ * call path with no node boundary).  Stale: CS_ERR_STALE. */
+cs_status cs_model_raise_peak(cs_model *model, uint64_t bytes);
+
 /* Eviction was refused by a live worker (DESIGN.md 3.2).  Cleared by the
  * next echo. */
 void cs_model_set_eviction_deferred(cs_model *model, bool deferred);

@@ -23,6 +23,7 @@ from ._core import (
     WorkerGoneError,
     apply_echo,
     apply_residency,
+    probe,
 )
 from ._register import register
 
@@ -40,6 +41,7 @@ __all__ = [
     "apply_echo",
     "apply_residency",
     "default_pool",
+    "probe",
     "register",
 ]
 
@@ -62,7 +64,3 @@ def default_pool() -> Pool:
             _default_pool = Pool()
         return _default_pool
 
-
-if hasattr(_core, "probe"):
-    probe = _core.probe
-    __all__.append("probe")

@@ -118,8 +118,10 @@ def _saturate(value: int) -> int:
 def _request(value: object, limit: int) -> int:
     """Bytes to ask a worker for: `limit` for 0, None, negative, NaN,
     infinite, unusable or >= `limit` (ComfyUI passes 1e32 for "all");
-    otherwise the value truncated, at least 1."""
-    if value is None or isinstance(value, bool):
+    otherwise the value rounded UP: ComfyUI keeps an entry only when
+    ``freed >= memory_to_free``, and load_models_gpu's targets are floats,
+    so a worker asked for the truncated figure would always fall short."""
+    if value is None or isinstance(value, (bool, str, bytes)):
         return limit
     if isinstance(value, int):
         return limit if value <= 0 or value >= limit else value
@@ -131,7 +133,7 @@ def _request(value: object, limit: int) -> int:
         return limit
     if number <= 0 or number >= limit:
         return limit
-    return max(1, int(number))
+    return min(limit, math.ceil(number))
 
 
 def _bad_type(field: str, expected: str, value: object) -> NoReturn:
@@ -445,6 +447,8 @@ class WorkerBooks:
         )
         new_held, new_pinned, new_overhead = figures
         with self._lock:
+            if not self._alive:
+                return  # a dead process's figures mean nothing (like gone)
             if new_held is not None:
                 if new_held < self._held:
                     self._released()
@@ -457,6 +461,8 @@ class WorkerBooks:
     def set_reading(self, used: int) -> None:
         used = _host_bytes("used", used)
         with self._lock:
+            if used < self._reading:
+                self._released()  # a measured drop is a release receipt
             self._reading = used
 
     def apply_census(self, census: object) -> int:

@@ -256,6 +256,53 @@ class Pool:
                 charges[worker] = books.charge()["charge"]
         return charges
 
+    def charge_details(self) -> dict[Any, dict[str, Any]]:
+        """{worker: the charge and the figures it came from}.
+
+        ``held_from_reading`` says the probe's per-pid reading (taken
+        without the worker talking), not the worker's report, set the
+        held figure; ``reading`` and ``held`` give both."""
+        details: dict[Any, dict[str, Any]] = {}
+        for worker in self._ledger.keys():
+            books = self._ledger.find(worker)
+            if books is not None:
+                details[worker] = books.charge()
+        return details
+
+    def update_readings(
+        self,
+        probe_result: Mapping[str, Any] | None = None,
+        pid_of: Callable[[Any], int | None] | None = None,
+    ) -> dict[Any, int]:
+        """Floors every worker's held figure with the probe's per-pid
+        reading: the VRAM the driver says the worker's process uses, summed
+        over devices.  Returns {worker: reading} for the workers read.
+
+        `probe_result` defaults to a fresh ``probe()`` of this pool's
+        implementation.  `pid_of(worker)` gives a worker's process id;
+        the default reads ``worker.pid``, then ``worker.process.pid`` and
+        ``worker._process.pid`` (comfy-env keeps its Popen there).  A worker
+        whose pid is unknown, or whose usage the driver hides, keeps its
+        last reading.  Never raises for a missing GPU: no devices, no
+        readings."""
+        if probe_result is None:
+            probe_result = _probe(self._impl)
+        used: dict[int, int] = {}
+        for device in probe_result.get("devices") or ():
+            for pid, value in (device.get("processes") or {}).items():
+                if _is_byte_value(value):
+                    used[pid] = min(_VALUE_MAX, used.get(pid, 0) + value)
+        readings: dict[Any, int] = {}
+        for worker in self._ledger.keys():
+            pid = (pid_of or _default_pid_of)(worker)
+            if pid is None or pid not in used:
+                continue
+            books = self._ledger.find(worker)
+            if books is not None:
+                books.set_reading(used[pid])
+                readings[worker] = used[pid]
+        return readings
+
     def reserve(self, device: Any, base: int, total: int | None = None) -> int:
         """The EXTRA_RESERVED_VRAM to publish for `device`.
 
@@ -265,6 +312,56 @@ class Pool:
         capped at 75% of the card, growing at once and shrinking only
         after a release.
         """
+        if total is None and self._process_local:
+            total = _card_total(self._impl, device)
         return self._ledger.reserve(
             base, 0 if total is None else total, self._process_local
         )
+
+
+def _probe(impl: ModuleType) -> Mapping[str, Any]:
+    """The GPU probe: the implementation's, else the C one (the probe is
+    dlopen and driver calls; the pure-Python reference has no other)."""
+    probe = getattr(impl, "probe", None)
+    if probe is None:
+        probe = importlib.import_module("comfy_standin._core").probe
+    return probe()
+
+
+def _default_pid_of(worker: Any) -> int | None:
+    """comfy-env's SubprocessWorker and plain Popen-like objects."""
+    for path in ("pid", "process.pid", "_process.pid", "proc.pid"):
+        obj = worker
+        try:
+            for name in path.split("."):
+                obj = getattr(obj, name)
+        except AttributeError:
+            continue
+        if isinstance(obj, int) and not isinstance(obj, bool):
+            return obj
+    return None
+
+
+def _device_index(device: Any) -> int | None:
+    """0 for torch.device("cuda", 0), "cuda:0", "cuda" or 0."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        return device
+    index = getattr(device, "index", None)
+    if isinstance(index, int):
+        return index
+    text = str(device)
+    if text.startswith("cuda"):
+        _, _, rest = text.partition(":")
+        return int(rest) if rest.isdigit() else 0
+    return None
+
+
+def _card_total(impl: ModuleType, device: Any) -> int | None:
+    """The card's total bytes from the probe, or None (no cap)."""
+    index = _device_index(device)
+    if index is None:
+        return None
+    for entry in _probe(impl).get("devices") or ():
+        if entry.get("index") == index and _is_byte_value(entry.get("total")):
+            return int(entry["total"])
+    return None

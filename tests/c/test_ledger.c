@@ -146,6 +146,18 @@ test_echo(void)
     CHECK(cs_worker_end_call(w) == CS_ERR_STATE);
     CHECK(cs_worker_in_flight(w) == 0);
 
+    /* Peak-only raise: never lowers, clamps to the size, no receipt. */
+    uint64_t writes = cs_model_write_count(a);
+    CHECK(cs_model_raise_peak(a, 700) == CS_OK);
+    CHECK(cs_model_admission_peak(a) == 700);
+    CHECK(cs_model_raise_peak(a, 100) == CS_OK);
+    CHECK(cs_model_admission_peak(a) == 700);
+    CHECK(cs_model_raise_peak(a, 99999) == CS_OK);
+    CHECK(cs_model_admission_peak(a) == 1000);
+    CHECK(cs_model_write_count(a) == writes);
+    CHECK(cs_model_apply_echo(a, 0, 15, CS_SOURCE_DETACH_ECHO, true, 0) ==
+          CS_OK);
+
     /* Deferred flag: set by a binding, cleared by the next echo. */
     cs_model_set_eviction_deferred(a, true);
     CHECK(cs_model_eviction_deferred(a));

@@ -1,0 +1,218 @@
+/*
+ * stub_script.h -- the scripted GPU both stub libraries (stub_cuda.c,
+ * stub_nvml.c) answer from.  Test-only; never installed.
+ *
+ * The script is a text file named by the environment variable
+ * CS_STUB_SCRIPT (no variable or no file: no devices).  One directive a
+ * line, '#' starts a comment:
+ *
+ *   devices N            NVML sees N devices (indices 0..N-1)
+ *   name I TEXT...       device I's name (the rest of the line)
+ *   total I BYTES        total memory
+ *   free I BYTES         device-wide free memory (nvmlDeviceGetMemoryInfo)
+ *   ctx_free I BYTES     what cuMemGetInfo says under a current context
+ *   proc I PID USED      a compute process on device I (USED "na": NVML's
+ *                        "not available" value)
+ *   procs I N PID0 USED  N processes with pids PID0, PID0+1, ...
+ *   proc_growth N        each INSUFFICIENT_SIZE answer adds N processes
+ *                        (processes starting between the two calls)
+ *   cuda_devices I...    the CUDA ordinals in order, as NVML indices
+ *                        (default: all, in NVML order)
+ *   ctx_current I        cuCtxGetCurrent reports a context on CUDA
+ *                        ordinal I (default: no current context)
+ *   driver_version V     cuDriverGetVersion / nvmlSystemGetCudaDriverVersion
+ *   fail NAME CODE       the stub function NAME returns error CODE
+ *
+ * Device I's UUID is GPU-00000000-0000-0000-0000-0000000000XX with XX =
+ * I + 1 in hex, in both libraries.
+ */
+#ifndef CS_STUB_SCRIPT_H
+#define CS_STUB_SCRIPT_H
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define STUB_MAX_DEVICES 24
+#define STUB_MAX_PROCESSES 400
+#define STUB_MAX_FAILS 16
+#define STUB_NOT_AVAILABLE (~0ULL)
+
+typedef struct {
+    char name[128];
+    unsigned long long total;
+    unsigned long long free;
+    unsigned long long ctx_free;
+    unsigned int process_count;
+    unsigned int pids[STUB_MAX_PROCESSES];
+    unsigned long long used[STUB_MAX_PROCESSES];
+} stub_device;
+
+typedef struct {
+    char name[96];
+    int code;
+} stub_fail;
+
+static struct {
+    int devices;
+    stub_device device[STUB_MAX_DEVICES];
+    int cuda_count; /* -1: same as NVML */
+    int cuda_map[STUB_MAX_DEVICES];
+    int ctx_current; /* -1: none */
+    int driver_version;
+    unsigned int process_growth;
+    unsigned int next_growth_pid;
+    int fail_count;
+    stub_fail fails[STUB_MAX_FAILS];
+    pthread_mutex_t lock; /* guards process lists (proc_growth) */
+} stub;
+
+static pthread_once_t stub_once = PTHREAD_ONCE_INIT;
+
+static void
+stub_parse_line(char *line)
+{
+    char word[64];
+    int index = -1, consumed = 0;
+    unsigned long long value = 0;
+    if (sscanf(line, "%63s%n", word, &consumed) != 1 || word[0] == '#') {
+        return;
+    }
+    char *rest = line + consumed;
+    if (strcmp(word, "devices") == 0) {
+        stub.devices = atoi(rest);
+        if (stub.devices > STUB_MAX_DEVICES) {
+            stub.devices = STUB_MAX_DEVICES;
+        }
+    }
+    else if (strcmp(word, "name") == 0
+             && sscanf(rest, "%d %n", &index, &consumed) == 1
+             && index >= 0 && index < STUB_MAX_DEVICES) {
+        char *name = rest + consumed;
+        name[strcspn(name, "\r\n")] = '\0';
+        snprintf(stub.device[index].name, sizeof(stub.device[index].name),
+                 "%s", name);
+    }
+    else if ((strcmp(word, "total") == 0 || strcmp(word, "free") == 0
+              || strcmp(word, "ctx_free") == 0)
+             && sscanf(rest, "%d %llu", &index, &value) == 2
+             && index >= 0 && index < STUB_MAX_DEVICES) {
+        stub_device *device = &stub.device[index];
+        if (word[0] == 't') {
+            device->total = value;
+        }
+        else if (word[0] == 'f') {
+            device->free = value;
+        }
+        else {
+            device->ctx_free = value;
+        }
+    }
+    else if (strcmp(word, "proc") == 0) {
+        unsigned int pid = 0;
+        char used[32];
+        if (sscanf(rest, "%d %u %31s", &index, &pid, used) == 3
+            && index >= 0 && index < STUB_MAX_DEVICES
+            && stub.device[index].process_count < STUB_MAX_PROCESSES) {
+            stub_device *device = &stub.device[index];
+            device->pids[device->process_count] = pid;
+            device->used[device->process_count++] =
+                strcmp(used, "na") == 0 ? STUB_NOT_AVAILABLE
+                                        : strtoull(used, NULL, 10);
+        }
+    }
+    else if (strcmp(word, "procs") == 0) {
+        unsigned int count = 0, pid = 0;
+        if (sscanf(rest, "%d %u %u %llu", &index, &count, &pid, &value) == 4
+            && index >= 0 && index < STUB_MAX_DEVICES) {
+            stub_device *device = &stub.device[index];
+            for (unsigned int i = 0;
+                 i < count && device->process_count < STUB_MAX_PROCESSES;
+                 i++) {
+                device->pids[device->process_count] = pid + i;
+                device->used[device->process_count++] = value;
+            }
+        }
+    }
+    else if (strcmp(word, "proc_growth") == 0) {
+        stub.process_growth = (unsigned int)atoi(rest);
+    }
+    else if (strcmp(word, "cuda_devices") == 0) {
+        int ordinal = 0;
+        char *cursor = rest;
+        while (ordinal < STUB_MAX_DEVICES
+               && sscanf(cursor, "%d%n", &index, &consumed) == 1) {
+            stub.cuda_map[ordinal++] = index;
+            cursor += consumed;
+        }
+        stub.cuda_count = ordinal;
+    }
+    else if (strcmp(word, "ctx_current") == 0) {
+        stub.ctx_current = atoi(rest);
+    }
+    else if (strcmp(word, "driver_version") == 0) {
+        stub.driver_version = atoi(rest);
+    }
+    else if (strcmp(word, "fail") == 0 && stub.fail_count < STUB_MAX_FAILS) {
+        stub_fail *fail = &stub.fails[stub.fail_count];
+        if (sscanf(rest, "%95s %d", fail->name, &fail->code) == 2) {
+            stub.fail_count++;
+        }
+    }
+}
+
+static void
+stub_load(void)
+{
+    const char *path = getenv("CS_STUB_SCRIPT");
+    char line[512];
+    FILE *file;
+    stub.cuda_count = -1;
+    stub.ctx_current = -1;
+    stub.driver_version = 12040;
+    stub.next_growth_pid = 70000;
+    pthread_mutex_init(&stub.lock, NULL);
+    for (int i = 0; i < STUB_MAX_DEVICES; i++) {
+        stub.cuda_map[i] = i;
+    }
+    file = path != NULL ? fopen(path, "r") : NULL;
+    if (file != NULL) {
+        while (fgets(line, sizeof(line), file) != NULL) {
+            stub_parse_line(line);
+        }
+        fclose(file);
+    }
+    if (stub.cuda_count < 0) {
+        stub.cuda_count = stub.devices;
+    }
+}
+
+static void
+stub_ready(void)
+{
+    pthread_once(&stub_once, stub_load);
+}
+
+/* The scripted error for `name`, or 0. */
+static int
+stub_failure(const char *name)
+{
+    stub_ready();
+    for (int i = 0; i < stub.fail_count; i++) {
+        if (strcmp(stub.fails[i].name, name) == 0) {
+            return stub.fails[i].code;
+        }
+    }
+    return 0;
+}
+
+/* Unused in the STUB_NO_UUID variant of the CUDA stub. */
+__attribute__((unused)) static void
+stub_uuid_bytes(int index, unsigned char bytes[16])
+{
+    memset(bytes, 0, 16);
+    bytes[15] = (unsigned char)(index + 1);
+}
+
+#endif /* CS_STUB_SCRIPT_H */

@@ -1,0 +1,30 @@
+"""Runs the board core's C unit tests (tests/c/test_board.c).
+
+Compiled with cc -std=c11 -Wall -Wextra -Werror plus $CS_TEST_CFLAGS (CI:
+-fsanitize=address,undefined), against src/board.c itself, so the core is
+tested without Python in the process.
+"""
+
+import subprocess
+import sys
+
+import pytest
+
+from cbuild import ROOT, build
+
+pytestmark = pytest.mark.skipif(
+    sys.platform == "win32", reason="the board is POSIX shared memory"
+)
+
+
+def test_board_core_c(tmp_path):
+    exe = build(
+        [ROOT / "tests" / "c" / "test_board.c", ROOT / "src" / "board.c"],
+        tmp_path / "test_board",
+        libs=["-lrt"] if sys.platform.startswith("linux") else [],
+    )
+    proc = subprocess.run([str(exe)], capture_output=True, text=True,
+                          timeout=300)
+    sys.stderr.write(proc.stderr)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "0 failures" in proc.stdout

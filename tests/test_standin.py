@@ -1,0 +1,585 @@
+"""The stand-in and its inner module: every member ComfyUI touches
+(DESIGN.md 3.1, COMFYUI_FACTS.md), construction, and registration."""
+
+# Comparisons of an object with itself and `not (a == b)` are what these
+# tests are about: ComfyUI's code spells them that way.
+# ruff: noqa: PLR0124, SIM201, SIM202
+
+from __future__ import annotations
+
+import copy
+import gc
+import pickle
+import re
+import uuid
+import weakref
+from types import SimpleNamespace
+
+import pytest
+
+MAX = 2**63 - 1
+
+
+def naming(field: str, value: object) -> str:
+    return f"(?s){re.escape(field)}.*{re.escape(repr(value))}"
+
+
+class Device:
+    """An opaque device object, as torch.device is to the stand-in."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"Device({self.name!r})"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@pytest.fixture
+def devices():
+    return Device("cuda:0"), Device("cpu")
+
+
+@pytest.fixture
+def standin(impl, pool, make_worker, devices):
+    return impl.StandIn(
+        worker=make_worker(),
+        worker_generation=1,
+        model_id="unet-0",
+        model_size=8000,
+        load_device=devices[0],
+        offload_device=devices[1],
+        kind="unet",
+        pool=pool,
+    )
+
+
+# ---- the members of DESIGN.md 3.1 -------------------------------------------
+
+
+def test_plain_answers(standin, devices):
+    s = standin
+    assert s.load_device is devices[0]
+    assert s.offload_device is devices[1]
+    assert s.parent is None
+    assert s.size == 8000
+    assert s.model_size() == 8000
+    assert s.loaded_size() == 0
+    assert s.is_dynamic() is False
+    assert s.model_dtype() is None
+    assert s.model_patches_models() == []
+    assert s.get_nested_additional_models() == []
+    assert s.lowvram_patch_counter() == 0
+    assert s.model_patches_to(devices[0]) is None
+    assert s.model_patches_to(None) is None
+    assert s.loaded_size() == 0 and s.current_loaded_device() is devices[1]
+
+
+def test_introspection(impl, pool, standin):
+    s = standin
+    assert s.worker_generation == 1
+    assert s.model_id == "unet-0"
+    assert s.kind == "unet"
+    assert s.pool is pool
+    assert s.worker.calls == []
+    assert s.stale is False
+    assert s.eviction_deferred is False
+    assert s.bad_replies == 0
+    loaded, seq, age, source = s.receipt()
+    assert (loaded, seq, source) == (0, None, "registered")
+    assert isinstance(age, float) and age >= 0
+
+
+def test_default_kind(impl, pool, make_worker):
+    s = impl.StandIn(make_worker(), 1, "m", 10, "cuda:0", "cpu", pool=pool)
+    assert s.kind == "other"
+
+
+def test_model_is_stable_and_never_none(impl, standin):
+    assert standin.model is not None
+    assert standin.model is standin.model
+    assert isinstance(standin.model, impl.StandInModule)
+
+
+def test_loaded_size_and_device_follow_receipts(impl, standin, devices):
+    s = standin
+    impl.apply_echo(s, 3000, seq=1)
+    assert s.loaded_size() == 3000
+    assert s.model_size() == 8000
+    assert s.current_loaded_device() is devices[0]
+    assert s.model.device is devices[0]
+    impl.apply_residency({"unet-0": s}, [{"id": "unet-0", "resident": 0}])
+    assert s.loaded_size() == 0
+    assert s.current_loaded_device() is devices[1]
+
+
+def test_no_patch_semantics(standin):
+    for name in ("clone", "add_patches", "add_hook_patches"):
+        with pytest.raises(NotImplementedError, match="worker"):
+            getattr(standin, name)()
+        with pytest.raises(NotImplementedError):
+            getattr(standin, name)(1, key="value")
+
+
+def test_is_clone(impl, pool, make_worker, make_standin):
+    w = make_worker()
+    a = make_standin(worker=w, model_id="unet")
+    same = make_standin(worker=w, model_id="unet")
+    assert a.is_clone(a)
+    assert a.is_clone(same) and same.is_clone(a)
+    other_id = make_standin(worker=w, model_id="vae")
+    other_worker = make_standin(model_id="unet")
+    newer = make_standin(worker=w, generation=2, model_id="unet")
+    assert not a.is_clone(other_id)
+    assert not a.is_clone(other_worker)
+    assert not a.is_clone(newer)
+    assert not newer.is_clone(a)
+    assert not a.is_clone(None)
+    assert not a.is_clone(a.model)
+    assert not a.is_clone(SimpleNamespace(worker=w, model_id="unet"))
+
+
+def test_is_clone_across_implementations(both_impls, make_worker):
+    c, ref = both_impls
+    w = make_worker()
+    a = c.StandIn(w, 1, "unet", 10, "cuda:0", "cpu", pool=c.Pool())
+    b = ref.StandIn(w, 1, "unet", 10, "cuda:0", "cpu", pool=ref.Pool())
+    assert not a.is_clone(b)
+    assert not b.is_clone(a)
+
+
+# ---- clone_base_uuid ----------------------------------------------------------
+
+
+def test_clone_base_uuid_sentinel(make_worker, make_standin):
+    w = make_worker()
+    a = make_standin(worker=w, model_id="unet-0")
+    b = make_standin(worker=w, model_id="unet-0")
+    sentinel = a.clone_base_uuid
+    assert sentinel is a.clone_base_uuid
+    assert sentinel == sentinel
+    assert not (sentinel != sentinel)
+    real = uuid.uuid4()
+    assert sentinel != real and real != sentinel
+    assert not (sentinel == real) and not (real == sentinel)
+    assert sentinel is not None
+    assert sentinel != None
+    assert not (sentinel == None)
+    assert sentinel != b.clone_base_uuid
+    assert not (sentinel == b.clone_base_uuid)
+    assert sentinel != str(real) and sentinel != 0
+    assert hash(sentinel) == hash(sentinel)
+    assert {sentinel: 1, b.clone_base_uuid: 2}[sentinel] == 1
+    assert not isinstance(sentinel, uuid.UUID)
+
+
+def test_clone_base_uuid_repr(make_standin):
+    s = make_standin(model_id="unet-0")
+    assert repr(s.clone_base_uuid) == (
+        "<comfy_standin private clone_base_uuid of model 'unet-0' "
+        "(never equals a uuid)>"
+    )
+
+
+def test_multigpu_filters_reject_a_standin(make_standin):
+    """comfy/multigpu.py: each check must fail before clone()."""
+    s = make_standin()
+    target = SimpleNamespace(clone_base_uuid=uuid.uuid4())
+    assert s.clone_base_uuid != target.clone_base_uuid
+    assert not getattr(s, "is_multigpu_base_clone", False)
+    none_target = SimpleNamespace(clone_base_uuid=None)
+    assert s.clone_base_uuid != none_target.clone_base_uuid
+
+
+# ---- identity, weak references, unknown attributes ---------------------------
+
+
+def test_identity_equality_and_hash(make_worker, make_standin):
+    w = make_worker()
+    a = make_standin(worker=w, model_id="unet")
+    b = make_standin(worker=w, model_id="unet")
+    assert a == a and not (a != a)
+    assert a != b and not (a == b)
+    assert hash(a) == object.__hash__(a)
+    assert len({a: 1, b: 2}) == 2
+    assert [a, b].index(b) == 1
+
+
+def test_weak_references(make_standin):
+    s = make_standin()
+    ref = weakref.ref(s)
+    inner = weakref.ref(s.model)
+    assert ref() is s and inner() is s.model
+    fired = []
+    weakref.finalize(s.model, fired.append, "inner")
+    del s
+    gc.collect()
+    assert ref() is None
+    assert inner() is None
+    assert fired == ["inner"]
+
+
+def test_graveyard_keeps_standins_of_a_dead_worker(impl, pool, make_standin):
+    s = make_standin()
+    worker = s.worker
+    fired = []
+    weakref.finalize(s.model, fired.append, "inner")
+    ref = weakref.ref(s)
+    pool.worker_gone(worker)
+    del s
+    gc.collect()
+    assert ref() is not None and fired == []
+    pool.boundary()
+    gc.collect()
+    assert ref() is None and fired == ["inner"]
+
+
+def test_graveyard_on_restart(impl, pool, make_worker, make_standin):
+    w = make_worker()
+    old = make_standin(worker=w, generation=1, model_id="unet")
+    ref = weakref.ref(old)
+    keep = make_standin(worker=w, generation=1, model_id="vae")
+    pool.restarted(w, 2)
+    newer = make_standin(worker=w, generation=2, model_id="unet")
+    newer_ref = weakref.ref(newer)
+    del old, keep, newer
+    gc.collect()
+    assert ref() is not None
+    pool.boundary()
+    gc.collect()
+    assert ref() is None
+    assert newer_ref() is None  # current stand-ins are never kept
+
+
+def test_graveyard_on_implicit_restart(impl, pool, make_worker, make_standin):
+    w = make_worker()
+    old = make_standin(worker=w, generation=1, model_id="unet")
+    ref = weakref.ref(old)
+    newer = make_standin(worker=w, generation=2, model_id="unet")
+    del old
+    gc.collect()
+    assert ref() is not None and ref().stale
+    pool.boundary()
+    gc.collect()
+    assert ref() is None
+    assert not newer.stale
+
+
+def test_unknown_attribute_names_it(standin):
+    with pytest.raises(AttributeError) as info:
+        standin.is_multigpu_base_clone  # noqa: B018
+    message = str(info.value)
+    assert "is_multigpu_base_clone" in message
+    assert "the upstream contract changed" in message
+    with pytest.raises(AttributeError, match="dynamic_pins"):
+        standin.dynamic_pins  # noqa: B018
+    with pytest.raises(AttributeError, match="loaded_ram_size"):
+        standin.loaded_ram_size()
+
+
+def test_getattr_default_works(standin):
+    assert getattr(standin, "is_multigpu_base_clone", False) is False
+    assert getattr(standin, "__foo__", "default") == "default"
+    assert getattr(standin, "_private_thing", 3) == 3
+    assert not hasattr(standin, "__deepcopy__")
+    assert not hasattr(standin, "__setstate__")
+
+
+@pytest.mark.parametrize("name", ["__foo__", "__deepcopy__", "__copy__"])
+def test_dunder_attribute_error_is_plain(standin, name):
+    with pytest.raises(AttributeError) as info:
+        getattr(standin, name)
+    assert str(info.value) == name
+    assert "contract" not in str(info.value)
+
+
+@pytest.mark.parametrize("obj", ["standin", "inner"])
+def test_copy_and_pickle_refuse(standin, obj):
+    target = standin if obj == "standin" else standin.model
+    for attempt in (
+        copy.copy,
+        copy.deepcopy,
+        pickle.dumps,
+        lambda x: pickle.dumps(x, protocol=0),
+    ):
+        with pytest.raises(TypeError, match="cannot pickle"):
+            attempt(target)
+
+
+def test_cannot_set_unknown_attributes(standin):
+    with pytest.raises(AttributeError):
+        standin.is_multigpu_base_clone = True
+    assert getattr(standin, "is_multigpu_base_clone", False) is False
+    with pytest.raises(AttributeError):
+        standin.size = 5
+    assert standin.size == 8000
+
+
+# ---- the inner module ---------------------------------------------------------
+
+
+def test_inner_module_constants(standin):
+    m = standin.model
+    assert m.model_lowvram is False
+    assert m.lowvram_patch_counter == 0
+    assert m.current_weight_patches_uuid is None
+    assert m.model_offload_buffer_memory == 0
+    assert m.model_loaded_weight_memory == 0
+    assert getattr(m, "__foo__", 1) == 1
+    assert getattr(m, "dynamic_pins", None) is None
+    with pytest.raises(AttributeError, match="dynamic_pins"):
+        m.dynamic_pins  # noqa: B018
+
+
+def test_inner_device_assignment(impl, standin, devices):
+    s, m = standin, standin.model
+    assert m.device is devices[1]
+    elsewhere = Device("cuda:1")
+    m.device = elsewhere
+    assert m.device is elsewhere
+    assert s.current_loaded_device() is elsewhere
+    # The next receipt makes it consistent again.
+    impl.apply_echo(s, 10)
+    assert m.device is devices[0]
+    m.device = elsewhere
+    assert m.device is elsewhere
+    impl.apply_residency({"unet-0": s}, [{"id": "unet-0", "resident": 0}])
+    assert m.device is devices[1]
+
+
+def test_inner_model_loaded_weight_memory(impl, pool, standin, devices):
+    s, m = standin, standin.model
+    impl.apply_echo(s, 100, seq=7)
+    assert m.model_loaded_weight_memory == 100
+    m.model_loaded_weight_memory = 5000
+    loaded, seq, _, source = s.receipt()
+    assert (loaded, seq, source) == (5000, 7, "assigned")
+    assert s.loaded_size() == 5000
+    assert m.device is devices[0]
+    books = pool._ledger.find(s.worker)
+    assert books.charge()["sum_peak"] == 5000
+    m.model_loaded_weight_memory = 0
+    assert s.loaded_size() == 0 and m.device is devices[1]
+    m.model_loaded_weight_memory = 8000
+    assert s.loaded_size() == 8000
+
+
+@pytest.mark.parametrize(
+    "value, exc",
+    [
+        (-1, ValueError),
+        (8001, ValueError),
+        (2**63, ValueError),
+        (2**100, ValueError),
+        (True, TypeError),
+        (1.0, TypeError),
+        (None, TypeError),
+        ("5", TypeError),
+    ],
+)
+def test_inner_model_loaded_weight_memory_bad(impl, standin, value, exc):
+    impl.apply_echo(standin, 100, seq=7)
+    with pytest.raises(exc, match=naming("model_loaded_weight_memory", value)):
+        standin.model.model_loaded_weight_memory = value
+    loaded, seq, _, source = standin.receipt()
+    assert (loaded, seq, source) == (100, 7, "load echo")
+
+
+def test_inner_assignment_on_stale_is_ignored(impl, pool, make_standin):
+    s = make_standin(size=1000)
+    pool.restarted(s.worker, 2)
+    s.model.model_loaded_weight_memory = 500
+    loaded, _, _, source = s.receipt()
+    assert (loaded, source) == (0, "worker gone")
+    with pytest.raises(ValueError):
+        s.model.model_loaded_weight_memory = 1001
+
+
+# ---- construction -------------------------------------------------------------
+
+
+class NoSend:
+    def is_alive(self):
+        return True
+
+
+class NoAlive:
+    def send_command(self, command, **kwargs):
+        return {}
+
+
+class NotCallable:
+    send_command = 5
+
+    def is_alive(self):
+        return True
+
+
+@pytest.mark.parametrize(
+    "worker", [None, object(), NoSend(), NoAlive(), NotCallable(), "worker"]
+)
+def test_constructor_bad_worker(impl, pool, worker):
+    with pytest.raises(TypeError, match="worker"):
+        impl.StandIn(worker, 1, "m", 10, "cuda:0", "cpu", pool=pool)
+    assert list(pool._ledger.keys()) == []
+
+
+BAD_BYTES = [
+    (-1, ValueError),
+    (2**63, ValueError),
+    (2**100, ValueError),
+    (-(2**100), ValueError),
+    (True, TypeError),
+    (False, TypeError),
+    (1.0, TypeError),
+    (float("nan"), TypeError),
+    (None, TypeError),
+    ("1", TypeError),
+]
+
+
+@pytest.mark.parametrize("value, exc", BAD_BYTES)
+@pytest.mark.parametrize("field", ["worker_generation", "model_size"])
+def test_constructor_bad_numbers(impl, pool, make_worker, field, value, exc):
+    kwargs = {
+        "worker": make_worker(),
+        "worker_generation": 1,
+        "model_id": "m",
+        "model_size": 10,
+        "load_device": "cuda:0",
+        "offload_device": "cpu",
+        "pool": pool,
+        field: value,
+    }
+    with pytest.raises(exc, match=naming(field, value)):
+        impl.StandIn(**kwargs)
+    assert list(pool._ledger.keys()) == []
+
+
+@pytest.mark.parametrize(
+    "value, exc",
+    [("", ValueError), (5, TypeError), (None, TypeError), (b"m", TypeError)],
+)
+def test_constructor_bad_model_id(impl, pool, make_worker, value, exc):
+    with pytest.raises(exc, match=naming("model_id", value)):
+        impl.StandIn(make_worker(), 1, value, 10, "cuda:0", "cpu", pool=pool)
+    assert list(pool._ledger.keys()) == []
+
+
+def test_constructor_bad_kind(impl, pool, make_worker):
+    with pytest.raises(TypeError, match=naming("kind", 5)):
+        impl.StandIn(make_worker(), 1, "m", 10, "a", "b", kind=5, pool=pool)
+
+
+@pytest.mark.parametrize("bad_pool", [object(), "pool", 5])
+def test_constructor_bad_pool(impl, make_worker, bad_pool):
+    with pytest.raises(TypeError, match="pool"):
+        impl.StandIn(make_worker(), 1, "m", 10, "a", "b", pool=bad_pool)
+
+
+def test_constructor_pool_of_the_other_implementation(both_impls, make_worker):
+    c, ref = both_impls
+    with pytest.raises(TypeError, match="pool"):
+        c.StandIn(make_worker(), 1, "m", 10, "a", "b", pool=ref.Pool())
+    with pytest.raises(TypeError, match="pool"):
+        ref.StandIn(make_worker(), 1, "m", 10, "a", "b", pool=c.Pool())
+
+
+def test_constructor_extremes(impl, pool, make_worker):
+    s = impl.StandIn(make_worker(), MAX, "m", MAX, "a", "b", pool=pool)
+    assert s.size == MAX and s.worker_generation == MAX
+    zero = impl.StandIn(make_worker(), 0, "z", 0, "a", "b", pool=pool)
+    assert zero.size == 0 and zero.loaded_size() == 0
+
+
+def test_default_pool(impl, make_worker):
+    assert impl.default_pool() is impl.default_pool()
+    assert isinstance(impl.default_pool(), impl.Pool)
+    w = make_worker()
+    s = impl.StandIn(w, 1, "m", 10, "cuda:0", "cpu")
+    try:
+        assert s.pool is impl.default_pool()
+        assert impl.default_pool()._ledger.find(w) is not None
+    finally:
+        impl.default_pool().forget(w)
+
+
+# ---- registration into model_management ---------------------------------------
+
+
+class LoadedModel:
+    """What comfy.model_management.LoadedModel does with a patcher."""
+
+    def __init__(self, model):
+        self._model = weakref.ref(model)
+        if model.parent is not None:
+            raise AssertionError("a stand-in has no parent")
+        self.device = model.load_device
+        self.real_model = None
+        self.currently_used = True
+        self.model_finalizer = None
+
+    @property
+    def model(self):
+        return self._model()
+
+    def model_memory(self):
+        return self.model.model_size()
+
+    def model_loaded_memory(self):
+        return self.model.loaded_size()
+
+
+def fake_mm():
+    mm = SimpleNamespace(current_loaded_models=[], cleanups=[])
+    mm.LoadedModel = LoadedModel
+
+    def cleanup_models():
+        mm.cleanups.append(len(mm.current_loaded_models))
+        mm.current_loaded_models[:] = [
+            e for e in mm.current_loaded_models if e.real_model() is not None
+        ]
+
+    mm.cleanup_models = cleanup_models
+    return mm
+
+
+def test_register(impl, make_standin):
+    mm = fake_mm()
+    previous = SimpleNamespace(model=None, real_model=lambda: mm)
+    mm.current_loaded_models.append(previous)
+    s = make_standin()
+    entry = impl.register(mm, s)
+    assert mm.current_loaded_models == [entry, previous]
+    assert entry.model is s
+    assert entry.currently_used is False
+    assert entry.real_model() is s.model
+    assert entry.model_finalizer.alive
+    assert entry.model_finalizer.atexit is False
+    assert entry.model_memory() == s.size
+
+
+def test_register_twice_returns_the_entry(impl, make_standin):
+    mm = fake_mm()
+    s = make_standin()
+    entry = impl.register(mm, s)
+    entry.currently_used = True
+    again = impl.register(mm, s)
+    assert again is entry
+    assert again.currently_used is False
+    assert len(mm.current_loaded_models) == 1
+    t = make_standin()
+    other = impl.register(mm, t)
+    assert mm.current_loaded_models == [other, entry]
+
+
+def test_register_finalizer_cleans_up(impl, make_standin):
+    mm = fake_mm()
+    s = make_standin()
+    impl.register(mm, s)
+    del s
+    gc.collect()
+    assert mm.cleanups == [1]
+    assert mm.current_loaded_models == []
