@@ -96,9 +96,10 @@ def test_write_replaces_only_its_own_section(
     path = tmp_path / "RESULTS.md"
     path.write_text(
         "# Benchmark results\n\n"
-        "<!-- probe:begin -->\nprobe figures\n<!-- probe:end -->\n\n"
+        "## probe\n\nprobe figures\n\n"
+        f"{bench.HEADING}\n\n"
         f"{bench.BEGIN_MARKER}\nold stand-in figures\n{bench.END_MARKER}\n\n"
-        "<!-- board:begin -->\nboard figures\n<!-- board:end -->\n"
+        "## board\n\nboard figures\n"
     )
     bench.write_section(path, bench.format_section(results, "the command"))
     text = path.read_text()
@@ -114,5 +115,6 @@ def test_write_replaces_only_its_own_section(
     other.write_text("# Benchmark results\n\nsomething else\n")
     bench.write_section(other, bench.format_section(results, "cmd"))
     assert other.read_text().startswith(
-        "# Benchmark results\n\nsomething else\n\n" + bench.BEGIN_MARKER
+        "# Benchmark results\n\nsomething else\n\n"
+        f"{bench.HEADING}\n\n{bench.BEGIN_MARKER}\n"
     )
