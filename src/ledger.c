@@ -812,12 +812,16 @@ cs_worker_register_model(cs_worker *worker, uint64_t generation,
         status = CS_ERR_NOMEM;
         goto done;
     }
-    if (generation < current ||
-        !atomic_load_explicit(&worker->alive, memory_order_relaxed)) {
+    if (generation < current) {
         /* A stand-in of an old process: it answers, as offloaded. */
         model_mark_gone_locked(m);
         *out = m;
         goto done;
+    }
+    if (!atomic_load_explicit(&worker->alive, memory_order_relaxed)) {
+        /* Registered on a worker already gone: on the table (its id stays
+         * known, like its siblings'), reading 0, its receipt untouched. */
+        atomic_store_explicit(&m->stale, true, memory_order_release);
     }
     cs_model_incref(m); /* the table's reference */
     status = table_insert(worker, m);
