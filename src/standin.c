@@ -740,7 +740,8 @@ standin_add_patches(StandInObject *self, PyObject *args, PyObject *kwargs)
 /* ---- StandIn: talking to the worker ------------------------------------ */
 
 /* The byte count to ask for: `cap` unless `value` names a positive amount
- * below it, rounded up (ComfyUI passes 1e32 for "everything"; 0 means the same). */
+ * below it, rounded up (ComfyUI passes 1e32 for "everything"; 0 means the
+ * same). */
 static uint64_t
 requested_bytes(PyObject *value, uint64_t cap)
 {

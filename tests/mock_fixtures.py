@@ -18,7 +18,6 @@ importing them into a test module.
 from __future__ import annotations
 
 import gc
-import importlib
 import os
 import sys
 
@@ -30,9 +29,9 @@ MOCK_ROOT = os.path.join(
 if MOCK_ROOT not in sys.path:
     sys.path.insert(0, MOCK_ROOT)
 
-import comfy.controlnet as mock_controlnet
-import comfy.model_management as _mm
-import comfy.multigpu as mock_multigpu
+import comfy.controlnet as mock_controlnet  # noqa: E402
+import comfy.model_management as _mm  # noqa: E402
+import comfy.multigpu as mock_multigpu  # noqa: E402
 
 #: the mock modules, for code that must not depend on import order
 mock_mm = _mm

@@ -211,7 +211,7 @@ def test_closed_board_raises(boards):
     with pytest.raises(ValueError, match="closed"):
         host.read(0)
     with pytest.raises(ValueError, match="closed"):
-        host.name
+        host.name  # noqa: B018 (the read itself must raise)
 
 
 def test_context_manager_and_weakref(boards):
@@ -643,7 +643,8 @@ def test_sigkill_mid_publish_invalidates_and_leaks_nothing(spawn):
         if unlink_early:
             host.unlink()
         assert w.ask(f"storm {slot} {GIB}") == "storming"
-        wait_until(lambda: host.read(slot) is not None, "a valid reading")
+        wait_until(lambda h=host, s=slot: h.read(s) is not None,
+                   "a valid reading")
         w.kill()  # SIGKILL, mid-publish, and reaped
         assert host.read(slot) is None
         assert host.status(slot) in ("dead owner", "torn")

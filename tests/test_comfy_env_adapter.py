@@ -17,10 +17,9 @@ import pytest
 import comfy_standin as cs
 from comfy_standin.integrations import comfy_env as adapter
 
-comfy_env_pool = pytest.importorskip(
-    "comfy_env.isolation.pool",
-    reason="comfy-env is a test dependency ('.[test]' installs it)",
-)
+# A test dependency ('.[test]' installs it): missing is a failure, not a
+# skip.
+comfy_env_pool = importlib.import_module("comfy_env.isolation.pool")
 model_patcher = importlib.import_module("comfy_env.isolation.model_patcher")
 state_sync = importlib.import_module("comfy_env.state_sync")
 

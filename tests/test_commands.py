@@ -131,7 +131,7 @@ BAD_OPTIONAL = [
 NOT_DICTS = [None, [], "ok", 5, ({"freed": 1},), b"{}"]
 
 
-# ---- partially_load -----------------------------------------------------------
+# ---- partially_load ---------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -293,7 +293,7 @@ def test_load_reply_not_a_dict(impl, s, worker, reply):
     assert receipt(s) == (0, None, "registered")
 
 
-# ---- partially_unload ---------------------------------------------------------
+# ---- partially_unload -------------------------------------------------------
 
 
 def test_unload_with_nothing_resident_sends_nothing(s, worker):
@@ -496,7 +496,7 @@ def test_unload_never_raises_even_when_everything_fails(impl, pool, s):
     assert t.detach() is t.model
 
 
-# ---- detach -------------------------------------------------------------------
+# ---- detach -----------------------------------------------------------------
 
 
 def test_detach_sends_model_to_device(impl, pool, s, worker):
@@ -587,7 +587,7 @@ def test_old_worker_detach_reply(impl, s, worker):
     assert receipt(s) == (0, 3, "detach echo")
 
 
-# ---- stale stand-ins ----------------------------------------------------------
+# ---- stale stand-ins --------------------------------------------------------
 
 
 def test_stale_standin_never_touches_the_new_generation(impl, pool, s, worker):

@@ -53,7 +53,7 @@ class Worker:
         return True
 
 
-# ---- strategies ---------------------------------------------------------------
+# ---- strategies -------------------------------------------------------------
 
 BAD_VALUES = (-1, 2**63, True, None, 1.5, "7", math.nan)
 byte_ish = st.one_of(
@@ -117,7 +117,7 @@ operation = st.one_of(
 history = st.lists(operation, max_size=30)
 
 
-# ---- the harness --------------------------------------------------------------
+# ---- the harness ------------------------------------------------------------
 
 
 class Harness:
@@ -263,10 +263,10 @@ def _seq(value: int | None) -> int:
 def released(before: tuple, after: tuple) -> bool:
     """Did a release (docs/semantics.md) happen between two observations?
     A lowered receipt, a lowered held, a gone worker or a restart."""
-    for old, new in zip(before[0], after[0]):
+    for old, new in zip(before[0], after[0], strict=False):
         if new[1] < old[1]:
             return True
-    for old, new in zip(before[1], after[1]):
+    for old, new in zip(before[1], after[1], strict=False):
         if old is None or new is None:
             continue
         if new[0] > old[0] or (old[1] and not new[1]):
@@ -303,14 +303,14 @@ def check_history(impl: Any, ops: list[tuple]) -> None:
             assert after == before, (op, outcome)
             continue
         release_since = release_since or released(before, after)
-        for s, row in zip(h.standins, after[0]):
+        for s, row in zip(h.standins, after[0], strict=False):
             loaded_size, loaded = row[0], row[1]
             assert 0 <= loaded_size <= s.size
             assert 0 <= loaded <= s.size
             if row[4]:
                 assert loaded_size == 0
         if op[0] not in ("echo",):
-            for old, new in zip(before[0], after[0]):
+            for old, new in zip(before[0], after[0], strict=False):
                 assert _seq(new[2]) >= _seq(old[2]), (op, old, new)
         if op[0] == "reserve":
             result = outcome[1]
@@ -326,7 +326,7 @@ def check_history(impl: Any, ops: list[tuple]) -> None:
                 assert row[3]["charge"] == 0
 
 
-# ---- the tests ----------------------------------------------------------------
+# ---- the tests --------------------------------------------------------------
 
 
 @SETTINGS

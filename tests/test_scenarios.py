@@ -304,7 +304,7 @@ def test_unload_model_and_clones_with_none_uuid_keeps_the_standin(
     assert mm.loaded_models() == [s]
     assert w.commands == []
     assert s.loaded_size() == 2 * GiB
-    assert s.clone_base_uuid != None
+    assert s.clone_base_uuid != None  # noqa: E711
 
 
 def test_unload_model_and_clones_of_a_host_model_keeps_the_standin(

@@ -150,7 +150,7 @@ def test_is_clone_across_implementations(both_impls, make_worker):
     assert not b.is_clone(a)
 
 
-# ---- clone_base_uuid ----------------------------------------------------------
+# ---- clone_base_uuid --------------------------------------------------------
 
 
 def test_clone_base_uuid_sentinel(make_worker, make_standin):
@@ -165,8 +165,8 @@ def test_clone_base_uuid_sentinel(make_worker, make_standin):
     assert sentinel != real and real != sentinel
     assert not (sentinel == real) and not (real == sentinel)
     assert sentinel is not None
-    assert sentinel != None
-    assert not (sentinel == None)
+    assert sentinel != None  # noqa: E711
+    assert not (sentinel == None)  # noqa: E711
     assert sentinel != b.clone_base_uuid
     assert not (sentinel == b.clone_base_uuid)
     assert sentinel != str(real) and sentinel != 0
@@ -193,7 +193,7 @@ def test_multigpu_filters_reject_a_standin(make_standin):
     assert s.clone_base_uuid != none_target.clone_base_uuid
 
 
-# ---- identity, weak references, unknown attributes ---------------------------
+# ---- identity, weak references, unknown attributes --------------------------
 
 
 def test_identity_equality_and_hash(make_worker, make_standin):
@@ -317,7 +317,7 @@ def test_cannot_set_unknown_attributes(standin):
     assert standin.size == 8000
 
 
-# ---- the inner module ---------------------------------------------------------
+# ---- the inner module -------------------------------------------------------
 
 
 def test_inner_module_constants(standin):
@@ -397,7 +397,7 @@ def test_inner_assignment_on_stale_is_ignored(impl, pool, make_standin):
         s.model.model_loaded_weight_memory = 1001
 
 
-# ---- construction -------------------------------------------------------------
+# ---- construction -----------------------------------------------------------
 
 
 class NoSend:
@@ -506,7 +506,7 @@ def test_default_pool(impl, make_worker):
         impl.default_pool().forget(w)
 
 
-# ---- registration into model_management ---------------------------------------
+# ---- registration into model_management -------------------------------------
 
 
 class LoadedModel:

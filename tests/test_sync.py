@@ -47,7 +47,7 @@ def snapshot(pool, standins):
     )
 
 
-# ---- apply_echo ---------------------------------------------------------------
+# ---- apply_echo -------------------------------------------------------------
 
 
 def test_echo_always_writes(impl, make_standin):
@@ -167,7 +167,7 @@ def test_echo_on_stale_or_gone_writes_nothing(impl, pool, make_standin, how):
         impl.apply_echo(s, -1)
 
 
-# ---- apply_residency: rules ------------------------------------------------------
+# ---- apply_residency: rules -------------------------------------------------
 
 
 def test_census_replaces_receipts(impl, pool, trio):
@@ -299,7 +299,7 @@ def test_census_skips_stale_and_gone(impl, pool, make_worker):
     assert receipt(new) == (30, 1, "census")
 
 
-# ---- apply_residency: all or nothing -------------------------------------------
+# ---- apply_residency: all or nothing ----------------------------------------
 
 
 BAD_ENTRIES = [
@@ -435,7 +435,7 @@ def test_standins_must_be_a_mapping(impl, pool, trio, standins):
     assert snapshot(pool, trio) == before
 
 
-# ---- pool.report --------------------------------------------------------------
+# ---- pool.report ------------------------------------------------------------
 
 
 def test_report_applies_census_and_figures(impl, pool, trio):

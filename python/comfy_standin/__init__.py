@@ -11,7 +11,6 @@ from __future__ import annotations
 import sys
 import threading
 
-from . import _core
 from . import pool as _pool
 from ._core import (
     Board,

@@ -850,7 +850,9 @@ class StandInModule:
         record = self._record
         if assigned is not None and assigned[1] == record._writes:
             return assigned[0]
-        return self._load_device if self._loaded() > 0 else self._offload_device
+        if self._loaded() > 0:
+            return self._load_device
+        return self._offload_device
 
     @device.setter
     def device(self, value: Any) -> None:
