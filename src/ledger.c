@@ -102,6 +102,17 @@ struct cs_ledger {
     bool has_published;
 };
 
+/* Objects alive, process-wide: what the leak tests compare. */
+static _Atomic int64_t live_workers;
+static _Atomic int64_t live_models;
+
+void
+cs_ledger_live_counts(int64_t *workers, int64_t *models)
+{
+    *workers = atomic_load_explicit(&live_workers, memory_order_relaxed);
+    *models = atomic_load_explicit(&live_models, memory_order_relaxed);
+}
+
 /* ---- small helpers --------------------------------------------------- */
 
 static const char *const source_names[CS_SOURCE_COUNT] = {
@@ -325,6 +336,7 @@ model_new(cs_worker *worker, uint64_t generation, const char *id,
     atomic_init(&m->deferred, false);
     cs_worker_incref(worker);
     m->worker = worker;
+    atomic_fetch_add_explicit(&live_models, 1, memory_order_relaxed);
     return m;
 }
 
@@ -347,6 +359,7 @@ cs_model_decref(cs_model *model)
     cs_worker *worker = model->worker;
     free(model->id);
     free(model);
+    atomic_fetch_sub_explicit(&live_models, 1, memory_order_relaxed);
     cs_worker_decref(worker);
 }
 
@@ -564,6 +577,7 @@ worker_new(uint64_t generation)
     atomic_init(&w->overhead, 0);
     atomic_init(&w->reading, 0);
     atomic_init(&w->released, false);
+    atomic_fetch_add_explicit(&live_workers, 1, memory_order_relaxed);
     return w;
 }
 
@@ -588,6 +602,7 @@ cs_worker_decref(cs_worker *worker)
     free(worker->slots);
     cs_mutex_destroy(&worker->lock);
     free(worker);
+    atomic_fetch_sub_explicit(&live_workers, 1, memory_order_relaxed);
 }
 
 uint64_t

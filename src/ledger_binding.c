@@ -923,9 +923,27 @@ static PyType_Spec ledger_spec = {
     .slots = ledger_slots,
 };
 
+static PyObject *
+live_counts(PyObject *module, PyObject *unused)
+{
+    int64_t workers, models;
+    cs_ledger_live_counts(&workers, &models);
+    return Py_BuildValue("(LL)", (long long)workers, (long long)models);
+}
+
+static PyMethodDef ledger_functions[] = {
+    {"_live_counts", live_counts, METH_NOARGS,
+     "_live_counts()\n--\n\n(workers, models) of the C core not yet freed, "
+     "process-wide: for leak tests."},
+    {NULL},
+};
+
 int
 cs_ledger_binding_exec(PyObject *module, cs_module_state *state)
 {
+    if (PyModule_AddFunctions(module, ledger_functions) < 0) {
+        return -1;
+    }
     state->record_type = (PyTypeObject *)PyType_FromModuleAndSpec(
         module, &record_spec, NULL);
     if (state->record_type == NULL ||

@@ -649,3 +649,23 @@ def test_reserve_bad_arguments(impl, args, exc, field, value):
     ledger = impl.Ledger()
     with pytest.raises(exc, match=naming(field, value)):
         ledger.reserve(*args)
+
+
+def test_boundary_forgets_gone_workers_nobody_holds(impl, make_worker):
+    pool = impl.Pool(floor=0)
+    dead, held_dead, alive = make_worker(), make_worker(), make_worker()
+    s1 = impl.StandIn(dead, 1, "a", 10, "cuda:0", "cpu", pool=pool)
+    s2 = impl.StandIn(held_dead, 1, "b", 10, "cuda:0", "cpu", pool=pool)
+    s3 = impl.StandIn(alive, 1, "c", 10, "cuda:0", "cpu", pool=pool)
+    pool.worker_gone(dead)
+    pool.worker_gone(held_dead)
+    del s1
+    pool.boundary()  # the graveyard let s1 go only now
+    pool.boundary()
+    keys = pool._ledger.keys()
+    assert dead not in keys  # gone, and no stand-in of it left
+    assert held_dead in keys and alive in keys  # s2 and s3 still held
+    assert s2.stale and not s3.stale
+    del s2
+    pool.boundary()
+    assert pool._ledger.keys() == [alive]

@@ -113,6 +113,10 @@ const char *cs_status_message(cs_status status);
 /* CLOCK_MONOTONIC in nanoseconds (the receipts' clock). */
 uint64_t cs_monotonic_ns(void);
 
+/* Process-wide counts of workers and models not yet freed (leak checks in
+ * tests; a handful of atomic adds, always on). */
+void cs_ledger_live_counts(int64_t *workers, int64_t *models);
+
 /* ---- ledger ---------------------------------------------------------- */
 
 cs_ledger *cs_ledger_new(uint64_t floor_bytes); /* NULL on ENOMEM */

@@ -91,7 +91,7 @@ class Pool:
         ] = {}
         # Strong references to stand-ins of dead or restarted workers,
         # dropped at the next boundary().
-        self._graveyard: list[Any] = []
+        self._graveyard: dict[int, Any] = {}
         self.on_pressure: Callable[[int], object] | None = None
 
     def __repr__(self) -> str:
@@ -135,18 +135,32 @@ class Pool:
         slot = self._adopted.get(id(worker))
         if slot is None:
             return
+        # The doomed stay in the weak set too: it is how boundary() knows
+        # whether anyone still holds a stand-in of a gone worker.  The
+        # graveyard is a dict so burying twice keeps one reference.
         for standin in list(slot[1]):
             if doomed(standin):
-                self._graveyard.append(standin)
-                slot[1].discard(standin)
+                self._graveyard[id(standin)] = standin
 
     def boundary(self) -> None:
-        """Drop the graveyard.  Call at a node boundary, never inside
-        ComfyUI's ``free_memory`` (its loop pops entries by index)."""
+        """Drop the graveyard, then the books of gone workers nobody holds
+        a stand-in of any more (a restart under a new worker object would
+        otherwise keep every dead one on the books forever).  Call at a
+        node boundary, never inside ComfyUI's ``free_memory`` (its loop
+        pops entries by index)."""
         with self._lock:
-            buried, self._graveyard = self._graveyard, []
+            buried, self._graveyard = self._graveyard, {}
         # Finalizers (mm.cleanup_models) may run here, outside the lock.
         del buried
+        for worker in self._ledger.keys():
+            books = self._ledger.find(worker)
+            if books is None or books.alive:
+                continue
+            with self._lock:
+                slot = self._adopted.get(id(worker))
+                if slot is not None and len(slot[1]) > 0:
+                    continue  # someone still holds a stand-in of it
+            self.forget(worker)
 
     # ---- workers ----------------------------------------------------------
 

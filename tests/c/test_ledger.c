@@ -588,6 +588,10 @@ main(void)
     test_many_models();
     test_threads();
     test_census_race();
+    /* Every test freed what it made: the refcounts balance. */
+    int64_t workers = -1, models = -1;
+    cs_ledger_live_counts(&workers, &models);
+    CHECK(workers == 0 && models == 0);
     printf("test_ledger: %d checks, %d failed\n", checks, failures);
     return failures == 0 ? 0 : 1;
 }
