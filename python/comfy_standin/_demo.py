@@ -399,7 +399,8 @@ class LoadedModel:
     def model_unload(self, memory_to_free=None, unpatch_weights=True) -> bool:
         patcher = self.model
         record = self._mm._current_eviction
-        if memory_to_free is not None and memory_to_free < patcher.loaded_size():
+        loaded = patcher.loaded_size()
+        if memory_to_free is not None and memory_to_free < loaded:
             freed = patcher.partially_unload(
                 patcher.offload_device, memory_to_free
             )
@@ -440,7 +441,8 @@ class MiniModelManagement:
         self._describe = describe
         self._current_eviction: Eviction | None = None
 
-    def LoadedModel(self, model: Any) -> LoadedModel:  # noqa: N802 - as upstream
+    # Named like upstream's class: register() calls mm.LoadedModel(s).
+    def LoadedModel(self, model: Any) -> LoadedModel:  # noqa: N802
         return LoadedModel(self, model)
 
     def cleanup_models(self) -> None:
@@ -464,7 +466,9 @@ class MiniModelManagement:
         self, memory_required: int, device: str, keep_loaded: Iterable = ()
     ) -> FreeMemoryRun:
         keep = list(keep_loaded)
-        run = FreeMemoryRun(memory_required, self.get_free_memory(device), [], [])
+        run = FreeMemoryRun(
+            memory_required, self.get_free_memory(device), [], []
+        )
         can_unload = []
         for i, entry in enumerate(self.current_loaded_models):
             if entry.device != device or entry in keep or entry.is_dead():
@@ -536,6 +540,10 @@ class Checks:
 
 # ---------------------------------------------------------------------------
 # The scenario
+
+
+def _version() -> str:
+    return importlib.import_module("comfy_standin").__version__
 
 
 def _shm_path(name: str) -> str:
@@ -740,7 +748,7 @@ class Demo:
     def run(self) -> None:
         c = self.checks
         self.say(
-            f"comfy_standin {importlib.import_module('comfy_standin').__version__}"
+            f"comfy_standin {_version()}"
             f" demo, implementation: {self.impl_name} "
             f"({self.impl.__name__}.StandIn), simulated card "
             f"{gib(self.card.total)}"

@@ -46,17 +46,39 @@ def _board_view(s: Any) -> dict[str, Any] | None:
     if attached is None:
         return None
     board, slot = attached
+    if board.closed:
+        return {"name": None, "slot": slot, "status": "board closed",
+                "loaded": None}
     try:
         reading = board.read(slot, s.size)
         status = board.status(slot, s.size)
-    except (ValueError, OSError) as exc:  # closed since
-        return {"name": board.name, "slot": slot, "status": str(exc),
+    except (ValueError, OSError) as exc:  # closed meanwhile
+        return {"name": None, "slot": slot, "status": str(exc),
                 "loaded": None}
     return {
         "name": board.name,
         "slot": slot,
         "status": status,
         "loaded": None if reading is None else reading[0],
+    }
+
+
+def _board_summary(board: Any) -> dict[str, Any]:
+    """A board's header as the host sees it; a closed board (its worker
+    gone and the host done with it) says only that."""
+    if board.closed:
+        return {"name": f"(closed board {id(board):#x})", "closed": True,
+                "models": []}
+    return {
+        "name": board.name,
+        "slots": board.slots,
+        "generation": board.generation,
+        "owner_pid": board.owner_pid,
+        "expected_owner": board.expected_owner,
+        "attached": board.attached,
+        "linked": board.linked,
+        "closed": False,
+        "models": [],
     }
 
 
@@ -95,18 +117,10 @@ def collect(pool: Any) -> dict[str, Any]:
         )
         for s in standins:
             if s.board is not None:
-                board = s.board[0]
-                boards.setdefault(board.name, {
-                    "name": board.name,
-                    "slots": board.slots,
-                    "generation": board.generation,
-                    "owner_pid": board.owner_pid,
-                    "expected_owner": board.expected_owner,
-                    "attached": board.attached,
-                    "linked": board.linked,
-                    "closed": board.closed,
-                    "models": [],
-                })["models"].append(s.model_id)
+                view = _board_summary(s.board[0])
+                boards.setdefault(view["name"], view)["models"].append(
+                    s.model_id
+                )
         workers.append({
             "worker": repr(worker),
             "pid": _pool_module._default_pid_of(worker),
@@ -156,7 +170,7 @@ def render(status: dict[str, Any], probe: bool = True) -> str:
             flags = [f for f in ("stale", "eviction_deferred") if m[f]]
             board = m["board"]
             where = (
-                f"; board {board['name']} slot {board['slot']}: "
+                f"; board {board['name'] or ''} slot {board['slot']}: "
                 f"{board['status']}"
                 if board else "; no board"
             )
@@ -174,6 +188,10 @@ def render(status: dict[str, Any], probe: bool = True) -> str:
     if status["boards"]:
         lines.append("  boards attached:")
         for b in status["boards"]:
+            if b["closed"]:
+                lines.append(f"    {b['name']}: closed; models "
+                             f"{', '.join(b['models'])}")
+                continue
             lines.append(
                 f"    {b['name']}: {b['slots']} slots, generation "
                 f"{b['generation']}, owner pid {b['owner_pid']} (expected "
