@@ -1,11 +1,154 @@
-"""Command line: python -m comfy_standin."""
+"""Command line: ``python -m comfy_standin {demo,status,probe,selfcheck}``.
 
+Exit codes: 0 success; 1 a check failed (demo, selfcheck); 2 bad usage
+(argparse); 3 ``probe --require-gpu`` found no readable GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
 import sys
 
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_NO_GPU = 3
 
-def main(argv=None):
-    print("comfy_standin", __import__("comfy_standin").__version__)
-    return 0
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from . import _demo
+
+    return _demo.run_demo(args.impl, sys.stdout,
+                          show_status=not args.no_status)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    import comfy_standin as cs
+
+    from . import _status
+
+    if args.impl == "c":
+        pool = cs.default_pool()
+    else:
+        from . import _reference
+
+        pool = _reference.default_pool()
+    status = _status.collect(pool)
+    result = cs.probe()
+    if args.json:
+        status["probe"] = result
+        status["probe_summary"] = _status.probe_summary(result)
+        print(json.dumps(status, indent=2, sort_keys=True, default=str))
+    else:
+        print(_status.render(status, probe=False))
+        print(_status.render_probe(result))
+    return EXIT_OK
+
+
+def _cmd_probe(args: argparse.Namespace) -> int:
+    import comfy_standin as cs
+
+    from . import _status
+
+    result = cs.probe()
+    summary = _status.probe_summary(result)
+    if args.json:
+        print(json.dumps({"probe": result, "summary": summary}, indent=2,
+                         sort_keys=True, default=str))
+    else:
+        print(_status.render_probe(result))
+    if args.require_gpu and not summary["gpu"]:
+        return EXIT_NO_GPU
+    return EXIT_OK
+
+
+def _cmd_selfcheck(args: argparse.Namespace) -> int:
+    from . import _selfcheck
+
+    return _selfcheck.run(sys.stdout)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m comfy_standin",
+        description=(
+            "Stand-ins for models held by comfy-env worker processes in "
+            "ComfyUI's VRAM management."
+        ),
+        epilog=(
+            "exit codes: 0 ok; 1 a check failed (demo, selfcheck); 2 bad "
+            "usage; 3 probe --require-gpu found no GPU"
+        ),
+    )
+    parser.add_argument("--version", action="version",
+                        version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    demo = sub.add_parser(
+        "demo",
+        help="self-contained run: worker subprocesses, boards, a "
+             "ComfyUI-like memory manager under pressure (no GPU needed)",
+        description=(
+            "Starts two worker processes holding fake models on a "
+            "simulated card, registers their stand-ins next to host "
+            "models, and shows what ComfyUI's eviction sees and does: a "
+            "busy call (receipt vs live board), pressure, a worker "
+            "killed with SIGKILL, a worker refusing. Checks its own "
+            "claims; exit 0 only if all held."
+        ),
+    )
+    demo.add_argument("--impl", choices=("c", "reference"), default="c",
+                      help="stand-in implementation (default: c)")
+    demo.add_argument("--no-status", action="store_true",
+                      help="skip the status dump of the demo's pool")
+    demo.set_defaults(func=_cmd_demo)
+
+    status = sub.add_parser(
+        "status",
+        help="this process's default pool: workers, models, receipts "
+             "(age, source), boards; and the probe",
+    )
+    status.add_argument("--json", action="store_true",
+                        help="machine-readable output")
+    status.add_argument("--impl", choices=("c", "reference"), default="c",
+                        help="whose default pool (default: c)")
+    status.set_defaults(func=_cmd_status)
+
+    probe = sub.add_parser(
+        "probe",
+        help="the GPU probe (CUDA driver and NVML through dlopen)",
+    )
+    probe.add_argument("--json", action="store_true",
+                       help="machine-readable output")
+    probe.add_argument("--require-gpu", action="store_true",
+                       help=f"exit {EXIT_NO_GPU} when no GPU is readable")
+    probe.set_defaults(func=_cmd_probe)
+
+    selfcheck = sub.add_parser(
+        "selfcheck",
+        help="imports, version, C and reference agree on a scripted "
+             "history",
+    )
+    selfcheck.set_defaults(func=_cmd_selfcheck)
+    return parser
+
+
+def _version() -> str:
+    try:
+        import comfy_standin
+
+        return comfy_standin.__version__
+    except Exception as exc:  # noqa: BLE001 - --version must still work
+        return f"(import failed: {exc})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return args.func(args)
 
 
 if __name__ == "__main__":

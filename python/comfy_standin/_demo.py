@@ -1,0 +1,951 @@
+"""``python -m comfy_standin demo``: stand-ins under pressure, end to end.
+
+Everything is real except the GPU: two worker processes
+(``comfy_standin._demo_worker``) hold fake models and speak comfy-env's
+command protocol over pipes; each publishes its models' residency on a
+live residency board this process created; a small ComfyUI-like memory
+manager (:class:`MiniModelManagement`, written for the demo, not
+ComfyUI's code) lists host models and stand-ins side by side and evicts
+with ComfyUI's sort key; a simulated card (:class:`SimCard`) keeps the
+bytes.  The card plays the driver: it learns a worker's bytes from what
+the worker publishes on its board (every change is published before the
+worker replies) and takes back everything of a process that died, so
+``get_free_memory`` moves exactly as much as an eviction really returned.
+
+The demo checks its own claims (:class:`Checks`) and exits 0 only when
+every one held, including that no board segment and no worker process
+outlives it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+import traceback
+import uuid
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+CUDA = "cuda:0"
+CPU = "cpu"
+
+#: Seconds a worker may take to answer one request.  A reply that does
+#: not come in time is a transport failure on a live worker ("send
+#: failed"), never a reason to hang the demo.
+REPLY_TIMEOUT = 15.0
+
+#: The board's heartbeat limit.  Generous: the demo's boards must not go
+#: stale between two scenes on a slow machine (a stale board only means
+#: "use the receipt", but the demo's claims about the board would flap).
+HEARTBEAT_LIMIT = 120.0
+
+
+def gib(n: float | None) -> str:
+    if n is None:
+        return "-"
+    return f"{n / GiB:.2f} GiB"
+
+
+# ---------------------------------------------------------------------------
+# The simulated card
+
+
+class SimOutOfMemory(RuntimeError):
+    pass
+
+
+class SimCard:
+    """One simulated GPU: a total and bytes per (process, owner).
+
+    Host models allocate and release directly.  A worker's bytes are read
+    from its board (``track``): the worker publishes each change before it
+    replies, so after any reply the card holds what the worker holds, and
+    in between (a busy call paging weights in) the card sees what no
+    message said.  A dead process's bytes go back to the card at once, as
+    the driver takes back a killed process's memory.
+    """
+
+    def __init__(self, device: str, total: int) -> None:
+        self.device = device
+        self.total = total
+        self.allocations: dict[tuple[str, str], int] = {}
+        # process -> (is_alive, [(owner, board, slot)])
+        self._tracked: dict[str, tuple[Callable[[], bool], list]] = {}
+        #: process -> bytes the card took back when it died
+        self.released_at_exit: dict[str, int] = {}
+
+    def used(self) -> int:
+        self.sync()
+        return sum(self.allocations.values())
+
+    def free(self) -> int:
+        return self.total - self.used()
+
+    def allocate(self, process: str, owner: str, nbytes: int) -> None:
+        if nbytes > self.free():
+            raise SimOutOfMemory(
+                f"{self.device}: {process}/{owner} asked {gib(nbytes)}, "
+                f"{gib(self.free())} free"
+            )
+        key = (process, owner)
+        self.allocations[key] = self.allocations.get(key, 0) + nbytes
+
+    def release(self, process: str, owner: str, nbytes: int) -> int:
+        key = (process, owner)
+        have = self.allocations.get(key, 0)
+        n = min(have, nbytes)
+        self.allocations[key] = have - n
+        return n
+
+    def track(
+        self, process: str, is_alive: Callable[[], bool], owner: str,
+        board: Any, slot: int,
+    ) -> None:
+        entry = self._tracked.setdefault(process, (is_alive, []))
+        entry[1].append((owner, board, slot))
+
+    def sync(self) -> None:
+        for process, (is_alive, owners) in list(self._tracked.items()):
+            if not is_alive():
+                freed = 0
+                for key in [k for k in self.allocations if k[0] == process]:
+                    freed += self.allocations.pop(key)
+                self.released_at_exit[process] = (
+                    self.released_at_exit.get(process, 0) + freed
+                )
+                del self._tracked[process]
+                continue
+            for owner, board, slot in owners:
+                reading = board.read(slot)
+                if reading is not None:
+                    self.allocations[(process, owner)] = reading[0]
+
+
+# ---------------------------------------------------------------------------
+# A worker process behind a pipe
+
+
+class WorkerError(RuntimeError):
+    """The worker replied with an error (comfy-env's send_command raises)."""
+
+
+class PipeWorker:
+    """The host's handle on one worker process: comfy-env's
+    ``send_command(method, **params) -> dict`` and ``is_alive()``."""
+
+    def __init__(self, name: str, board: Any) -> None:
+        self.name = name
+        self.board = board
+        self._buffer = b""
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "comfy_standin._demo_worker", board.name],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            bufsize=0,
+        )
+
+    def wait_ready(self) -> None:
+        """The worker's greeting: it has opened the board."""
+        hello = self._read_reply()
+        if hello.get("pid") != self.process.pid:
+            raise WorkerError(
+                f"worker {self.name}: unexpected greeting {hello!r}"
+            )
+
+    def __repr__(self) -> str:
+        return f"<demo worker {self.name} pid {self.pid}>"
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def is_alive(self) -> bool:
+        return self.process.poll() is None
+
+    def _read_reply(self) -> dict[str, Any]:
+        fd = self.process.stdout.fileno()
+        deadline = time.monotonic() + REPLY_TIMEOUT
+        while b"\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"worker {self.name}: no reply within {REPLY_TIMEOUT} s"
+                )
+            ready, _, _ = select.select([fd], [], [], left)
+            if not ready:
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise ConnectionError(f"worker {self.name}: pipe closed")
+            self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return json.loads(line)
+
+    def send_command(self, method: str, **params: Any) -> dict[str, Any]:
+        if not self.is_alive():
+            raise ConnectionError(f"worker {self.name} is not running")
+        request = json.dumps({"method": method, "params": params}) + "\n"
+        try:
+            self.process.stdin.write(request.encode())
+        except (BrokenPipeError, OSError) as exc:
+            raise ConnectionError(f"worker {self.name}: {exc}") from exc
+        reply = self._read_reply()
+        if reply.get("status") != "ok":
+            raise WorkerError(
+                f"worker {self.name}: {method}: {reply.get('error')}"
+            )
+        return reply
+
+    def kill(self) -> int:
+        """SIGKILL and reap: afterwards ``is_alive()`` is False."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+        return self.process.wait(timeout=REPLY_TIMEOUT)
+
+    def shut_down(self) -> None:
+        """Ask it to exit, and make sure it did."""
+        if self.process.poll() is None:
+            with contextlib.suppress(Exception):
+                self.send_command("exit")
+            try:
+                self.process.wait(timeout=REPLY_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        for stream in (self.process.stdin, self.process.stdout):
+            with contextlib.suppress(OSError):
+                stream.close()
+
+
+# ---------------------------------------------------------------------------
+# Host models: a fake ComfyUI ModelPatcher
+
+
+class HostModule:
+    """The inner module of a host model (weak-referenceable)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.device = CPU
+        self.model_loaded_weight_memory = 0
+
+
+class HostModel:
+    """A model that lives in this process: its bytes are on the card."""
+
+    BLOCK = 64 * MiB
+
+    def __init__(self, name: str, size: int, kind: str, card: SimCard):
+        self.name = name
+        self.size = size
+        self.kind = kind
+        self.card = card
+        self.load_device = CUDA
+        self.offload_device = CPU
+        self.parent = None
+        self.clone_base_uuid = uuid.uuid4()
+        self.model = HostModule(name)
+        self._loaded = 0
+
+    def __repr__(self) -> str:
+        return f"<HostModel {self.name}>"
+
+    def _set(self, n: int) -> None:
+        self._loaded = n
+        self.model.model_loaded_weight_memory = n
+        self.model.device = self.load_device if n else self.offload_device
+
+    def model_size(self) -> int:
+        return self.size
+
+    def loaded_size(self) -> int:
+        return self._loaded
+
+    def current_loaded_device(self) -> str:
+        return self.model.device
+
+    def is_dynamic(self) -> bool:
+        return False
+
+    def is_clone(self, other: object) -> bool:
+        return other is self
+
+    def model_dtype(self) -> None:
+        return None
+
+    def model_patches_to(self, device: Any) -> None:
+        return None
+
+    def model_patches_models(self) -> list:
+        return []
+
+    def get_nested_additional_models(self) -> list:
+        return []
+
+    def partially_load(self, device_to, extra_memory=0, force=False) -> int:
+        want = int(min(self.size - self._loaded, extra_memory))
+        self.card.allocate("host", self.name, want)
+        self._set(self._loaded + want)
+        return want
+
+    def partially_unload(self, device_to, memory_to_free=0, force=False):
+        blocks = -(-int(memory_to_free) // self.BLOCK)
+        freed = self.card.release(
+            "host", self.name, min(self._loaded, blocks * self.BLOCK)
+        )
+        self._set(self._loaded - freed)
+        return freed
+
+    def detach(self, unpatch_all=True):
+        self.card.release("host", self.name, self._loaded)
+        self._set(0)
+        return self.model
+
+
+# ---------------------------------------------------------------------------
+# A ComfyUI-like memory manager (the demo's own, not ComfyUI's code)
+
+
+@dataclass
+class Eviction:
+    """One ``model_unload`` call inside ``free_memory``."""
+
+    name: str
+    memory_to_free: int
+    steps: list[tuple[str, int]] = field(default_factory=list)
+    left_list: bool = False
+    card_got_back: int = 0
+    error: str | None = None
+
+    @property
+    def returned(self) -> int:
+        return sum(n for _, n in self.steps)
+
+
+@dataclass
+class Candidate:
+    """What ComfyUI saw of one entry when it sorted."""
+
+    name: str
+    kind: str
+    size: int
+    receipt: int
+    board: int | None
+    board_status: str
+    key: tuple
+    receipt_key: tuple
+
+
+@dataclass
+class FreeMemoryRun:
+    memory_required: int
+    free_before: int
+    candidates: list[Candidate]
+    evictions: list[Eviction]
+    free_after: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+class LoadedModel:
+    """An entry of ``current_loaded_models``, as ComfyUI's LoadedModel:
+    a weak reference to the patcher, ``currently_used``, the finalizer
+    on the inner module, and model_unload's partial-then-detach ladder."""
+
+    def __init__(self, mm: MiniModelManagement, model: Any) -> None:
+        self._mm = mm
+        self._model = weakref.ref(model)
+        self.device = model.load_device
+        self.real_model = None
+        self.currently_used = True
+        self.model_finalizer = None
+
+    @property
+    def model(self) -> Any:
+        return self._model()
+
+    def model_memory(self) -> int:
+        return self.model.model_size()
+
+    def model_loaded_memory(self) -> int:
+        return self.model.loaded_size()
+
+    def model_offloaded_memory(self) -> int:
+        return self.model.model_size() - self.model.loaded_size()
+
+    def model_load(self, budget: float = 0) -> Any:
+        patcher = self.model
+        patcher.model_patches_to(self.device)
+        patcher.model_patches_to(patcher.model_dtype())
+        patcher.partially_load(self.device, budget or 1e32)
+        inner = patcher.model
+        self.real_model = weakref.ref(inner)
+        self.model_finalizer = weakref.finalize(inner, self._mm.cleanup_models)
+        self.model_finalizer.atexit = False
+        return inner
+
+    def model_unload(self, memory_to_free=None, unpatch_weights=True) -> bool:
+        patcher = self.model
+        record = self._mm._current_eviction
+        loaded = patcher.loaded_size()
+        if memory_to_free is not None and memory_to_free < loaded:
+            freed = patcher.partially_unload(
+                patcher.offload_device, memory_to_free
+            )
+            if record is not None:
+                record.steps.append(("partially_unload", freed))
+            if freed >= memory_to_free:
+                return False
+        before = patcher.loaded_size()
+        patcher.detach(unpatch_weights)
+        if record is not None:
+            record.steps.append(("detach", before - patcher.loaded_size()))
+        # ComfyUI detaches the finalizer unconditionally and the entry
+        # leaves the list even when detach freed nothing.
+        self.model_finalizer.detach()
+        self.model_finalizer = None
+        self.real_model = None
+        return True
+
+    def is_dead(self) -> bool:
+        return (
+            self.real_model is not None
+            and self.real_model() is not None
+            and self.model is None
+        )
+
+
+class MiniModelManagement:
+    """What ``comfy_standin.register`` and the demo need of
+    ``comfy.model_management``: ``LoadedModel``, ``current_loaded_models``,
+    ``cleanup_models``, ``get_free_memory`` and ``free_memory`` with
+    ComfyUI's candidate sort key and ``memory_to_free`` recomputed from
+    the card before every candidate."""
+
+    def __init__(self, card: SimCard, describe: Callable[[Any], tuple]):
+        self.card = card
+        self.current_loaded_models: list[LoadedModel] = []
+        self.EXTRA_RESERVED_VRAM = 400 * MiB
+        self._describe = describe
+        self._current_eviction: Eviction | None = None
+
+    # Named like upstream's class: register() calls mm.LoadedModel(s).
+    def LoadedModel(self, model: Any) -> LoadedModel:  # noqa: N802
+        return LoadedModel(self, model)
+
+    def cleanup_models(self) -> None:
+        self.current_loaded_models[:] = [
+            e for e in self.current_loaded_models
+            if e.real_model is None or e.real_model() is not None
+        ]
+
+    def minimum_inference_memory(self) -> int:
+        return int(0.8 * GiB) + self.EXTRA_RESERVED_VRAM
+
+    def get_free_memory(self, device: str) -> int:
+        return self.card.free()
+
+    def load_host_model(self, patcher: HostModel, budget: int = 0) -> None:
+        entry = self.LoadedModel(patcher)
+        entry.model_load(budget)
+        self.current_loaded_models.insert(0, entry)
+
+    def free_memory(
+        self, memory_required: int, device: str, keep_loaded: Iterable = ()
+    ) -> FreeMemoryRun:
+        keep = list(keep_loaded)
+        run = FreeMemoryRun(
+            memory_required, self.get_free_memory(device), [], []
+        )
+        can_unload = []
+        for i, entry in enumerate(self.current_loaded_models):
+            if entry.device != device or entry in keep or entry.is_dead():
+                continue
+            entry.currently_used = False
+            # ComfyUI's key, ascending: the most-offloaded model first
+            # (cheapest to finish), then the fewest references, then size.
+            key = (
+                -entry.model_offloaded_memory(),
+                sys.getrefcount(entry.model),
+                entry.model_memory(),
+                i,
+            )
+            can_unload.append(key)
+            name, kind, receipt, board, status = self._describe(entry.model)
+            run.candidates.append(
+                Candidate(
+                    name, kind, key[2], receipt, board, status, key,
+                    (-(key[2] - receipt),) + key[1:],
+                )
+            )
+        unloaded = []
+        for key in sorted(can_unload):
+            i = key[-1]
+            memory_to_free = memory_required - self.get_free_memory(device)
+            if memory_to_free <= 0:
+                continue
+            entry = self.current_loaded_models[i]
+            record = Eviction(self._describe(entry.model)[0], memory_to_free)
+            self._current_eviction = record
+            before = self.card.free()
+            try:
+                if entry.model_unload(memory_to_free):
+                    unloaded.append(i)
+                    record.left_list = True
+            except Exception as exc:  # noqa: BLE001 - the demo's check
+                record.error = f"{type(exc).__name__}: {exc}"
+                run.errors.append(record.error)
+                traceback.print_exc()
+            finally:
+                self._current_eviction = None
+            record.card_got_back = self.card.free() - before
+            run.evictions.append(record)
+        for i in sorted(unloaded, reverse=True):
+            self.current_loaded_models.pop(i)
+        run.free_after = self.get_free_memory(device)
+        return run
+
+
+# ---------------------------------------------------------------------------
+# Checks
+
+
+class Checks:
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.results: list[tuple[bool, str]] = []
+
+    def check(self, ok: bool, claim: str) -> bool:
+        self.results.append((bool(ok), claim))
+        mark = "ok  " if ok else "FAIL"
+        print(f"  [{mark}] {claim}", file=self.out)
+        return bool(ok)
+
+    @property
+    def failed(self) -> list[str]:
+        return [claim for ok, claim in self.results if not ok]
+
+
+# ---------------------------------------------------------------------------
+# The scenario
+
+
+def _version() -> str:
+    return importlib.import_module("comfy_standin").__version__
+
+
+def _shm_path(name: str) -> str:
+    return "/dev/shm/" + name.lstrip("/")
+
+
+class Demo:
+    def __init__(self, impl_name: str, out: TextIO) -> None:
+        self.impl_name = impl_name
+        self.impl = (
+            importlib.import_module("comfy_standin")
+            if impl_name == "c"
+            else importlib.import_module("comfy_standin._reference")
+        )
+        self.board_type = importlib.import_module("comfy_standin._core").Board
+        self.out = out
+        self.checks = Checks(out)
+        self.card = SimCard(CUDA, 12 * GiB)
+        self.mm = MiniModelManagement(self.card, self.describe)
+        self.pool = self.impl.Pool(process_local=False)
+        self.pressure_calls: list[int] = []
+        self.pool.on_pressure = self.pressure_calls.append
+        self.workers: dict[str, PipeWorker] = {}
+        self.boards: list[Any] = []
+        self.board_names: list[str] = []
+        # One strong reference per model, so ComfyUI's refcount term in
+        # the sort key is the same for every entry.
+        self.models: dict[str, Any] = {}
+        self.kinds: dict[str, str] = {}
+
+    # -- printing -------------------------------------------------------
+
+    def say(self, text: str = "") -> None:
+        print(text, file=self.out)
+
+    def title(self, text: str) -> None:
+        self.say()
+        self.say(f"== {text} ==")
+
+    # -- views ----------------------------------------------------------
+
+    def name_of(self, patcher: Any) -> str:
+        if isinstance(patcher, HostModel):
+            return patcher.name
+        return patcher.model_id
+
+    def receipt_of(self, s: Any) -> tuple:
+        """The stand-in's receipt alone (what the worker last *said*):
+        the board is set aside for the read, then put back."""
+        attached = s.board
+        if attached is None:
+            return s.receipt()
+        s.detach_board()
+        try:
+            return s.receipt()
+        finally:
+            s.attach_board(*attached)
+
+    def board_of(self, s: Any) -> tuple[int | None, str]:
+        attached = s.board
+        if attached is None:
+            return None, "no board"
+        board, slot = attached
+        status = board.status(slot, s.size)
+        reading = board.read(slot, s.size)
+        return (None if reading is None else reading[0]), status
+
+    def describe(self, patcher: Any) -> tuple:
+        """(name, kind, loaded per receipt, per board, board status)."""
+        if isinstance(patcher, HostModel):
+            return (patcher.name, patcher.kind, patcher.loaded_size(),
+                    None, "host")
+        board, status = self.board_of(patcher)
+        return (patcher.model_id, "worker " + patcher.kind,
+                self.receipt_of(patcher)[0], board, status)
+
+    def print_models(self) -> None:
+        self.say(
+            f"  card {CUDA}: {gib(self.card.total)} total, "
+            f"{gib(self.card.free())} free"
+        )
+        self.say(f"  {'model':<10} {'kind':<12} {'size':>10} "
+                 f"{'receipt':>10} {'board':>12}  loaded_size()  source")
+        for name, patcher in self.models.items():
+            _, kind, receipt, board, status = self.describe(patcher)
+            if isinstance(patcher, HostModel):
+                source = "host"
+            else:
+                source = patcher.receipt()[3]
+            shown = gib(board) if board is not None else f"({status})"
+            if isinstance(patcher, HostModel):
+                shown = "-"
+            self.say(
+                f"  {name:<10} {kind:<12} {gib(patcher.model_size()):>10} "
+                f"{gib(receipt):>10} {shown:>12}  "
+                f"{gib(patcher.loaded_size()):>13}  {source}"
+            )
+
+    def print_run(self, run: FreeMemoryRun) -> None:
+        self.say(
+            f"  free_memory({gib(run.memory_required)}, {CUDA}): "
+            f"{gib(run.free_before)} free before"
+        )
+        self.say("  what ComfyUI saw (sorted ascending by key):")
+        self.say(f"    {'entry':<10} {'kind':<12} {'size':>10} "
+                 f"{'receipt':>10} {'board':>12}  "
+                 f"key (-offloaded, refcount, size, index)")
+        for c in sorted(run.candidates, key=lambda c: c.key):
+            off, refs, size, index = c.key
+            board = gib(c.board) if c.board is not None else (
+                "-" if c.board_status == "host" else f"({c.board_status})")
+            self.say(
+                f"    {c.name:<10} {c.kind:<12} {gib(c.size):>10} "
+                f"{gib(c.receipt):>10} {board:>12}  "
+                f"({gib(off)}, {refs}, {gib(size)}, {index})"
+            )
+        first = min(run.candidates, key=lambda c: c.key, default=None)
+        first_r = min(run.candidates, key=lambda c: c.receipt_key,
+                      default=None)
+        if first is not None and first_r is not None and first is not first_r:
+            self.say(
+                f"  with receipts only, ComfyUI would have taken "
+                f"{first_r.name} first (it looked "
+                f"{gib(-first_r.receipt_key[0])} offloaded); the board "
+                f"put {first.name} first"
+            )
+        self.say("  what it chose:")
+        if not run.evictions:
+            self.say("    nothing (enough was free)")
+        for e in run.evictions:
+            steps = ", ".join(f"{what} -> {gib(n)}" for what, n in e.steps)
+            self.say(
+                f"    {e.name:<10} asked {gib(e.memory_to_free):>10}: "
+                f"{steps or 'nothing sent'}; "
+                f"{'left the list' if e.left_list else 'stays listed'}; "
+                f"card got back {gib(e.card_got_back)}"
+                + (f"; RAISED {e.error}" if e.error else "")
+            )
+        self.say(f"  free after: {gib(run.free_after)}")
+
+    # -- building blocks ------------------------------------------------
+
+    def start_worker(self, name: str) -> PipeWorker:
+        board = self.board_type.create(
+            8, generation=1, heartbeat_limit=HEARTBEAT_LIMIT
+        )
+        self.boards.append(board)
+        self.board_names.append(board.name)
+        worker = PipeWorker(name, board)
+        self.workers[name] = worker  # cleaned up even if it never greets
+        worker.wait_ready()
+        board.expected_owner = worker.pid
+        # The worker has opened it (it greeted us): from now on the
+        # segment has no name, so nothing can leak it (docs/board.md).
+        if board.attached:
+            board.unlink()
+        return worker
+
+    def add_worker_models(self, worker: PipeWorker, specs: list) -> None:
+        reply = worker.send_command("make_models", models=specs)
+        for new in reply["_new_models"]:
+            s = self.impl.StandIn(
+                worker=worker, worker_generation=1, model_id=new["id"],
+                model_size=new["size"], load_device=CUDA,
+                offload_device=CPU, kind=new["kind"], pool=self.pool,
+            )
+            slot = s.attach_board(worker.board)
+            self.card.track(worker.name, worker.is_alive, s.model_id,
+                            worker.board, slot)
+            self.impl.register(self.mm, s)
+            self.models[s.model_id] = s
+
+    def add_host_model(self, name: str, size: int, kind: str,
+                       budget: int = 0) -> HostModel:
+        model = HostModel(name, size, kind, self.card)
+        self.models[name] = model
+        self.mm.load_host_model(model, budget)
+        return model
+
+    def entry_of(self, patcher: Any) -> LoadedModel | None:
+        for entry in self.mm.current_loaded_models:
+            if entry.model is patcher:
+                return entry
+        return None
+
+    def others_than(self, worker: PipeWorker) -> list:
+        return [e for e in self.mm.current_loaded_models
+                if getattr(e.model, "worker", None) is not worker]
+
+    def check_run(self, run: FreeMemoryRun, label: str) -> None:
+        c = self.checks
+        c.check(not run.errors, f"{label}: no exception escaped free_memory")
+        for e in run.evictions:
+            c.check(
+                e.returned == e.card_got_back,
+                f"{label}: {e.name} said {gib(e.returned)} freed, the card "
+                f"got back {gib(e.card_got_back)}",
+            )
+
+    # -- the scenes -----------------------------------------------------
+
+    def run(self) -> None:
+        c = self.checks
+        self.say(
+            f"comfy_standin {_version()}"
+            f" demo, implementation: {self.impl_name} "
+            f"({self.impl.__name__}.StandIn), simulated card "
+            f"{gib(self.card.total)}"
+        )
+
+        self.title("1. load: host models, and two workers over pipes")
+        a = self.start_worker("A")
+        b = self.start_worker("B")
+        self.say(f"  worker A pid {a.pid}, board {a.board.name}; "
+                 f"worker B pid {b.pid}, board {b.board.name} "
+                 f"(unlinked once opened)")
+        self.add_host_model("clip", 2 * GiB, "clip")
+        self.add_host_model("vae", 1 * GiB, "vae")
+        self.add_worker_models(a, [
+            {"id": "A/unet", "size": 4 * GiB, "kind": "unet"},
+            {"id": "A/lora", "size": GiB // 2, "kind": "lora"},
+        ])
+        self.add_worker_models(b, [
+            {"id": "B/unet", "size": 3 * GiB, "kind": "unet"},
+        ])
+        loaded = {
+            "A/unet": self.models["A/unet"].partially_load(CUDA, 2.5 * GiB),
+            "A/lora": self.models["A/lora"].partially_load(CUDA, 1e32),
+            "B/unet": self.models["B/unet"].partially_load(CUDA, 1 * GiB),
+        }
+        self.print_models()
+        for name, n in loaded.items():
+            c.check(self.models[name].loaded_size() == n,
+                    f"{name}: partially_load returned {gib(n)} and the "
+                    f"receipt says so")
+
+        self.title("2. a busy call: B pages its unet in, no message says so")
+        unet_b = self.models["B/unet"]
+        receipt_before = self.receipt_of(unet_b)[0]
+        with self.pool.call(b):
+            frame = b.send_command("call_begin", model_id="B/unet",
+                                   resident=3 * GiB)
+            self.say(f"  B replied with a progress frame: {frame!r}")
+            self.print_models()
+            board_now, status = self.board_of(unet_b)
+            c.check(
+                board_now == 3 * GiB and self.receipt_of(unet_b)[0]
+                == receipt_before and board_now != receipt_before,
+                f"during the call the board says {gib(board_now)} "
+                f"({status}), the receipt still {gib(receipt_before)}",
+            )
+            c.check(unet_b.loaded_size() == 3 * GiB,
+                    "loaded_size() reads the board during the call")
+            charge = self.pool.worker_charges()[b]
+            c.check(
+                charge == unet_b.size + self.pool.floor,
+                f"in flight, B is charged every byte it could fault in: "
+                f"{gib(charge)} (size + floor)",
+            )
+            end = b.send_command("call_end")
+        self.say(f"  the call returned {end!r}: no census (an older "
+                 f"worker), so the receipt stays behind the board")
+
+        self.title("3. pressure: ComfyUI needs room for a 6 GiB upscaler")
+        need = 6 * GiB + self.mm.minimum_inference_memory()
+        run = self.mm.free_memory(need, CUDA)
+        self.print_run(run)
+        self.check_run(run, "pressure")
+        c.check(run.free_after >= need,
+                f"enough came back: {gib(run.free_after)} free >= "
+                f"{gib(need)}")
+        first = min(run.candidates, key=lambda x: x.key)
+        c.check(first.name != "B/unet",
+                "the board kept B/unet (really resident) from being sorted "
+                "as the most offloaded")
+        self.add_host_model("upscaler", 6 * GiB, "upscale")
+        self.say("  loaded the upscaler.")
+        # Node boundary: a census from B brings its receipts level with
+        # the board; the pool's graveyard is emptied here, never inside
+        # free_memory.
+        report = b.send_command("report")["_vram_report"]
+        applied = self.pool.report(b, report)
+        self.pool.boundary()
+        self.say(f"  node boundary: B's census applied ({applied} entry), "
+                 f"receipt now {gib(self.receipt_of(unet_b)[0])}")
+        self.print_models()
+
+        self.title("4. worker B is killed (SIGKILL) in the middle of a call")
+        self.pool.begin_call(b)
+        b.send_command("call_begin", model_id="B/unet", resident=3 * GiB)
+        held_by_b = self.receipt_of(unet_b)[0]
+        code = b.kill()
+        free_after_kill = self.card.free()
+        self.say(f"  B exited with {code}; the card took back "
+                 f"{gib(self.card.released_at_exit.get('B', 0))} at once; "
+                 f"{gib(free_after_kill)} free")
+        need = free_after_kill + 1 * GiB
+        run = self.mm.free_memory(need, CUDA, keep_loaded=self.others_than(b))
+        self.print_run(run)
+        c.check(not run.errors, "kill: no exception escaped free_memory")
+        returned = sum(e.returned for e in run.evictions)
+        c.check(
+            returned == held_by_b
+            == self.card.released_at_exit.get("B", -1),
+            f"kill: B/unet counted {gib(returned)} as freed, what it held "
+            f"and what the card took back when B died",
+        )
+        r = unet_b.receipt()
+        c.check(r[0] == 0 and r[3] == "worker gone",
+                f"kill: B/unet now reads {gib(r[0])} ({r[3]})")
+        c.check(self.pool.worker_charges().get(b) == 0,
+                "kill: B costs the card nothing any more")
+        self.pool.boundary()
+
+        self.title("5. worker A refuses (its lock is busy): eviction deferred")
+        unet_a = self.models["A/unet"]
+        if self.entry_of(unet_a) is None:
+            self.impl.register(self.mm, unet_a)
+        unet_a.partially_load(CUDA, 2 * GiB)
+        a.send_command("refuse", on=True)
+        kept = unet_a.loaded_size()
+        need = self.card.free() + 1 * GiB
+        run = self.mm.free_memory(need, CUDA, keep_loaded=self.others_than(a))
+        self.print_run(run)
+        self.check_run(run, "refusing")
+        c.check(unet_a.eviction_deferred,
+                "refusing: A/unet says eviction_deferred")
+        c.check(unet_a.loaded_size() == kept,
+                f"refusing: its receipt is kept ({gib(kept)}: the weights "
+                f"are still there)")
+        asked = [e.memory_to_free for e in run.evictions
+                 if e.name == "A/unet"]
+        c.check(
+            bool(asked) and asked[0] in self.pressure_calls,
+            f"refusing: pool.on_pressure got the shortfall "
+            f"({', '.join(gib(n) for n in self.pressure_calls) or 'nothing'})",
+        )
+        self.impl.register(self.mm, unet_a)
+        self.say("  at the next boundary the stand-in is registered again "
+                 "(currently_used False, index 0).")
+        a.send_command("refuse", on=False)
+
+    def shut_down(self) -> None:
+        """Workers exit or are killed and reaped; boards closed."""
+        for worker in self.workers.values():
+            try:
+                worker.shut_down()
+            except Exception:  # noqa: BLE001 - keep cleaning up
+                traceback.print_exc()
+        for board in self.boards:
+            board.close()
+
+    def check_nothing_left(self) -> None:
+        c = self.checks
+        left = [name for name in self.board_names
+                if os.path.exists(_shm_path(name))]
+        c.check(not left, "no board segment left in /dev/shm"
+                + (f" (left: {left})" if left else ""))
+        running = [w.name for w in self.workers.values()
+                   if w.process.returncode is None]
+        c.check(not running, "every worker process exited and was reaped"
+                + (f" (running: {running})" if running else ""))
+
+
+def run_demo(impl_name: str = "c", out: TextIO | None = None,
+             show_status: bool = True) -> int:
+    """Run the scenario; returns the exit code (0: every check held)."""
+    out = sys.stdout if out is None else out
+    demo = Demo(impl_name, out)
+    crashed: str | None = None
+    # What the stand-ins log (deferred evictions, a gone worker) is part
+    # of the story: show it inline rather than on stderr.
+    logger = logging.getLogger("comfy_standin")
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(logging.Formatter("  [log] %(message)s"))
+    logger.addHandler(handler)
+    try:
+        demo.run()
+        if show_status:
+            from . import _status
+
+            demo.title("status of the demo's pool")
+            print(_status.render(_status.collect(demo.pool), probe=False),
+                  file=out)
+    except Exception as exc:  # noqa: BLE001 - reported, then exit 1
+        crashed = f"{type(exc).__name__}: {exc}"
+        traceback.print_exc()
+    finally:
+        demo.title("clean-up")
+        demo.shut_down()
+        demo.check_nothing_left()
+        logger.removeHandler(handler)
+    checks = demo.checks
+    if crashed:
+        checks.results.append((False, f"the demo crashed: {crashed}"))
+    held = sum(ok for ok, _ in checks.results)
+    total = len(checks.results)
+    demo.say()
+    if checks.failed:
+        demo.say(f"demo ({impl_name}): FAILED {total - held} of {total} "
+                 f"checks: {'; '.join(checks.failed)}")
+        return 1
+    demo.say(f"demo ({impl_name}): all {total} checks held; no segment, "
+             f"no process left")
+    return 0
