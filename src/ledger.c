@@ -676,6 +676,12 @@ void
 cs_worker_gone(cs_worker *worker)
 {
     cs_mutex_lock(&worker->lock);
+    if (!atomic_load_explicit(&worker->alive, memory_order_relaxed)) {
+        /* Idempotent: what registered since reads 0 already (stale) and
+         * keeps its own receipt. */
+        cs_mutex_unlock(&worker->lock);
+        return;
+    }
     for (size_t i = 0; i < worker->capacity; i++) {
         cs_model *m = worker->slots[i];
         if (m != NULL && m != TABLE_TOMBSTONE) {

@@ -103,7 +103,7 @@ def run(out: Any) -> int:
     finally:
         logger.disabled = was_disabled
     bad = 0
-    for (name, c_obs), (_, r_obs) in zip(c_trace, ref_trace):
+    for (name, c_obs), (_, r_obs) in zip(c_trace, ref_trace, strict=True):
         same = c_obs == r_obs
         bad += not same
         print(f"  [{'ok  ' if same else 'DIFF'}] {name:<13} {c_obs[:4]}",

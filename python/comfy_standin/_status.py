@@ -32,15 +32,6 @@ def _gib(n: int | None) -> str:
 # the pool
 
 
-def _standins_by_worker(pool: Any) -> tuple[dict[int, list], list]:
-    """{id(worker): [live stand-ins]} and the graveyard, under the pool's
-    lock (stand-ins are adopted from other threads)."""
-    with pool._lock:
-        live = {key: list(slot[1]) for key, slot in pool._adopted.items()}
-        buried = list(pool._graveyard)
-    return live, buried
-
-
 def _board_view(s: Any) -> dict[str, Any] | None:
     attached = s.board
     if attached is None:
@@ -102,7 +93,7 @@ def _standin_view(s: Any) -> dict[str, Any]:
 
 def collect(pool: Any) -> dict[str, Any]:
     """A JSON-able picture of `pool` (DESIGN.md 6, ``status``)."""
-    live, buried = _standins_by_worker(pool)
+    by_worker = pool.standins()
     workers = []
     boards: dict[str, dict[str, Any]] = {}
     for worker in pool._ledger.keys():
@@ -111,8 +102,7 @@ def collect(pool: Any) -> dict[str, Any]:
             continue
         charge = books.charge()
         standins = sorted(
-            live.get(id(worker), [])
-            + [s for s in buried if s.worker is worker],
+            by_worker.get(worker, []),
             key=lambda s: (s.worker_generation, s.model_id),
         )
         for s in standins:
@@ -135,7 +125,7 @@ def collect(pool: Any) -> dict[str, Any]:
         "floor": pool.floor,
         "process_local": pool.process_local,
         "workers": workers,
-        "graveyard": len(buried),
+        "graveyard": pool.graveyard_size(),
         "boards": list(boards.values()),
     }
 
@@ -257,7 +247,7 @@ def render_probe(result: dict[str, Any]) -> str:
         if info.get("loaded"):
             version = info.get("driver_version")
             extra = (
-                f", already loaded in this process"
+                ", already loaded in this process"
                 if info.get("preloaded") else ""
             )
             lines.append(

@@ -142,6 +142,21 @@ class Pool:
             if doomed(standin):
                 self._graveyard[id(standin)] = standin
 
+    def standins(self) -> dict[Any, list[Any]]:
+        """{worker: its stand-ins still alive}, those of dead or restarted
+        workers included (they may sit in the graveyard until the next
+        boundary).  For status displays; a snapshot."""
+        with self._lock:
+            return {
+                worker: list(members)
+                for worker, members, _ in self._adopted.values()
+            }
+
+    def graveyard_size(self) -> int:
+        """Stand-ins kept alive until the next boundary()."""
+        with self._lock:
+            return len(self._graveyard)
+
     def boundary(self) -> None:
         """Drop the graveyard, then the books of gone workers nobody holds
         a stand-in of any more (a restart under a new worker object would
