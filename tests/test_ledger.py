@@ -238,6 +238,16 @@ def test_register_newer_generation_bumps(impl, pool, make_standin):
     assert pool._ledger.find(old.worker).generation == 2
 
 
+def test_register_on_a_gone_worker(impl, pool, make_standin):
+    first = make_standin(generation=1, model_id="a")
+    pool.worker_gone(first.worker)
+    late = make_standin(worker=first.worker, generation=1, model_id="b")
+    assert late.stale
+    assert receipt(late) == (0, None, "worker gone")
+    assert impl.apply_echo(late, 5) is False
+    assert late.loaded_size() == 0
+
+
 def test_initial_receipt(make_standin):
     s = make_standin(size=1000)
     loaded, seq, age, source = s.receipt()

@@ -378,8 +378,14 @@ class WorkerBooks:
                         f"size {size}"
                     )
                 return record
+            # A model registered on a gone worker (its death seen before
+            # its _new_models) is already gone with it.
             record = ModelRecord(
-                self, model_id, size, generation, "registered"
+                self,
+                model_id,
+                size,
+                generation,
+                "registered" if self._alive else "worker gone",
             )
             self._table[model_id] = record
             return record
@@ -850,7 +856,9 @@ class StandInModule:
         record = self._record
         if assigned is not None and assigned[1] == record._writes:
             return assigned[0]
-        return self._load_device if self._loaded() > 0 else self._offload_device
+        return (
+            self._load_device if self._loaded() > 0 else self._offload_device
+        )
 
     @device.setter
     def device(self, value: Any) -> None:
