@@ -812,12 +812,16 @@ cs_worker_register_model(cs_worker *worker, uint64_t generation,
         status = CS_ERR_NOMEM;
         goto done;
     }
-    if (generation < current ||
-        !atomic_load_explicit(&worker->alive, memory_order_relaxed)) {
+    if (generation < current) {
         /* A stand-in of an old process: it answers, as offloaded. */
         model_mark_gone_locked(m);
         *out = m;
         goto done;
+    }
+    if (!atomic_load_explicit(&worker->alive, memory_order_relaxed)) {
+        /* Registered on a worker already gone: on the table (its id stays
+         * known, like its siblings'), reading 0, its receipt untouched. */
+        atomic_store_explicit(&m->stale, true, memory_order_release);
     }
     cs_model_incref(m); /* the table's reference */
     status = table_insert(worker, m);
@@ -1188,21 +1192,31 @@ cs_ledger_reserve(cs_ledger *ledger, uint64_t base, uint64_t total_bytes,
     cs_mutex_lock(&ledger->lock);
     uint64_t target =
         add_saturating(base, ledger_total_charge_locked(ledger, &released));
-    if (total_bytes > 0) {
-        uint64_t cap = total_bytes / 4 * 3 + (total_bytes % 4) * 3 / 4;
-        if (target > cap) {
-            target = cap;
-        }
+    uint64_t cap = total_bytes / 4 * 3 + (total_bytes % 4) * 3 / 4;
+    if (total_bytes > 0 && target > cap) {
+        target = cap;
     }
     if (target < base) {
         target = base;
     }
-    if (!ledger->has_published || target >= ledger->published ||
-        released) {
-        ledger->published = target;
-        ledger->has_published = true;
+    uint64_t value = target;
+    if (ledger->has_published && target < ledger->published && !released) {
+        value = ledger->published; /* shrink only after a release */
     }
-    uint64_t published = ledger->published;
+    if (total_bytes > 0) {
+        /* The cap holds for a kept value too (the card's size may arrive
+         * after the first call, or the base may drop): a reserve above 75%
+         * of the card would starve ComfyUI.  Never below the base. */
+        if (value > cap) {
+            value = cap;
+        }
+        if (value < base) {
+            value = base;
+        }
+    }
+    ledger->published = value;
+    ledger->has_published = true;
+    uint64_t published = value;
     cs_mutex_unlock(&ledger->lock);
     return published;
 }

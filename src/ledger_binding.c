@@ -216,7 +216,7 @@ static PyObject *
 books_apply_census(BooksObject *self, PyObject *census)
 {
     cs_module_state *state = state_of((PyObject *)self);
-    PyObject *fast = NULL, *result = NULL;
+    PyObject *fast = NULL, *result = NULL, *seen = NULL;
     cs_census_entry *entries = NULL;
     size_t applied = 0, bad = 0;
     Py_ssize_t n;
@@ -231,6 +231,12 @@ books_apply_census(BooksObject *self, PyObject *census)
         PyErr_NoMemory();
         goto error;
     }
+    seen = PySet_New(NULL);
+    if (seen == NULL) {
+        goto error;
+    }
+    /* Entry by entry, in order, so the error names the first bad entry
+     * (as the reference does); the core validates again under its lock. */
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *id;
         int has_seq;
@@ -253,6 +259,28 @@ books_apply_census(BooksObject *self, PyObject *census)
         }
         entries[i].id_len = (size_t)len;
         entries[i].has_seq = has_seq != 0;
+        cs_model *known =
+            cs_worker_find_model(self->worker, entries[i].id, (size_t)len);
+        cs_model_decref(known);
+        if (known == NULL) {
+            PyErr_Format(state->echo_error,
+                         "census[%zd]['id']: unknown model id %R (no "
+                         "stand-in is registered for it on this worker)",
+                         i, id);
+            goto error;
+        }
+        int dup = PySet_Contains(seen, id);
+        if (dup != 0) {
+            if (dup > 0) {
+                PyErr_Format(state->echo_error,
+                             "census[%zd]['id']: duplicate model id %R", i,
+                             id);
+            }
+            goto error;
+        }
+        if (PySet_Add(seen, id) < 0) {
+            goto error;
+        }
     }
     cs_status status =
         cs_worker_apply_census(self->worker, entries, (size_t)n, &applied,
@@ -275,6 +303,7 @@ books_apply_census(BooksObject *self, PyObject *census)
     result = PyLong_FromSize_t(applied);
 error:
     PyMem_Free(entries);
+    Py_XDECREF(seen);
     Py_XDECREF(fast);
     return result;
 }

@@ -134,7 +134,8 @@ size_t cs_ledger_worker_count(cs_ledger *ledger);
  * process_local false (Linux, device-wide free memory): `base`.
  * process_local true (Windows WDDM): base + sum of charges, capped at 75%
  * of `total_bytes` (no cap when total is 0), never below base; it grows at
- * once and shrinks only after a release receipt since the last call. */
+ * once and shrinks only after a release receipt since the last call.  The
+ * cap bounds a kept value too. */
 uint64_t cs_ledger_reserve(cs_ledger *ledger, uint64_t base,
                            uint64_t total_bytes, bool process_local);
 /* Sum of every live worker's charge. */

@@ -84,8 +84,11 @@ class Pool:
         self._ledger = impl.Ledger(floor)
         self._process_local = process_local
         self._lock = threading.Lock()
-        # id(worker) -> (worker, its adopted stand-ins, weakly).
-        self._adopted: dict[int, tuple[Any, weakref.WeakSet[Any]]] = {}
+        # id(worker) -> (worker, its adopted stand-ins weakly, [the newest
+        # generation adopted]).
+        self._adopted: dict[
+            int, tuple[Any, weakref.WeakSet[Any], list[int]]
+        ] = {}
         # Strong references to stand-ins of dead or restarted workers,
         # dropped at the next boundary().
         self._graveyard: list[Any] = []
@@ -111,18 +114,21 @@ class Pool:
     def _adopt(self, standin: Any) -> None:
         """Called by every stand-in constructed over this pool."""
         worker = standin.worker
+        generation = standin.worker_generation
         with self._lock:
             slot = self._adopted.get(id(worker))
             if slot is None:
-                slot = (worker, weakref.WeakSet())
+                slot = (worker, weakref.WeakSet(), [generation])
                 self._adopted[id(worker)] = slot
-            if not standin.stale:
+            elif not standin.stale and generation > slot[2][0]:
                 # Registering a newer generation restarted the worker's
-                # books; its older stand-ins are dead like after restarted().
-                generation = standin.worker_generation
+                # books; its older stand-ins are dead like after
+                # restarted().  Only a newer generation can doom anyone,
+                # so the common case (same generation) walks nothing.
                 self._bury_locked(
                     worker, lambda s: s.worker_generation < generation
                 )
+            slot[2][0] = max(slot[2][0], generation)
             slot[1].add(standin)
 
     def _bury_locked(self, worker: Any, doomed: Callable[[Any], bool]) -> None:
@@ -163,6 +169,9 @@ class Pool:
             self._bury_locked(
                 worker, lambda s: s.worker_generation < generation
             )
+            slot = self._adopted.get(id(worker))
+            if slot is not None:
+                slot[2][0] = max(slot[2][0], generation)
 
     def forget(self, worker: Any) -> None:
         """Drop the worker's books: it is no longer charged."""

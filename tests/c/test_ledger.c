@@ -243,6 +243,15 @@ test_census(void)
     cs_census_entry unknown2[] = {entry("q", 1, 1)};
     CHECK(cs_worker_apply_census(w, unknown2, 1, &applied, &bad) ==
           CS_ERR_UNKNOWN_ID);
+    /* Registered after the worker died: known by id, stale, reading 0,
+     * its receipt still "registered". */
+    cs_model *late = reg(w, 1, "q", 10);
+    cs_model_read(late, &r);
+    CHECK(cs_model_stale(late) && r.loaded == 0 &&
+          r.source == CS_SOURCE_REGISTERED);
+    CHECK(cs_worker_apply_census(w, unknown2, 1, &applied, &bad) == CS_OK);
+    CHECK(applied == 0);
+    cs_model_release_handle(late);
 
     cs_model_release_handle(a);
     cs_model_release_handle(b);

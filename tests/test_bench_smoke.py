@@ -1,0 +1,120 @@
+"""The stand-in benchmark still runs (bench/bench_standin.py).
+
+One iteration of every measurement with tiny counts, so CI catches a
+broken bench.  Nothing here asserts a time or a ratio: speed is measured
+by running the bench (bench/README.md), never by tests (DESIGN.md 7).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_standin.py"
+
+
+def _is_comfy_module(name: str) -> bool:
+    return name in ("comfy", "comfy_env") or name.startswith(
+        ("comfy.", "comfy_env.")
+    )
+
+
+@pytest.fixture(scope="module")
+def bench() -> Any:
+    if not BENCH.exists():
+        pytest.skip(f"{BENCH} is not in this tree")
+    before = set(sys.modules)
+    spec = importlib.util.spec_from_file_location("bench_standin", BENCH)
+    assert spec is not None and spec.loader is not None
+    module: ModuleType = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    yield module
+    # The bench imports comfy-env (when installed) over a stub comfy; leave
+    # no module behind that another test might take for the real one.
+    for name in set(sys.modules) - before:
+        if name == spec.name or _is_comfy_module(name):
+            del sys.modules[name]
+
+
+@pytest.fixture(scope="module")
+def results(bench: Any) -> Any:
+    return bench.run(bench.SMOKE)
+
+
+def test_every_row_has_a_number_for_every_implementation(
+    bench: Any, results: Any
+) -> None:
+    assert [row.key for row in results.rows] == [
+        key for key, _, _ in bench.row_names()
+    ]
+    assert results.impls[:2] == ["c", "reference"]
+    for row in results.rows:
+        assert set(row.values) == set(results.impls), row.key
+        for name, value in row.values.items():
+            assert math.isfinite(value), (row.key, name, value)
+            if row.key == "mem-rss":
+                # page-granular: a handful of stand-ins may not grow RSS
+                assert value >= 0, (row.key, name, value)
+            else:
+                assert value > 0, (row.key, name, value)
+
+
+def test_table_has_every_row_and_a_ratio_column_per_other_impl(
+    bench: Any, results: Any
+) -> None:
+    table = bench.format_table(results)
+    for _, label, unit in bench.row_names():
+        assert f"| {label} | {unit} |" in table
+    assert "| ref/C |" in table
+    if "comfy-env" in results.impls:
+        assert "| comfy-env/C |" in table
+
+
+def test_comfy_env_is_measured_or_its_absence_explained(
+    results: Any,
+) -> None:
+    assert ("comfy-env" in results.impls) == (results.missing is None)
+    if results.missing is not None:
+        assert results.missing  # says why
+
+
+def test_notes_cover_every_implementation(results: Any) -> None:
+    for notes in (results.graph_notes, results.thread_notes):
+        assert [note.split(":", 1)[0] for note in notes] == results.impls
+
+
+def test_write_replaces_only_its_own_section(
+    bench: Any, results: Any, tmp_path: Path
+) -> None:
+    path = tmp_path / "RESULTS.md"
+    path.write_text(
+        "# Benchmark results\n\n"
+        "## probe\n\nprobe figures\n\n"
+        f"{bench.HEADING}\n\n"
+        f"{bench.BEGIN_MARKER}\nold stand-in figures\n{bench.END_MARKER}\n\n"
+        "## board\n\nboard figures\n"
+    )
+    bench.write_section(path, bench.format_section(results, "the command"))
+    text = path.read_text()
+    assert "probe figures" in text and "board figures" in text
+    assert "old stand-in figures" not in text
+    assert text.count(bench.BEGIN_MARKER) == 1
+    assert text.count(bench.END_MARKER) == 1
+    assert "`the command`" in text
+    assert text.index("probe figures") < text.index(bench.BEGIN_MARKER)
+    assert text.index(bench.END_MARKER) < text.index("board figures")
+    # a file without our markers gets the section appended
+    other = tmp_path / "OTHER.md"
+    other.write_text("# Benchmark results\n\nsomething else\n")
+    bench.write_section(other, bench.format_section(results, "cmd"))
+    assert other.read_text().startswith(
+        "# Benchmark results\n\nsomething else\n\n"
+        f"{bench.HEADING}\n\n{bench.BEGIN_MARKER}\n"
+    )
