@@ -378,14 +378,10 @@ class WorkerBooks:
                         f"size {size}"
                     )
                 return record
-            # A model registered on a gone worker (its death seen before
-            # its _new_models) is already gone with it.
+            # On a gone worker too: the receipt says what was last written
+            # (the registration); the model reads 0 because it is stale.
             record = ModelRecord(
-                self,
-                model_id,
-                size,
-                generation,
-                "registered" if self._alive else "worker gone",
+                self, model_id, size, generation, "registered"
             )
             self._table[model_id] = record
             return record
