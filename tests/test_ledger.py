@@ -375,6 +375,26 @@ def test_gone_is_idempotent(impl, pool, make_standin):
     assert books.alive is False
 
 
+def test_gone_again_changes_nothing(impl, pool, make_worker, make_standin):
+    """Idempotent: a second gone() neither rewrites receipts nor counts
+    as a release (so the reserve does not shrink on it)."""
+    w = make_worker()
+    first = make_standin(worker=w, model_id="a")
+    other = make_standin(size=10**6)
+    impl.apply_echo(other, 5000)
+    books = pool._ledger.find(w)
+    books.gone()
+    late = make_standin(worker=w, model_id="b")
+    ledger = pool._ledger
+    high = ledger.reserve(100, 0, True)
+    assert high == 100 + 5000 + FLOOR
+    books.gone()
+    assert receipt(late) == (0, None, "registered")
+    assert receipt(first) == (0, None, "worker gone")
+    # A lower base is no release: the published value stays.
+    assert ledger.reserve(0, 0, True) == high
+
+
 def test_restart_after_gone(impl, pool, make_standin):
     s = make_standin(generation=1, model_id="unet")
     books = pool._ledger.find(s.worker)
