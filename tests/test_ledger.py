@@ -238,6 +238,17 @@ def test_register_newer_generation_bumps(impl, pool, make_standin):
     assert pool._ledger.find(old.worker).generation == 2
 
 
+def test_register_on_a_gone_worker(impl, pool, make_standin):
+    first = make_standin(generation=1, model_id="a")
+    pool.worker_gone(first.worker)
+    late = make_standin(worker=first.worker, generation=1, model_id="b")
+    assert late.stale
+    # The last write was the registration; it reads 0 because it is stale.
+    assert receipt(late) == (0, None, "registered")
+    assert impl.apply_echo(late, 5) is False
+    assert late.loaded_size() == 0
+
+
 def test_initial_receipt(make_standin):
     s = make_standin(size=1000)
     loaded, seq, age, source = s.receipt()
@@ -362,6 +373,26 @@ def test_gone_is_idempotent(impl, pool, make_standin):
     assert (first[0], first[1], first[3]) == (again[0], again[1], again[3])
     assert again[3] == "worker gone"
     assert books.alive is False
+
+
+def test_gone_again_changes_nothing(impl, pool, make_worker, make_standin):
+    """Idempotent: a second gone() neither rewrites receipts nor counts
+    as a release (so the reserve does not shrink on it)."""
+    w = make_worker()
+    first = make_standin(worker=w, model_id="a")
+    other = make_standin(size=10**6)
+    impl.apply_echo(other, 5000)
+    books = pool._ledger.find(w)
+    books.gone()
+    late = make_standin(worker=w, model_id="b")
+    ledger = pool._ledger
+    high = ledger.reserve(100, 0, True)
+    assert high == 100 + 5000 + FLOOR
+    books.gone()
+    assert receipt(late) == (0, None, "registered")
+    assert receipt(first) == (0, None, "worker gone")
+    # A lower base is no release: the published value stays.
+    assert ledger.reserve(0, 0, True) == high
 
 
 def test_restart_after_gone(impl, pool, make_standin):

@@ -262,7 +262,8 @@ def _seq(value: int | None) -> int:
 
 def released(before: tuple, after: tuple) -> bool:
     """Did a release (docs/semantics.md) happen between two observations?
-    A lowered receipt, a lowered held, a gone worker or a restart."""
+    A lowered receipt, a lowered held or reading, a gone worker or a
+    restart."""
     for old, new in zip(before[0], after[0], strict=False):
         if new[1] < old[1]:
             return True
@@ -272,6 +273,8 @@ def released(before: tuple, after: tuple) -> bool:
         if new[0] > old[0] or (old[1] and not new[1]):
             return True
         if new[1] and new[3]["held"] < old[3]["held"]:
+            return True
+        if new[1] and new[3]["reading"] < old[3]["reading"]:
             return True
     return False
 
