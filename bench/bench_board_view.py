@@ -443,6 +443,8 @@ def gb(n: float) -> str:
 
 def size_text(n: float, size: int) -> str:
     """Bytes, then a readable unit and the share of the model's size."""
+    if not n:
+        return "0 B"
     for unit, scale in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale:
             break
@@ -512,8 +514,8 @@ def report(reads, errors, stale, args, where: str | None = None) -> str:
             f"{size_text(b[key], size)} | "
             f"{ratio_text(r[key], b[key])} |")
     lines += [
-        f"| samples exactly right | {100 * r['exact']:.1f} % | "
-        f"{100 * b['exact']:.1f} % | |",
+        f"| samples exactly right | {100 * r['exact']:.2f} % | "
+        f"{100 * b['exact']:.2f} % | |",
         "",
         "The board's residual error is the moments between a change and the "
         "host's next read of it (a sample that falls in the worker's "
