@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -155,7 +156,10 @@ def main() -> int:
     print(text)
     if args.write:
         old = RESULTS.read_text() if RESULTS.exists() else "# Results\n\n"
-        start = old.find("## board")
+        # the heading line itself: "## board vs receipts" is another
+        # section (bench/bench_board_view.py) and must survive
+        heading = re.search(r"^## board$", old, re.MULTILINE)
+        start = heading.start() if heading else -1
         if start >= 0:
             end = old.find("\n## ", start + 1)
             old = old[:start] + (old[end + 1:] if end >= 0 else "")
