@@ -445,7 +445,7 @@ def size_text(n: float, size: int) -> str:
     """Bytes, then a readable unit and the share of the model's size."""
     if not n:
         return "0 B"
-    for unit, scale in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+    for unit, scale in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):  # noqa: B007, E501
         if n >= scale:
             break
     else:
