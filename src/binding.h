@@ -26,9 +26,20 @@ typedef struct {
     /* Exceptions. */
     PyObject *echo_error;        /* EchoError(ValueError) */
     PyObject *worker_gone_error; /* WorkerGoneError(RuntimeError) */
-    /* Interned strings used on hot paths. */
+    /* Interned strings used on hot paths.  Held here so they stay interned:
+     * PyDict_SetItemString would intern a fresh key per call and, once the
+     * call's dict is gone, drop it again, churning the interned dict. */
     PyObject *str_send_command;
     PyObject *str_is_alive;
+    PyObject *str_model_id;
+    PyObject *str_extra_bytes;
+    PyObject *str_bytes_to_free;
+    PyObject *str_device;
+    PyObject *str_loaded;
+    PyObject *str_resident;
+    PyObject *str_freed;
+    PyObject *str_seq;
+    PyObject *str_id;
 } cs_module_state;
 
 /* The module state of the module that defined `type`'s module (heap types
@@ -58,8 +69,8 @@ int cs_value_error(PyObject *exc, int code, const char *field,
 
 /* Decodes census[index] (a dict with 'id', 'resident', optional 'seq' and
  * 'device').  Sets *id (borrowed str), *resident, *has_seq, *seq; or
- * raises `echo_error` naming the field and returns -1. */
-int cs_decode_census_entry(PyObject *echo_error, PyObject *entry,
+ * raises EchoError naming the field and returns -1. */
+int cs_decode_census_entry(cs_module_state *state, PyObject *entry,
                            Py_ssize_t index, PyObject **id,
                            uint64_t *resident, int *has_seq, int64_t *seq);
 

@@ -241,7 +241,7 @@ books_apply_census(BooksObject *self, PyObject *census)
         PyObject *id;
         int has_seq;
         Py_ssize_t len;
-        if (cs_decode_census_entry(state->echo_error,
+        if (cs_decode_census_entry(state,
                                    PySequence_Fast_GET_ITEM(fast, i), i, &id,
                                    &entries[i].resident, &has_seq,
                                    &entries[i].seq) < 0) {
@@ -292,7 +292,8 @@ books_apply_census(BooksObject *self, PyObject *census)
                          ? "census[%zd]['id']: unknown model id %R (no "
                            "stand-in is registered for it on this worker)"
                          : "census[%zd]['id']: duplicate model id %R",
-                     (Py_ssize_t)bad, PyDict_GetItemString(entry, "id"));
+                     (Py_ssize_t)bad,
+                     PyDict_GetItemWithError(entry, state->str_id));
         goto error;
     }
     if (status != CS_OK) {

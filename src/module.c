@@ -37,6 +37,15 @@ cs_state_clear(cs_module_state *state)
     Py_CLEAR(state->worker_gone_error);
     Py_CLEAR(state->str_send_command);
     Py_CLEAR(state->str_is_alive);
+    Py_CLEAR(state->str_model_id);
+    Py_CLEAR(state->str_extra_bytes);
+    Py_CLEAR(state->str_bytes_to_free);
+    Py_CLEAR(state->str_device);
+    Py_CLEAR(state->str_loaded);
+    Py_CLEAR(state->str_resident);
+    Py_CLEAR(state->str_freed);
+    Py_CLEAR(state->str_seq);
+    Py_CLEAR(state->str_id);
 }
 
 static int
@@ -91,10 +100,27 @@ core_exec(PyObject *module)
                       PyExc_RuntimeError) < 0) {
         return -1;
     }
-    state->str_send_command = PyUnicode_InternFromString("send_command");
-    state->str_is_alive = PyUnicode_InternFromString("is_alive");
-    if (state->str_send_command == NULL || state->str_is_alive == NULL) {
-        return -1;
+    struct {
+        PyObject **slot;
+        const char *text;
+    } strings[] = {
+        {&state->str_send_command, "send_command"},
+        {&state->str_is_alive, "is_alive"},
+        {&state->str_model_id, "model_id"},
+        {&state->str_extra_bytes, "extra_bytes"},
+        {&state->str_bytes_to_free, "bytes_to_free"},
+        {&state->str_device, "device"},
+        {&state->str_loaded, "loaded"},
+        {&state->str_resident, "resident"},
+        {&state->str_freed, "freed"},
+        {&state->str_seq, "seq"},
+        {&state->str_id, "id"},
+    };
+    for (size_t i = 0; i < sizeof(strings) / sizeof(strings[0]); i++) {
+        *strings[i].slot = PyUnicode_InternFromString(strings[i].text);
+        if (*strings[i].slot == NULL) {
+            return -1;
+        }
     }
     if (PyModule_AddIntConstant(module, "ABI_VERSION",
                                 CS_LEDGER_ABI_VERSION) < 0 ||

@@ -832,22 +832,22 @@ send_failed_worker_alive(StandInObject *self)
 }
 
 static PyObject *
-send_command(StandInObject *self, const char *command, const char *k1,
-             PyObject *v1, const char *k2, PyObject *v2)
+send_command(StandInObject *self, const char *command, PyObject *k1,
+             PyObject *v1, PyObject *k2, PyObject *v2)
 {
+    cs_module_state *state = state_of((PyObject *)self);
     PyObject *method = NULL, *args = NULL, *kwargs = NULL, *r = NULL;
 
-    method = PyObject_GetAttr(self->worker,
-                              state_of((PyObject *)self)->str_send_command);
+    method = PyObject_GetAttr(self->worker, state->str_send_command);
     if (method == NULL) {
         goto done;
     }
     args = Py_BuildValue("(s)", command);
     kwargs = PyDict_New();
     if (args == NULL || kwargs == NULL ||
-        PyDict_SetItemString(kwargs, "model_id", self->model_id) < 0 ||
-        PyDict_SetItemString(kwargs, k1, v1) < 0 ||
-        (k2 != NULL && PyDict_SetItemString(kwargs, k2, v2) < 0)) {
+        PyDict_SetItem(kwargs, state->str_model_id, self->model_id) < 0 ||
+        PyDict_SetItem(kwargs, k1, v1) < 0 ||
+        (k2 != NULL && PyDict_SetItem(kwargs, k2, v2) < 0)) {
         goto done;
     }
     r = PyObject_Call(method, args, kwargs);
@@ -905,18 +905,21 @@ standin_pressure(StandInObject *self, uint64_t shortfall)
 /* Reads reply[key] as a byte count in [0, max].  Returns 1 when present,
  * 0 when absent (or None), -1 with EchoError set when bad. */
 static int
-reply_bytes(StandInObject *self, PyObject *reply, const char *key,
+reply_bytes(StandInObject *self, PyObject *reply, PyObject *key,
             const char *command, uint64_t max, uint64_t *out)
 {
     char field[96];
-    PyObject *value = PyDict_GetItemString(reply, key);
+    PyObject *value = PyDict_GetItemWithError(reply, key);
+    if (value == NULL && PyErr_Occurred()) {
+        PyErr_Clear(); /* an exact str key cannot fail; be safe anyway */
+    }
     if (value == NULL || value == Py_None) {
         return 0;
     }
     int code = cs_value_check(value, max, out);
     if (code != 0) {
-        PyOS_snprintf(field, sizeof(field), "reply['%s'] from %s", key,
-                      command);
+        PyOS_snprintf(field, sizeof(field), "reply['%s'] from %s",
+                      PyUnicode_AsUTF8(key), command);
         cs_value_error(state_of((PyObject *)self)->echo_error, code, field,
                        value, max);
         return -1;
@@ -928,8 +931,8 @@ reply_bytes(StandInObject *self, PyObject *reply, const char *key,
  * Returns 0, or -1 with EchoError set (nothing applied). */
 static int
 decode_reply(StandInObject *self, PyObject *reply, const char *command,
-             const char *required, uint64_t *required_value,
-             const char *other, uint64_t *other_value, int *has_other,
+             PyObject *required, uint64_t *required_value,
+             PyObject *other, uint64_t *other_value, int *has_other,
              int64_t *seq)
 {
     cs_module_state *state = state_of((PyObject *)self);
@@ -950,7 +953,7 @@ decode_reply(StandInObject *self, PyObject *reply, const char *command,
         }
         if (r == 0) {
             PyErr_Format(state->echo_error,
-                         "reply['%s'] from %s for model %R: missing", required,
+                         "reply[%R] from %s for model %R: missing", required,
                          command, self->model_id);
             return -1;
         }
@@ -963,7 +966,7 @@ decode_reply(StandInObject *self, PyObject *reply, const char *command,
         }
         *has_other = r;
     }
-    r = reply_bytes(self, reply, "seq", command, CS_VALUE_MAX, &v);
+    r = reply_bytes(self, reply, state->str_seq, command, CS_VALUE_MAX, &v);
     if (r < 0) {
         return -1;
     }
@@ -1056,8 +1059,9 @@ standin_partially_load(StandInObject *self, PyObject *args, PyObject *kwargs)
     if (want_obj == NULL || device_str == NULL) {
         goto done;
     }
-    reply = send_command(self, "model_partial_load", "extra_bytes", want_obj,
-                         "device", device_str);
+    reply = send_command(self, "model_partial_load",
+                         state_of((PyObject *)self)->str_extra_bytes, want_obj,
+                         state_of((PyObject *)self)->str_device, device_str);
     if (reply == NULL) {
         /* Loading is not eviction: failures propagate.  A transport that
          * died is told apart so the caller gets the actionable error, with
@@ -1078,8 +1082,10 @@ standin_partially_load(StandInObject *self, PyObject *args, PyObject *kwargs)
         }
         goto done;
     }
-    if (decode_reply(self, reply, "model_partial_load", "loaded", &loaded,
-                     "resident", &resident, &has_resident, &seq) < 0) {
+    cs_module_state *state = state_of((PyObject *)self);
+    if (decode_reply(self, reply, "model_partial_load", state->str_loaded,
+                     &loaded, state->str_resident, &resident, &has_resident,
+                     &seq) < 0) {
         self->bad_replies++;
         goto done;
     }
@@ -1127,7 +1133,8 @@ unload_body(StandInObject *self, PyObject *memory_to_free)
     if (want_obj == NULL) {
         return 0;
     }
-    reply = send_command(self, "model_partial_unload", "bytes_to_free",
+    reply = send_command(self, "model_partial_unload",
+                         state_of((PyObject *)self)->str_bytes_to_free,
                          want_obj, NULL, NULL);
     Py_DECREF(want_obj);
     if (reply == NULL) {
@@ -1141,8 +1148,10 @@ unload_body(StandInObject *self, PyObject *memory_to_free)
         PyErr_Clear();
         goto deferred;
     }
-    if (decode_reply(self, reply, "model_partial_unload", "freed", &freed,
-                     "resident", &resident, &has_resident, &seq) < 0) {
+    cs_module_state *state = state_of((PyObject *)self);
+    if (decode_reply(self, reply, "model_partial_unload", state->str_freed,
+                     &freed, state->str_resident, &resident, &has_resident,
+                     &seq) < 0) {
         self->bad_replies++;
         cs_log_warning("model %R: bad reply ignored", self->model_id);
         PyErr_Clear();
@@ -1239,8 +1248,9 @@ detach_body(StandInObject *self)
     if (device_str == NULL) {
         return;
     }
-    reply = send_command(self, "model_to_device", "device", device_str, NULL,
-                         NULL);
+    reply = send_command(self, "model_to_device",
+                         state_of((PyObject *)self)->str_device, device_str,
+                         NULL, NULL);
     Py_DECREF(device_str);
     if (reply == NULL) {
         if (!send_failed_worker_alive(self)) {
@@ -1813,7 +1823,7 @@ apply_residency(PyObject *module, PyObject *args)
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *id, *value;
         residency_entry *e = &entries[i];
-        if (cs_decode_census_entry(state->echo_error,
+        if (cs_decode_census_entry(state,
                                    PySequence_Fast_GET_ITEM(fast, i), i, &id,
                                    &e->resident, &e->has_seq, &e->seq) < 0) {
             goto done;

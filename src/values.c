@@ -93,11 +93,24 @@ cs_census_fast(PyObject *echo_error, PyObject *census)
     return PySequence_Fast(census, "census");
 }
 
+/* entry[key]: borrowed, or NULL when absent (a dict of str keys cannot
+ * raise on lookup by an exact str). */
+static PyObject *
+entry_get(PyObject *entry, PyObject *key)
+{
+    PyObject *value = PyDict_GetItemWithError(entry, key);
+    if (value == NULL) {
+        PyErr_Clear();
+    }
+    return value;
+}
+
 int
-cs_decode_census_entry(PyObject *echo_error, PyObject *entry,
+cs_decode_census_entry(cs_module_state *state, PyObject *entry,
                        Py_ssize_t index, PyObject **id, uint64_t *resident,
                        int *has_seq, int64_t *seq)
 {
+    PyObject *echo_error = state->echo_error;
     char field[64];
     PyObject *value;
     uint64_t v;
@@ -108,7 +121,7 @@ cs_decode_census_entry(PyObject *echo_error, PyObject *entry,
                      index, entry);
         return -1;
     }
-    value = PyDict_GetItemString(entry, "id");
+    value = entry_get(entry, state->str_id);
     if (value == NULL || !PyUnicode_Check(value) ||
         PyUnicode_GetLength(value) == 0) {
         PyErr_Format(echo_error,
@@ -119,7 +132,7 @@ cs_decode_census_entry(PyObject *echo_error, PyObject *entry,
     *id = value;
 
     PyOS_snprintf(field, sizeof(field), "census[%zd]['resident']", index);
-    value = PyDict_GetItemString(entry, "resident");
+    value = entry_get(entry, state->str_resident);
     if (value == NULL) {
         PyErr_Format(echo_error, "%s: missing", field);
         return -1;
@@ -131,7 +144,7 @@ cs_decode_census_entry(PyObject *echo_error, PyObject *entry,
 
     *has_seq = 0;
     *seq = CS_SEQ_NONE;
-    value = PyDict_GetItemString(entry, "seq");
+    value = entry_get(entry, state->str_seq);
     if (value != NULL && value != Py_None) {
         PyOS_snprintf(field, sizeof(field), "census[%zd]['seq']", index);
         code = cs_value_check(value, CS_VALUE_MAX, &v);
@@ -143,7 +156,7 @@ cs_decode_census_entry(PyObject *echo_error, PyObject *entry,
         *seq = (int64_t)v;
     }
 
-    value = PyDict_GetItemString(entry, "device");
+    value = entry_get(entry, state->str_device);
     if (value != NULL && value != Py_None && !PyUnicode_Check(value)) {
         PyErr_Format(echo_error,
                      "census[%zd]['device']: expected a str or None, got %R",
