@@ -5,9 +5,10 @@ many times after a long warm-up and checks that (a) the C core's live
 workers and models return to their baseline (its refcounts balance) and
 (b) the Python heap (tracemalloc) does not grow with the iteration count:
 a leak of one small object per iteration over 3,000 iterations shows as
-about 100 KB.  The warm-up is long because CPython makes one-time
-allocations of a few hundred KB after the first thousand-odd calls of a
-function (seen at call ~1,100 of partially_load); they are not leaks.
+about 100 KB.  This test found the binding interning a fresh dict key per
+command (PyDict_SetItemString), which grew the interpreter's interned-string
+table by 405 KB every thousand-odd calls; the keys now live in module
+state.  The warm-up is long so that caches of the interpreter settle.
 """
 
 from __future__ import annotations
