@@ -59,6 +59,16 @@ state_of(PyObject *self)
     return (cs_module_state *)PyType_GetModuleState(Py_TYPE(self));
 }
 
+/* "StandIn" of "comfy_standin._core.StandIn" (heap types keep the dotted
+ * name in tp_name; _PyType_Name is private API). */
+static const char *
+short_type_name(PyObject *self)
+{
+    const char *name = Py_TYPE(self)->tp_name;
+    const char *dot = strrchr(name, '.');
+    return dot ? dot + 1 : name;
+}
+
 static int
 is_dunder(PyObject *name)
 {
@@ -93,7 +103,7 @@ contract_getattro(PyObject *self, PyObject *name)
                  "upstream contract changed. Implement it in comfy_standin "
                  "(C type and reference) rather than inheriting "
                  "ModelPatcher.",
-                 _PyType_Name(Py_TYPE(self)), name);
+                 short_type_name(self), name);
     return NULL;
 }
 
@@ -721,7 +731,7 @@ refuse_pickle(PyObject *self, PyObject *unused)
     PyErr_Format(PyExc_TypeError,
                  "cannot pickle or copy %.100s object: it stands in for a "
                  "model held by a worker process",
-                 _PyType_Name(Py_TYPE(self)));
+                 short_type_name(self));
     return NULL;
 }
 
@@ -1039,7 +1049,8 @@ standin_partially_load(StandInObject *self, PyObject *args, PyObject *kwargs)
                                      keywords, &device_to, &extra, &force)) {
         return NULL;
     }
-    if (cs_model_stale(self->record)) {
+    if (cs_model_stale(self->record) || self->worker == NULL) {
+        /* (worker NULL: cleared by the GC, never to be used again) */
         return gone_error(self, 0);
     }
     int alive = worker_is_alive(self);
@@ -1117,7 +1128,7 @@ unload_body(StandInObject *self, PyObject *memory_to_free)
     int has_resident = 0;
     int64_t seq;
 
-    if (cs_model_stale(self->record)) {
+    if (cs_model_stale(self->record) || self->worker == NULL) {
         return 0; /* reads 0 already: nothing of ours is on the card */
     }
     uint64_t before = standin_loaded(self);
@@ -1237,8 +1248,9 @@ detach_body(StandInObject *self)
     int has_unused;
     int64_t seq;
 
-    if (cs_model_stale(self->record) || standin_loaded(self) == 0) {
-        return; /* already off the card: no round trip */
+    if (cs_model_stale(self->record) || self->worker == NULL ||
+        standin_loaded(self) == 0) {
+        return; /* already off the card (or cleared): no round trip */
     }
     if (!worker_is_alive_quiet(self)) {
         standin_worker_gone(self);
