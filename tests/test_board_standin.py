@@ -243,3 +243,64 @@ def test_random_bytes_never_escape_the_size(impl, scribbled, seed, receipt):
     assert s.loaded_size() == receipt
     assert slot in (0, 1)
     assert os.getpid() > 0
+
+
+# ---- the pool owns each worker's board -----------------------------------
+
+
+@pytest.mark.parametrize("end", ["gone", "restarted", "forget"])
+def test_pool_owned_board_never_outlives_worker_or_pool(impl, end):
+    pool = impl.Pool(floor=0)
+    worker = QuietWorker()
+    s = impl.StandIn(worker, 3, "m", 1000, "cuda:0", "cpu", pool=pool)
+    board = pool.board_for(worker, slots=2)
+    assert pool.board_for(worker) is board  # one per worker
+    assert board.generation == 3
+    name = board.name
+    slot = s.attach_board(board)
+    worker_side = Board.open(name)
+    try:
+        worker_side.publish(slot, 600)
+        assert s.loaded_size() == 600
+        if end == "gone":
+            pool.worker_gone(worker)
+        elif end == "restarted":
+            pool.restarted(worker, 4)
+        else:
+            pool.forget(worker)
+        assert board.closed
+        assert not name_exists(name)
+        # the board is ignored from now on: the receipt answers (never
+        # written here, so 0; gone and restart zero it anyway)
+        assert s.receipt()[3] != "board"
+        assert s.loaded_size() == 0
+    finally:
+        worker_side.close()
+
+
+def test_board_goes_with_the_pool(impl):
+    import gc
+
+    pool = impl.Pool(floor=0)
+    worker = QuietWorker()
+    s = impl.StandIn(worker, 1, "m", 1000, "cuda:0", "cpu", pool=pool)
+    name = pool.board_for(worker).name
+    s.attach_board(pool.board_for(worker))
+    assert name_exists(name)
+    del s, pool  # the stand-in held the pool and the board
+    gc.collect()
+    assert not name_exists(name)
+
+
+def test_pool_boards_are_per_worker(impl):
+    pool = impl.Pool(floor=0)
+    a, b = QuietWorker(), QuietWorker()
+    board_a, board_b = pool.board_for(a), pool.board_for(b)
+    assert board_a is not board_b and board_a.name != board_b.name
+    pool.worker_gone(a)
+    assert board_a.closed and not board_b.closed
+    again = pool.board_for(a)  # a new process of it gets a new board
+    assert again is not board_a and not again.closed
+    pool.forget(a)
+    pool.forget(b)
+    assert again.closed and board_b.closed

@@ -93,6 +93,8 @@ class Pool:
         # dropped at the next boundary().
         self._graveyard: dict[int, Any] = {}
         self.on_pressure: Callable[[int], object] | None = None
+        # id(worker) -> (worker, the host side of its residency board).
+        self._boards: dict[int, tuple[Any, Any]] = {}
 
     def __repr__(self) -> str:
         return (
@@ -177,6 +179,46 @@ class Pool:
                     continue  # someone still holds a stand-in of it
             self.forget(worker)
 
+    # ---- residency boards (DESIGN.md 5) -----------------------------------
+
+    def board_for(
+        self, worker: Any, slots: int = 64, heartbeat_limit: float = 5.0
+    ) -> Any:
+        """The host side of `worker`'s live residency board, created on the
+        first call and owned by the pool: it is closed (its shared memory
+        unlinked) when the worker is gone, restarted or forgotten, and
+        when the pool is.  Hand ``board.name`` to the worker, have each
+        stand-in ``attach_board(board)``, and ``board.unlink()`` once the
+        worker has opened it."""
+        from ._core import Board  # shared memory is C in both impls
+
+        with self._lock:
+            held = self._boards.get(id(worker))
+            if held is not None and not held[1].closed:
+                return held[1]
+        books = self._ledger.find(worker)
+        generation = books.generation if books is not None else 0
+        board = Board.create(
+            slots, generation=generation, heartbeat_limit=heartbeat_limit
+        )
+        with self._lock:
+            held = self._boards.get(id(worker))
+            if held is not None and not held[1].closed:
+                raced = held[1]
+            else:
+                self._boards[id(worker)] = (worker, board)
+                raced = None
+        if raced is not None:  # another thread made one first
+            board.close()
+            return raced
+        return board
+
+    def _close_board(self, worker: Any) -> None:
+        with self._lock:
+            held = self._boards.pop(id(worker), None)
+        if held is not None:
+            held[1].close()  # unmaps and unlinks; stand-ins fall back
+
     # ---- workers ----------------------------------------------------------
 
     def worker_gone(self, worker: Any) -> None:
@@ -186,6 +228,7 @@ class Pool:
             books.gone()
         with self._lock:
             self._bury_locked(worker, lambda s: True)
+        self._close_board(worker)
 
     def restarted(self, worker: Any, generation: int) -> None:
         """The worker was restarted under a newer `generation`."""
@@ -201,12 +244,14 @@ class Pool:
             slot = self._adopted.get(id(worker))
             if slot is not None:
                 slot[2][0] = max(slot[2][0], generation)
+        self._close_board(worker)  # the old process's board
 
     def forget(self, worker: Any) -> None:
         """Drop the worker's books: it is no longer charged."""
         self._ledger.forget(worker)
         with self._lock:
             self._adopted.pop(id(worker), None)
+        self._close_board(worker)
 
     def begin_call(self, worker: Any) -> None:
         """A call into the worker starts: it may fault in anything."""
