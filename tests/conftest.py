@@ -3,9 +3,6 @@
 ``impl`` is the implementation module under test:
 
 - ``"c"``: ``comfy_standin`` (the C type from ``comfy_standin._core``).
-  Skipped only while ``comfy_standin._core`` has no ``StandIn`` yet and
-  ``COMFY_STANDIN_REQUIRE_C`` is unset; CI sets it, so a missing C type
-  fails there.
 - ``"reference"``: ``comfy_standin._reference`` (pure Python).
 
 Both expose StandIn, StandInModule, Ledger, apply_echo, apply_residency,
@@ -16,7 +13,6 @@ from __future__ import annotations
 
 import importlib
 import itertools
-import os
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -26,23 +22,13 @@ import pytest
 # The mock comfy.model_management (tests/mockcomfy) and its fixtures.
 pytest_plugins = ["mock_fixtures"]
 
-REQUIRE_C = "COMFY_STANDIN_REQUIRE_C"
 IMPLEMENTATIONS = ("c", "reference")
 
 
 def _c_implementation() -> ModuleType:
-    """The C implementation, or skip (fail under COMFY_STANDIN_REQUIRE_C)
-    when its stand-in type is not built yet."""
+    """The C implementation; a build without its stand-in type fails."""
     core = importlib.import_module("comfy_standin._core")
-    if not hasattr(core, "StandIn"):
-        if os.environ.get(REQUIRE_C):
-            pytest.fail(
-                f"comfy_standin._core has no StandIn and {REQUIRE_C} is set"
-            )
-        pytest.skip(
-            f"comfy_standin._core has no StandIn yet (set {REQUIRE_C}=1 "
-            f"to make this a failure)"
-        )
+    assert hasattr(core, "StandIn"), "comfy_standin._core has no StandIn"
     return importlib.import_module("comfy_standin")
 
 

@@ -16,8 +16,11 @@ from pathlib import Path
 
 import pytest
 
-if sys.platform == "win32":  # pragma: no cover - POSIX shared memory
-    pytest.skip("the board is POSIX shared memory", allow_module_level=True)
+# The board is POSIX shared memory; its Windows path is not written yet
+# (docs/board.md), so on Windows these tests cannot run.
+pytestmark = pytest.mark.skipif(
+    sys.platform == "win32", reason="the board is POSIX shared memory"
+)
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_board_view.py"
 

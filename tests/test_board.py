@@ -28,8 +28,11 @@ from hypothesis import strategies as st
 
 from cbuild import ROOT, build
 
-if sys.platform == "win32":  # pragma: no cover - POSIX shared memory
-    pytest.skip("the board is POSIX shared memory", allow_module_level=True)
+# The board is POSIX shared memory; its Windows path is not written yet
+# (docs/board.md), so on Windows these tests cannot run.
+pytestmark = pytest.mark.skipif(
+    sys.platform == "win32", reason="the board is POSIX shared memory"
+)
 
 import _posixshmem  # noqa: E402  (CPython's shm_open, POSIX only)
 
