@@ -277,6 +277,31 @@ def test_refusing_worker_keeps_the_receipt(impl, pool, mm, sim, kind, options):
     assert sim.card().held("m", process=w.name) == 3 * GiB
 
 
+def test_boundary_puts_back_a_refused_eviction(impl, pool, mm, sim):
+    """ComfyUI pops an entry whose detach freed nothing; at the next node
+    boundary the pool lists it again, unused, so ComfyUI keeps seeing the
+    bytes; a stand-in evicted for real stays out."""
+    w = fakes.FakeWorker("w")
+    kept = make_standin(impl, pool, w, "kept", 4 * GiB, 3 * GiB)
+    gone = make_standin(impl, pool, w, "gone", 1 * GiB, 1 * GiB)
+    w.script("refuse", command="model_partial_unload")
+    w.script("refuse", command="model_to_device")
+    unloaded = mm.free_memory(1e30, CUDA0)
+    assert {id(e.model) for e in unloaded} == {id(kept), id(gone)}
+    assert kept.eviction_deferred and not gone.eviction_deferred
+    assert all(e.model is not kept for e in mm.current_loaded_models)
+
+    assert pool.boundary(mm) == [kept]
+    entries = [e for e in mm.current_loaded_models if e.model is kept]
+    assert len(entries) == 1 and entries[0].currently_used is False
+    assert all(e.model is not gone for e in mm.current_loaded_models)
+    assert pool.boundary(mm) == []  # already listed: not twice
+    # the next eviction reaches it and this time the worker complies
+    mm.free_memory(1e30, CUDA0)
+    assert kept.loaded_size() == 0 and not kept.eviction_deferred
+    assert sim.card().held("kept", process=w.name) == 0
+
+
 def test_refused_partial_then_successful_detach(impl, pool, mm, sim):
     w = fakes.FakeWorker("w")
     s = make_standin(impl, pool, w, "m", 4 * GiB, 3 * GiB)

@@ -159,12 +159,36 @@ class Pool:
         with self._lock:
             return len(self._graveyard)
 
-    def boundary(self) -> None:
-        """Drop the graveyard, then the books of gone workers nobody holds
-        a stand-in of any more (a restart under a new worker object would
-        otherwise keep every dead one on the books forever).  Call at a
-        node boundary, never inside ComfyUI's ``free_memory`` (its loop
-        pops entries by index)."""
+    def boundary(self, mm: Any = None) -> list[Any]:
+        """Node-boundary housekeeping.  Call it between nodes, never inside
+        ComfyUI's ``free_memory`` (its loop pops entries by index).
+
+        - With `mm` (``comfy.model_management``): puts back every live
+          stand-in whose eviction a live worker refused
+          (``eviction_deferred``) and that ComfyUI dropped from its list
+          anyway (``LoadedModel.model_unload`` pops an entry even when
+          ``detach`` freed nothing); the weights are still on the card, so
+          ComfyUI must keep seeing them.  Returns those stand-ins.
+        - Drops the graveyard, then the books of gone workers nobody holds
+          a stand-in of any more (a restart under a new worker object
+          would otherwise keep every dead one on the books forever).
+        """
+        restored: list[Any] = []
+        if mm is not None:
+            from ._register import register
+
+            listed = {
+                id(entry.model) for entry in list(mm.current_loaded_models)
+            }
+            for members in self.standins().values():
+                for s in members:
+                    if (
+                        s.eviction_deferred
+                        and not s.stale
+                        and id(s) not in listed
+                    ):
+                        register(mm, s)
+                        restored.append(s)
         with self._lock:
             buried, self._graveyard = self._graveyard, {}
         # Finalizers (mm.cleanup_models) may run here, outside the lock.
@@ -178,6 +202,7 @@ class Pool:
                 if slot is not None and len(slot[1]) > 0:
                     continue  # someone still holds a stand-in of it
             self.forget(worker)
+        return restored
 
     # ---- residency boards (DESIGN.md 5) -----------------------------------
 
