@@ -110,10 +110,14 @@ static_assert(offsetof(board_slot, updated) == CS_BOARD_SLOT_OFF_UPDATED,
 static_assert(sizeof(((board_slot *)0)->key_text) == CS_BOARD_KEY_TEXT_SIZE,
               "key text");
 
-/* Writers spin this long on a locked slot, then yield this many times,
- * then report CS_BOARD_ERR_BUSY (only a corrupted word stays odd). */
+/* Writers spin this long on a locked slot, then yield until this much
+ * time has passed, then report CS_BOARD_ERR_BUSY (only a corrupted word
+ * stays odd).  Time, not a count of yields: a writer preempted inside its
+ * few stores can stay off the CPU for milliseconds on a loaded machine,
+ * and a yield returns at once when nothing else is runnable here (the
+ * sanitizer CI run hit 10,000 yields inside one preemption). */
 #define WRITE_SPINS 1000
-#define WRITE_YIELDS 10000
+#define WRITE_BUSY_NS UINT64_C(250000000)
 
 #define OPEN_NAME_MAX 256
 /* How far ahead of the reader's clock a writer's stamp may legitimately
@@ -353,8 +357,8 @@ board_forget_name(const char *name)
 static cs_board_status
 slot_write_begin(board_slot *slot, uint64_t *seq)
 {
-    for (unsigned attempt = 0; attempt < WRITE_SPINS + WRITE_YIELDS;
-         attempt++) {
+    uint64_t give_up = 0;
+    for (unsigned attempt = 0;; attempt++) {
         uint64_t current = atomic_load_explicit(&slot->seq,
                                                 memory_order_relaxed);
         if ((current & 1) == 0 &&
@@ -369,12 +373,17 @@ slot_write_begin(board_slot *slot, uint64_t *seq)
         }
         if (attempt < WRITE_SPINS) {
             board_cpu_relax();
+            continue;
         }
-        else {
-            (void)sched_yield();
+        uint64_t now = board_now_ns();
+        if (give_up == 0) {
+            give_up = now + WRITE_BUSY_NS;
         }
+        else if (now >= give_up) {
+            return CS_BOARD_ERR_BUSY;
+        }
+        (void)sched_yield();
     }
-    return CS_BOARD_ERR_BUSY;
 }
 
 static void
