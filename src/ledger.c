@@ -776,6 +776,13 @@ cs_worker_report(const cs_worker *worker, uint64_t *held, uint64_t *pinned,
     }
 }
 
+uint64_t
+cs_worker_reading(const cs_worker *worker)
+{
+    return atomic_load_explicit(&((cs_worker *)worker)->reading,
+                                memory_order_relaxed);
+}
+
 cs_status
 cs_worker_set_reading(cs_worker *worker, uint64_t used_bytes)
 {

@@ -112,9 +112,7 @@ books_get_report(BooksObject *self, void *closure)
 static PyObject *
 books_get_reading(BooksObject *self, void *closure)
 {
-    cs_charge charge;
-    cs_worker_charge(self->worker, 0, &charge);
-    return PyLong_FromUnsignedLongLong(charge.reading);
+    return PyLong_FromUnsignedLongLong(cs_worker_reading(self->worker));
 }
 
 static PyObject *

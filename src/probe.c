@@ -339,9 +339,10 @@ windows_error_text(DWORD code, char *buffer, size_t size)
 }
 
 static void
-library_path(library_handle handle, char *buffer, size_t size)
+library_path(library_handle handle, void *symbol, char *buffer, size_t size)
 {
     wchar_t wide[CS_PROBE_PATH_SIZE];
+    (void)symbol; /* the module handle names the file on Windows */
     DWORD length = GetModuleFileNameW(handle, wide, CS_PROBE_PATH_SIZE);
     if (length == 0 || length >= CS_PROBE_PATH_SIZE
         || WideCharToMultiByte(CP_UTF8, 0, wide, -1, buffer, (int)size, NULL,
@@ -590,15 +591,11 @@ cuda_load(void)
             library->driver_version = version;
         }
     }
-#ifdef _WIN32
-    library_path(handle, library->path, sizeof(library->path));
-#else
-    {
-        void *symbol = NULL;
-        memcpy(&symbol, &cuda->init, sizeof(symbol));
-        library_path(handle, symbol, library->path, sizeof(library->path));
-    }
-#endif
+    /* A function pointer as an object pointer, the ISO C way: the POSIX
+     * path lookup (dladdr) needs an address inside the library. */
+    void *symbol = NULL;
+    memcpy(&symbol, &cuda->init, sizeof(symbol));
+    library_path(handle, symbol, library->path, sizeof(library->path));
     library->loaded = true;
     return;
 
@@ -698,15 +695,11 @@ nvml_load(void)
             library->driver_version = version;
         }
     }
-#ifdef _WIN32
-    library_path(handle, library->path, sizeof(library->path));
-#else
-    {
-        void *symbol = NULL;
-        memcpy(&symbol, &nvml->init, sizeof(symbol));
-        library_path(handle, symbol, library->path, sizeof(library->path));
-    }
-#endif
+    /* A function pointer as an object pointer, the ISO C way: the POSIX
+     * path lookup (dladdr) needs an address inside the library. */
+    void *symbol = NULL;
+    memcpy(&symbol, &nvml->init, sizeof(symbol));
+    library_path(handle, symbol, library->path, sizeof(library->path));
     library->loaded = true;
     return;
 

@@ -178,6 +178,7 @@ void cs_worker_report(const cs_worker *worker, uint64_t *held,
 /* The probe's per-pid reading of the worker's process (0: none).  Used as
  * a floor under `held` in the charge. */
 cs_status cs_worker_set_reading(cs_worker *worker, uint64_t used_bytes);
+uint64_t cs_worker_reading(const cs_worker *worker);
 
 /* Registers model `id` under `generation`.
  * - generation older than the worker's: the model is created stale (reads
