@@ -128,13 +128,24 @@ def _request(value: object, limit: int) -> int:
         return limit if value <= 0 or value >= limit else value
     try:
         number = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError, OverflowError):
+    except Exception:  # noqa: BLE001 -- an unreadable amount: everything
         return limit
     if math.isnan(number) or math.isinf(number):
         return limit
     if number <= 0 or number >= limit:
         return limit
     return min(limit, math.ceil(number))
+
+
+def _describe(exc: BaseException) -> str:
+    """"TimeoutError: worker busy" (the type alone for an empty message):
+    the cause every log line of the command paths carries."""
+    name = type(exc).__name__
+    try:
+        text = str(exc)
+    except Exception:  # noqa: BLE001 -- a log line must not raise
+        text = "<str() failed>"
+    return f"{name}: {text}" if text else name
 
 
 def _bad_type(field: str, expected: str, value: object) -> NoReturn:
@@ -1166,16 +1177,25 @@ class StandIn:
     # ---- commands --------------------------------------------------------
 
     def _is_alive(self) -> bool:
+        """An is_alive() that raises an Exception counts as alive, on every
+        path (the send decides); a BaseException propagates."""
         try:
             return bool(self._worker.is_alive())
-        except Exception:  # an undecidable probe: treat as alive
+        except Exception as exc:  # an undecidable probe: treat as alive
             log.warning(
                 "comfy_standin: is_alive() of the worker of model %r "
-                "raised; treating it as alive",
+                "raised %s; treating it as alive",
                 self._record.model_id,
-                exc_info=True,
+                _describe(exc),
             )
             return True
+
+    def _worker_gone(self) -> None:
+        """For the pool: the worker's process died (``Pool.worker_gone``,
+        also after ``Pool.forget``); this stand-in reads 0 and is stale
+        from now on.  No call back into the pool; idempotent."""
+        if not self._record.stale:  # never a newer generation's books
+            self._record.books.gone()
 
     def _gone_error(self) -> WorkerGoneError:
         record = self._record
@@ -1194,17 +1214,25 @@ class StandIn:
             "comfy_standin: the worker of model %r is gone",
             record.model_id,
         )
+        # The model's own books first: they hold whatever the pool does,
+        # even when the pool forgot the worker already.
+        record.books.gone()
         try:
             self._pool.worker_gone(self._worker)
-        finally:
-            record.books.gone()
+        except Exception as exc:  # noqa: BLE001 -- receipts zeroed anyway
+            log.warning(
+                "comfy_standin: pool.worker_gone() for model %r raised %s; "
+                "receipts zeroed anyway",
+                record.model_id,
+                _describe(exc),
+            )
 
-    def _deferred_path(self, what: str, exc: BaseException | None) -> None:
+    def _deferred_path(self, what: str, exc: BaseException) -> None:
         log.warning(
             "comfy_standin: %s of model %r deferred: %s",
             what,
             self._record.model_id,
-            exc,
+            _describe(exc),
         )
         self._record.set_deferred()
 
@@ -1213,19 +1241,25 @@ class StandIn:
         log.warning(
             "comfy_standin: bad reply for model %r: %s",
             self._record.model_id,
-            exc,
+            _describe(exc),
         )
 
     def _pressure(self, wanted: int, freed: int) -> None:
-        callback = getattr(self._pool, "on_pressure", None)
-        if freed >= wanted or callback is None:
+        if freed >= wanted:
+            return
+        try:
+            callback = getattr(self._pool, "on_pressure", None)
+        except Exception:  # noqa: BLE001 -- no usable callback
+            return
+        if callback is None:
             return
         try:
             callback(wanted - freed)
-        except Exception:
-            log.exception(
-                "comfy_standin: on_pressure(%d) raised (ignored)",
+        except Exception as exc:  # noqa: BLE001 -- logged, never raised
+            log.warning(
+                "comfy_standin: on_pressure(%d) raised %s (ignored)",
                 wanted - freed,
+                _describe(exc),
             )
 
     def partially_load(
@@ -1268,20 +1302,32 @@ class StandIn:
         record.echo(resident, seq, "load echo", False, None)
         return loaded
 
-    def partially_unload(
-        self,
-        device_to: Any,
-        memory_to_free: float = 0,
-        force_patch_weights: bool = False,
-    ) -> int:
-        """Ask the worker to free up to `memory_to_free` bytes; returns the
-        bytes freed, exactly.  Never raises."""
+    def partially_unload(self, *args: Any, **kwargs: Any) -> int:
+        """partially_unload(device_to=None, memory_to_free=0,
+        force_patch_weights=False)
+
+        Ask the worker to free up to `memory_to_free` bytes; returns the
+        bytes freed, exactly.  Never raises an Exception, not even for bad
+        arguments (it runs inside ComfyUI's free_memory loop): those free
+        nothing.  A BaseException propagates."""
+        try:
+            memory_to_free = _unload_arguments(*args, **kwargs)
+        except TypeError as exc:
+            log.warning(
+                "comfy_standin: partially_unload of model %r called with "
+                "bad arguments: %s; freed nothing",
+                self._record.model_id,
+                _describe(exc),
+            )
+            return 0
         try:
             return self._partially_unload(memory_to_free)
-        except Exception:
-            log.exception(
-                "comfy_standin: partially_unload of model %r failed",
+        except Exception as exc:  # noqa: BLE001 -- eviction never raises
+            log.warning(
+                "comfy_standin: partially_unload of model %r failed in the "
+                "host: %s; freed nothing",
                 self._record.model_id,
+                _describe(exc),
             )
             return 0
 
@@ -1320,14 +1366,21 @@ class StandIn:
         self._pressure(want, freed)
         return freed
 
-    def detach(self, unpatch_all: bool = True) -> StandInModule:
-        """Full offload.  Idempotent, never raises; returns ``model``."""
+    def detach(self, *args: Any, **kwargs: Any) -> StandInModule:
+        """detach(unpatch_all=True)
+
+        Full offload.  Idempotent; returns ``model``.  Its arguments
+        (``unpatch_all``, ``unpatch_weights``) mean nothing for a
+        worker-held model and are ignored, whatever they are.  Never raises
+        an Exception; a BaseException propagates."""
         try:
             self._detach()
-        except Exception:
-            log.exception(
-                "comfy_standin: detach of model %r failed",
+        except Exception as exc:  # noqa: BLE001 -- detach never raises
+            log.warning(
+                "comfy_standin: detach of model %r failed in the host: %s; "
+                "receipt kept",
                 self._record.model_id,
+                _describe(exc),
             )
         return self._model
 
@@ -1348,7 +1401,7 @@ class StandIn:
         except Exception as exc:  # noqa: BLE001 -- detach never raises
             if not self._is_alive():
                 self._gone_path()
-            elif "not registered" in str(exc):
+            elif "not registered" in _describe(exc):
                 # The worker restarted and lost the model: nothing of it
                 # is on the card any more.
                 record.lost()
@@ -1366,6 +1419,17 @@ class StandIn:
             self._deferred_path(command, exc)
             return
         record.echo(0, seq, "detach echo", True, None)
+
+
+def _unload_arguments(
+    device_to: Any = None,
+    memory_to_free: object = 0,
+    force_patch_weights: object = False,
+) -> object:
+    """partially_unload's arguments, as ComfyUI passes them
+    (``partially_unload(offload_device, memory_to_free)``); TypeError for
+    anything else."""
+    return memory_to_free
 
 
 def _decode_reply(
