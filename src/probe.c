@@ -35,6 +35,7 @@
 
 #ifdef _WIN32
 #define WIN32_LEAN_AND_MEAN
+#include <errno.h>
 #include <windows.h>
 #else
 #include <dlfcn.h>
@@ -457,6 +458,8 @@ library_open(const char *override_path, const char *default_name,
         if (handle != NULL) {
             return handle;
         }
+        /* The one environment read outside the options: the OS's own
+         * call, which holds the process environment lock. */
         length = ExpandEnvironmentStringsW(
             L"%ProgramFiles%\\NVIDIA Corporation\\NVSMI\\nvml.dll", nvsmi,
             CS_PROBE_PATH_SIZE);

@@ -146,7 +146,9 @@ typedef struct cs_probe_options {
 } cs_probe_options;
 
 /* Reads the three variables into *out.  The only function of the probe
- * that reads the environment. */
+ * that reads the C runtime's environment (on Windows the loader also
+ * expands %ProgramFiles%, through the OS call that holds the process
+ * environment lock). */
 void cs_probe_options_from_environment(cs_probe_options *out);
 
 /* Fills *out.  Never fails: what could not be read is flagged and said
