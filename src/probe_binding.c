@@ -213,7 +213,7 @@ PyDoc_STRVAR(probe_doc,
 static PyObject *
 probe_probe(PyObject *module, PyObject *Py_UNUSED(ignored))
 {
-    /* About 48 KiB: too much for small thread stacks. */
+    /* About 45 KiB: too much for small thread stacks. */
     cs_probe_result *result = PyMem_RawMalloc(sizeof(*result));
     cs_probe_options options;
     PyObject *dict;

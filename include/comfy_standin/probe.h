@@ -155,7 +155,7 @@ void cs_probe_options_from_environment(cs_probe_options *out);
  * in the error fields.  The first call in a process loads the libraries
  * as `options` say (slow: cuInit can take a few hundred milliseconds);
  * later calls read only what changes (free memory, processes).  The
- * result is about 48 KiB: prefer the heap on small thread stacks.
+ * result is about 45 KiB: prefer the heap on small thread stacks.
  * options NULL: no variable set. */
 void cs_probe_run_with(const cs_probe_options *options,
                        cs_probe_result *out);
