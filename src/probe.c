@@ -1216,8 +1216,10 @@ process_store(const unsigned char *buffer, unsigned int count,
                 process->used_bytes = CS_PROBE_USED_UNKNOWN;
             }
             else {
-                /* Both are at most the device's total: no overflow. */
-                process->used_bytes += bytes;
+                process->used_bytes =
+                    bytes > CS_PROBE_USED_UNKNOWN - 1 - process->used_bytes
+                        ? CS_PROBE_USED_UNKNOWN - 1
+                        : process->used_bytes + bytes;
             }
             continue;
         }

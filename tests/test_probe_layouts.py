@@ -105,6 +105,22 @@ def test_mig_instance_ids_and_unknown_usage(tmp_path, stubs):  # noqa: F811
     assert devices[1]["process_entry_size"] == 32
 
 
+def test_a_pid_in_two_mig_instances_is_summed(tmp_path, stubs):  # noqa: F811
+    script = "\n".join(
+        ["devices 1", *device_lines(0, 24),
+         "proc_ids 0 1 0", "proc 0 21 4096", "proc 0 22 100",
+         "proc_ids 0 2 0", "proc 0 21 8192", "proc 0 23 na",
+         "proc_ids 0 3 0", "proc 0 23 5"]
+    )
+    out = run_probe(
+        tmp_path, script + "\n", cuda=stubs("cuda"), nvml=stubs("nvml")
+    )
+    device = out["result"]["devices"][0]
+    # Summed; a hidden figure in any instance hides the sum.
+    assert device["processes"] == {21: 12288, 22: 100, 23: None}
+    assert device["processes_error"] is None
+
+
 # (script lines for device I, the reason the probe must give)
 LIES = [
     # layouts no driver has
@@ -183,6 +199,25 @@ def test_lying_drivers_give_no_readings_with_a_reason(
         assert device["free"] == TOTAL // 2  # the rest still reads
     assert devices[honest]["processes"] == {9: 5 * MiB}
     assert devices[honest]["processes_error"] is None
+
+
+def test_an_answer_short_once_is_measured_again(tmp_path, stubs):  # noqa: F811
+    # The first answer reports 3 entries and writes 2 (a process exited
+    # meanwhile): refused, asked again under the other sentinel, read.
+    table = processes(0, 3)
+    script = "\n".join(
+        ["devices 1", *device_lines(0, 24), "proc_lie 0 short_once 1",
+         *proc_lines(0, table)]
+    )
+    out = run_probe(
+        tmp_path, script + "\n", cuda=stubs("cuda"), nvml=stubs("nvml"),
+        calls=1,
+    )
+    device = out["result"]["devices"][0]
+    assert device["processes"] == table
+    assert device["processes_error"] is None
+    calls = out["counts"]["nvml"]["nvmlDeviceGetComputeRunningProcesses"]
+    assert calls == 2
 
 
 def test_list_growing_forever_is_bounded(tmp_path, stubs):  # noqa: F811

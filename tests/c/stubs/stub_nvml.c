@@ -17,6 +17,8 @@
  *   overcount  ignores the capacity: writes what fits, and reports every
  *              process it has (more than the buffer holds)
  *   short N    writes N entries fewer than it reports
+ *   short_once N  the same on its first answer only (a process that
+ *              exits while the driver fills the list)
  *   zero       writes its entries and reports 0
  * Padding is never written (as a field-by-field copy leaves it).
  *
@@ -277,20 +279,20 @@ put_u64(unsigned char *at, unsigned long long value)
 }
 
 static void
-write_entry(unsigned char *entry, unsigned int size, const stub_device *d,
-            unsigned int pid, unsigned long long used)
+write_entry(unsigned char *entry, unsigned int size, unsigned int gi,
+            unsigned int ci, unsigned int pid, unsigned long long used)
 {
     put_u32(entry, pid);
     if (size == 20) { /* packed: no padding after the pid */
         put_u64(entry + 4, used);
-        put_u32(entry + 12, d->gpu_instance);
-        put_u32(entry + 16, d->compute_instance);
+        put_u32(entry + 12, gi);
+        put_u32(entry + 16, ci);
         return;
     }
     put_u64(entry + 8, used);
     if (size >= 24) {
-        put_u32(entry + 16, d->gpu_instance);
-        put_u32(entry + 20, d->compute_instance);
+        put_u32(entry + 16, gi);
+        put_u32(entry + 20, ci);
     }
     if (size >= 32) {
         put_u64(entry + 24, 0); /* usedGpuCcProtectedMemory */
@@ -332,6 +334,7 @@ get_processes(nvmlDevice_t device, unsigned int *count, void *infos,
                                  && device->process_count
                                         < STUB_MAX_PROCESSES;
              i++) {
+            stub_stamp_ids(device);
             device->pids[device->process_count] = stub.next_growth_pid++;
             device->used[device->process_count++] = 1u << 20;
         }
@@ -343,7 +346,8 @@ get_processes(nvmlDevice_t device, unsigned int *count, void *infos,
         reported = strcmp(lie, "overrun") == 0 ? capacity
                                                : device->process_count;
     }
-    if (strcmp(lie, "short") == 0) {
+    if (strcmp(lie, "short") == 0
+        || (strcmp(lie, "short_once") == 0 && device->lie_calls++ == 0)) {
         written = device->lie_amount < written ? written - device->lie_amount
                                                : 0;
     }
@@ -351,13 +355,15 @@ get_processes(nvmlDevice_t device, unsigned int *count, void *infos,
         reported = 0;
     }
     for (unsigned int i = 0; i < written; i++) {
-        write_entry((unsigned char *)infos + (size_t)i * size, size, device,
+        write_entry((unsigned char *)infos + (size_t)i * size, size,
+                    device->gpu_instances[i], device->compute_instances[i],
                     device->pids[i], device->used[i]);
     }
     if (strcmp(lie, "overrun") == 0) {
         for (unsigned int i = 0; i < device->lie_amount; i++) {
             write_entry((unsigned char *)infos + (size_t)(written + i) * size,
-                        size, device, 60000 + i, 1u << 20);
+                        size, device->gpu_instance, device->compute_instance,
+                        60000 + i, 1u << 20);
         }
     }
     *count = reported;

@@ -21,10 +21,12 @@
  *                        (+ gpu/compute instance ids), 32 (+ protected
  *                        memory, R535.54-era), or layouts no driver has:
  *                        20 (the 24-byte fields packed), 40 (32 + 8)
- *   proc_ids I GI CI     the instance ids device I's entries carry
- *                        (default 0xFFFFFFFF, "no MIG")
+ *   proc_ids I GI CI     the instance ids device I's processes listed
+ *                        after this line carry (default 0xFFFFFFFF, "no
+ *                        MIG")
  *   proc_lie I KIND N    device I's process list lies (see stub_nvml.c):
- *                        grow, overrun N, overcount, short N, zero
+ *                        grow, overrun N, overcount, short N,
+ *                        short_once N, zero
  *   struct_extra I N     device I's nvmlMemory_t and CUuuid answers write
  *                        N zero bytes past the struct (a wrong layout)
  *   cuda_devices I...    the CUDA ordinals in order, as NVML indices
@@ -58,10 +60,13 @@ typedef struct {
     unsigned int process_count;
     unsigned int pids[STUB_MAX_PROCESSES];
     unsigned long long used[STUB_MAX_PROCESSES];
+    unsigned int gpu_instances[STUB_MAX_PROCESSES];
+    unsigned int compute_instances[STUB_MAX_PROCESSES];
     unsigned int layout; /* entry size; 0: the entry point's own */
     unsigned int gpu_instance, compute_instance;
     char lie[16];        /* "" tells the truth */
     unsigned int lie_amount;
+    unsigned int lie_calls; /* answers given so far (short_once) */
     unsigned int struct_extra;
 } stub_device;
 
@@ -85,6 +90,15 @@ static struct {
 } stub;
 
 static pthread_once_t stub_once = PTHREAD_ONCE_INIT;
+
+/* The next process of `device` carries its current instance ids. */
+static void
+stub_stamp_ids(stub_device *device)
+{
+    device->gpu_instances[device->process_count] = device->gpu_instance;
+    device->compute_instances[device->process_count] =
+        device->compute_instance;
+}
 
 static void
 stub_parse_line(char *line)
@@ -132,6 +146,7 @@ stub_parse_line(char *line)
             && index >= 0 && index < STUB_MAX_DEVICES
             && stub.device[index].process_count < STUB_MAX_PROCESSES) {
             stub_device *device = &stub.device[index];
+            stub_stamp_ids(device);
             device->pids[device->process_count] = pid;
             device->used[device->process_count++] =
                 strcmp(used, "na") == 0 ? STUB_NOT_AVAILABLE
@@ -146,6 +161,7 @@ stub_parse_line(char *line)
             for (unsigned int i = 0;
                  i < count && device->process_count < STUB_MAX_PROCESSES;
                  i++) {
+                stub_stamp_ids(device);
                 device->pids[device->process_count] = pid + i;
                 device->used[device->process_count++] = value;
             }
