@@ -473,23 +473,36 @@ class Pool:
         ``worker._process.pid`` (comfy-env keeps its Popen there).  A worker
         whose pid is unknown, or whose usage the driver hides, keeps its
         last reading.  Never raises for a missing GPU: no devices, no
-        readings."""
+        readings.
+
+        A device with no per-process readings (``processes`` None: NVML
+        absent, or a list the probe refused, see ``processes_error``; or
+        a truncated list) cannot say what a worker holds there: a worker
+        found on no readable list then loses its reading (0, no floor),
+        so its charge is its own held figure, never a stale or garbled
+        floor."""
         if probe_result is None:
             probe_result = _probe(self._impl)
         used: dict[int, int] = {}
+        unknown = (probe_result.get("nvml") or {}).get("loaded") is False
         for device in probe_result.get("devices") or ():
-            for pid, value in (device.get("processes") or {}).items():
+            processes = device.get("processes")
+            if processes is None or device.get("processes_truncated"):
+                unknown = True
+            for pid, value in (processes or {}).items():
                 if _is_byte_value(value):
                     used[pid] = min(_VALUE_MAX, used.get(pid, 0) + value)
         readings: list[tuple[Any, int]] = []
         for worker in self._ledger.keys():
             pid = (pid_of or _default_pid_of)(worker)
-            if pid is None or pid not in used:
-                continue
             books = self._ledger.find(worker)
-            if books is not None:
+            if books is None:
+                continue
+            if pid is not None and pid in used:
                 books.set_reading(used[pid])
                 readings.append((worker, used[pid]))
+            elif unknown and pid is not None:
+                books.set_reading(0)
         return WorkerMap(readings)
 
     def reserve(self, device: Any, base: int, total: int | None = None) -> int:
