@@ -421,7 +421,9 @@ class WorkerBooks:
             return record
 
     def find(self, model_id: str) -> ModelRecord | None:
-        return self._table.get(model_id)
+        if not _is_str(model_id) or not _utf8_ok(model_id):
+            return None
+        return self._table.get(_exact_str(model_id))
 
     def _bump_locked(self, generation: int) -> None:
         for record in list(self._table.values()):
