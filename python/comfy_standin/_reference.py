@@ -760,10 +760,10 @@ def apply_echo(
     Always written (a reply is the newest word; ``seq=None`` keeps the
     receipt's seq).  Returns False, writing nothing, for a stale stand-in
     or a gone worker."""
+    unmapped = bool(unmapped)  # the caller's __bool__ runs first, as in C
+    in_flight = bool(in_flight)
     if not isinstance(standin, StandIn):
         _bad_type("standin", f"a StandIn of {__name__}", standin)
-    unmapped = bool(unmapped)
-    in_flight = bool(in_flight)
     record = standin._record
     resident = _echo_bytes("resident", resident, record.size)
     seq = _echo_seq("seq", seq)
