@@ -460,6 +460,32 @@ def test_non_byte_values_are_refused_without_running_index(impl, value):
     assert loaded(table) == [0, 0, 0]
 
 
+def test_ledger_methods_with_hostile_objects(impl):
+    """Workers are keyed by identity (their __hash__/__eq__ never run);
+    every figure is read from its digits."""
+
+    class Key:
+        def __hash__(self) -> int:
+            raise KeyboardInterrupt
+
+        def __eq__(self, other: object) -> bool:
+            raise KeyboardInterrupt
+
+    ledger = impl.Ledger(floor=TrapInt(100))
+    key = Key()
+    books = ledger.worker(key, TrapInt(1))
+    assert ledger.find(key) is books and ledger.keys() == [key]
+    books.set_report(held=TrapInt(5), pinned=TrapInt(1), overhead=None)
+    books.set_reading(TrapInt(7))
+    books.bump(TrapInt(2))
+    record = books.register("m0", TrapInt(SIZE), TrapInt(2))
+    assert record.size == SIZE
+    assert books.apply_census([{"id": "m0", "resident": TrapInt(9)}]) == 1
+    assert record.loaded == 9
+    ledger.forget(key)
+    assert ledger.find(key) is None and ledger.keys() == []
+
+
 @pytest.mark.parametrize("exc", [RuntimeError("boom"), KeyboardInterrupt()])
 def test_apply_echo_flag_whose_bool_raises(impl, exc):
     _, _, table = setup(impl)
