@@ -885,3 +885,93 @@ def scenario_cleared_module_state(impl: Any) -> None:
 def test_c_objects_after_clear_raise(scenario):
     """C only: the reference has no tp_clear or module state."""
     isolated(load("c"), scenario)
+
+
+# ---- differential: the same census through both implementations ----------
+
+
+class StrId(str):
+    """A str-subclass id whose hash and equality are not the caller's to
+    decide (they would raise if called)."""
+
+    def __hash__(self) -> int:
+        raise AssertionError("id __hash__ called")
+
+    def __eq__(self, other: object) -> bool:
+        raise AssertionError("id __eq__ called")
+
+    __ne__ = __eq__
+
+
+def _id_strategy(st: Any) -> Any:
+    known = st.sampled_from(["m0", "m1", "m2"])
+    return st.one_of(
+        known,
+        known.map(StrId),
+        st.sampled_from(["nobody", "", "m\udc80", None, 5, b"m0"]),
+    )
+
+
+def _value_strategy(st: Any) -> Any:
+    return st.one_of(
+        st.integers(0, 2 * SIZE),
+        st.integers(0, 2 * SIZE).map(TrapInt),
+        st.sampled_from([None, -1, 2**63, 2**64, True, 1.0, "1"]),
+    )
+
+
+def _entry_strategy(st: Any) -> Any:
+    fields = st.fixed_dictionaries(
+        {"id": _id_strategy(st)},
+        optional={
+            "resident": _value_strategy(st),
+            "seq": _value_strategy(st),
+            "device": st.sampled_from([None, "cuda:0", 0]),
+        },
+    )
+    return st.one_of(
+        fields,
+        fields.map(types.MappingProxyType),
+        st.sampled_from([None, 5, "m0", ["m0", 1]]),
+    )
+
+
+def _outcome(impl: Any, census: list[Any], path: str) -> Any:
+    pool, worker, table = setup(impl)
+    impl.apply_echo(table["m1"], 100, seq=10)
+    try:
+        if path == "residency":
+            result: Any = impl.apply_residency(table, census)
+        else:
+            result = pool._ledger.find(worker).apply_census(census)
+    except Exception as exc:  # noqa: BLE001 -- compared, not swallowed
+        where = re.match(r"census(\[\d+\](\['\w+'\])?)?", str(exc))
+        result = (type(exc).__name__, where and where.group(0))
+    receipts = [
+        (s.loaded_size(), s.receipt()[1], s.receipt()[3])
+        for s in table.values()
+    ]
+    return result, receipts
+
+
+def test_both_implementations_agree_on_random_censuses(both_impls):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    c_impl, reference = both_impls
+
+    @settings(
+        max_examples=300,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+    @given(
+        census=st.lists(_entry_strategy(st), max_size=5),
+        path=st.sampled_from(["residency", "books"]),
+    )
+    def check(census: list[Any], path: str) -> None:
+        assert _outcome(c_impl, census, path) == _outcome(
+            reference, census, path
+        )
+
+    check()
