@@ -1075,43 +1075,90 @@ standin_pressure(StandInObject *self, uint64_t shortfall)
     return result;
 }
 
+/* reply[key], read as a plain dict (a dict subclass's overrides are not
+ * called): a new reference, Py_None when absent, NULL with an exception.
+ * The lookup may run __eq__ of a str-subclass key stored in the reply: an
+ * Exception it raises becomes EchoError (chained); a BaseException
+ * propagates unchanged. */
+static PyObject *
+reply_value(cs_module_state *state, PyObject *reply, PyObject *key,
+            const char *command)
+{
+    PyObject *value = PyDict_GetItemWithError(reply, key);
+    if (value != NULL) {
+        return Py_NewRef(value);
+    }
+    if (!PyErr_Occurred()) {
+        return Py_NewRef(Py_None);
+    }
+    if (PyErr_ExceptionMatches(PyExc_Exception)) {
+        PyObject *type, *cause, *traceback;
+        PyErr_Fetch(&type, &cause, &traceback);
+        PyErr_NormalizeException(&type, &cause, &traceback);
+        if (traceback != NULL && cause != NULL) {
+            PyException_SetTraceback(cause, traceback);
+        }
+        Py_XDECREF(type);
+        Py_XDECREF(traceback);
+        PyErr_Format(state->echo_error,
+                     "reply[%R] from %s: looking it up raised %R", key,
+                     command, cause);
+        if (cause != NULL) {
+            PyObject *t, *v, *tb;
+            PyErr_Fetch(&t, &v, &tb);
+            PyErr_NormalizeException(&t, &v, &tb);
+            PyException_SetCause(v, Py_NewRef(cause));
+            PyException_SetContext(v, cause); /* steals */
+            PyErr_Restore(t, v, tb);
+        }
+    }
+    return NULL;
+}
+
 /* Reads reply[key] as a byte count in [0, max].  Returns 1 when present,
- * 0 when absent (or None), -1 with EchoError set when bad. */
+ * 0 when absent (or None), -1 with EchoError (or a BaseException) set. */
 static int
-reply_bytes(StandInObject *self, PyObject *reply, PyObject *key,
+reply_bytes(cs_module_state *state, PyObject *reply, PyObject *key,
             const char *command, uint64_t max, uint64_t *out)
 {
     char field[96];
-    PyObject *value = PyDict_GetItemWithError(reply, key);
-    if (value == NULL && PyErr_Occurred()) {
-        PyErr_Clear(); /* an exact str key cannot fail; be safe anyway */
+    PyObject *value = reply_value(state, reply, key, command);
+    if (value == NULL) {
+        return -1;
     }
-    if (value == NULL || value == Py_None) {
+    if (value == Py_None) {
+        Py_DECREF(value);
         return 0;
     }
+    /* An int (subclass or not) is read from its digits: no __index__. */
     int code = cs_value_check(value, max, out);
     if (code != 0) {
         PyOS_snprintf(field, sizeof(field), "reply['%s'] from %s",
                       PyUnicode_AsUTF8(key), command);
-        cs_value_error(state_of((PyObject *)self)->echo_error, code, field,
-                       value, max);
+        cs_value_error(state->echo_error, code, field, value, max);
+        Py_DECREF(value);
         return -1;
     }
+    Py_DECREF(value);
     return 1;
 }
 
 /* Decodes a reply: a dict, `required` present, `other` and `seq` optional.
- * Returns 0, or -1 with EchoError set (nothing applied). */
+ * Returns 0, or -1 with EchoError set (nothing applied); a BaseException
+ * raised while reading it propagates. */
 static int
 decode_reply(StandInObject *self, PyObject *reply, const char *command,
              PyObject *required, uint64_t *required_value,
              PyObject *other, uint64_t *other_value, int *has_other,
              int64_t *seq)
 {
-    cs_module_state *state = state_of((PyObject *)self);
+    cs_module_state *state = cs_state_checked(Py_TYPE(self));
     uint64_t v;
     int r;
 
+    if (state == NULL) {
+        return -1;
+    }
     if (!PyDict_Check(reply)) {
         PyErr_Format(state->echo_error,
                      "reply from %s for model %R: expected a dict, got %R",
@@ -1119,7 +1166,7 @@ decode_reply(StandInObject *self, PyObject *reply, const char *command,
         return -1;
     }
     if (required != NULL) {
-        r = reply_bytes(self, reply, required, command, self->size,
+        r = reply_bytes(state, reply, required, command, self->size,
                         required_value);
         if (r < 0) {
             return -1;
@@ -1132,14 +1179,14 @@ decode_reply(StandInObject *self, PyObject *reply, const char *command,
         }
     }
     if (other != NULL) {
-        r = reply_bytes(self, reply, other, command, self->size,
+        r = reply_bytes(state, reply, other, command, self->size,
                         other_value);
         if (r < 0) {
             return -1;
         }
         *has_other = r;
     }
-    r = reply_bytes(self, reply, state->str_seq, command, CS_VALUE_MAX, &v);
+    r = reply_bytes(state, reply, state->str_seq, command, CS_VALUE_MAX, &v);
     if (r < 0) {
         return -1;
     }
@@ -1918,10 +1965,28 @@ static PyType_Spec standin_spec = {
 
 /* ---- state sync: apply_echo, apply_residency ---------------------------- */
 
+/* The module state for the sync functions, or NULL with RuntimeError
+ * once the module was cleared. */
+static cs_module_state *
+sync_state(PyObject *module)
+{
+    cs_module_state *state = cs_state_of_module(module);
+    if (state == NULL || !state->ready) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "comfy_standin._core: the module was cleared; its "
+                        "functions can no longer be used");
+        return NULL;
+    }
+    return state;
+}
+
 static StandInObject *
 as_standin(PyObject *module, PyObject *object, const char *what)
 {
-    cs_module_state *state = cs_state_of_module(module);
+    cs_module_state *state = sync_state(module);
+    if (state == NULL) {
+        return NULL;
+    }
     if (!PyObject_TypeCheck(object, state->standin_type)) {
         PyErr_Format(PyExc_TypeError,
                      "%s: expected a comfy_standin.StandIn (C "
@@ -1937,13 +2002,14 @@ apply_echo(PyObject *module, PyObject *args, PyObject *kwargs)
 {
     static char *keywords[] = {"standin", "resident", "seq", "unmapped",
                                "in_flight", NULL};
-    cs_module_state *state = cs_state_of_module(module);
     PyObject *object, *resident_obj, *seq_obj = Py_None;
     int unmapped = 0, in_flight = 0;
     uint64_t resident, seq_value;
     int64_t seq = CS_SEQ_NONE;
     int code;
 
+    /* "p" runs __bool__ of the flags: user code, before anything is read
+     * from the stand-in.  The arguments are owned by the call. */
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|Opp:apply_echo",
                                      keywords, &object, &resident_obj,
                                      &seq_obj, &unmapped, &in_flight)) {
@@ -1953,6 +2019,7 @@ apply_echo(PyObject *module, PyObject *args, PyObject *kwargs)
     if (s == NULL) {
         return NULL;
     }
+    cs_module_state *state = cs_state_of_module(module);
     code = cs_value_check(resident_obj, s->size, &resident);
     if (code != 0) {
         return cs_value_error(state->echo_error, code, "resident",
@@ -1968,11 +2035,13 @@ apply_echo(PyObject *module, PyObject *args, PyObject *kwargs)
         }
         seq = (int64_t)seq_value;
     }
+    /* The source compares with the receipt the echo replaces, never with
+     * a board reading (docs/semantics.md, "Receipts"). */
     cs_source source = CS_SOURCE_LOAD_ECHO;
     if (unmapped) {
         source = CS_SOURCE_DETACH_ECHO;
     }
-    else if (resident < standin_loaded(s)) {
+    else if (resident < cs_model_loaded(s->record)) {
         source = CS_SOURCE_UNLOAD_ECHO;
     }
     cs_status status = cs_model_apply_echo(s->record, resident, seq, source,
@@ -1980,162 +2049,174 @@ apply_echo(PyObject *module, PyObject *args, PyObject *kwargs)
     return PyBool_FromLong(status == CS_OK);
 }
 
-typedef struct {
-    StandInObject *standin; /* borrowed from the mapping's value */
-    uint64_t resident;
-    int64_t seq;
-    int has_seq;
-} residency_entry;
-
-/* Every value of the map must be a C stand-in filed under its own id,
- * whether or not this census names it: a wrong map is a caller's bug that
- * would otherwise surface only on the census that happens to name it. */
+/* One (key, stand-in) of the map into `table`: the value must be a C
+ * stand-in filed under its own id.  Runs no Python but the reprs of an
+ * error message (on references owned here). */
 static int
-check_standins_map(cs_module_state *state, PyObject *standins)
+table_add(cs_module_state *state, PyObject *table, PyObject *key,
+          PyObject *value)
 {
-    PyObject *items = PyMapping_Items(standins);
-    if (items == NULL) {
-        return -1;
+    int result = -1;
+
+    Py_INCREF(key);
+    Py_INCREF(value);
+    if (!PyObject_TypeCheck(value, state->standin_type)) {
+        PyErr_Format(state->echo_error,
+                     "standins[%R]: expected a comfy_standin.StandIn (C "
+                     "implementation), got %R",
+                     key, value);
+        goto done;
     }
-    int result = 0;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items) && result == 0; i++) {
-        PyObject *pair = PyList_GET_ITEM(items, i);
-        PyObject *key = PyTuple_GET_ITEM(pair, 0);
-        PyObject *value = PyTuple_GET_ITEM(pair, 1);
-        if (!PyObject_TypeCheck(value, state->standin_type)) {
-            PyErr_Format(state->echo_error,
-                         "standins[%R]: expected a comfy_standin.StandIn (C "
-                         "implementation), got %R",
-                         key, value);
-            result = -1;
-            break;
-        }
-        int same = PyUnicode_Check(key)
-                       ? PyUnicode_Compare(((StandInObject *)value)->model_id,
-                                           key)
-                       : 1;
-        if (same == -1 && PyErr_Occurred()) {
-            result = -1;
-        }
-        else if (same != 0) {
-            PyErr_Format(state->echo_error,
-                         "standins[%R]: the stand-in is for model %R", key,
-                         ((StandInObject *)value)->model_id);
-            result = -1;
-        }
+    PyObject *model_id = ((StandInObject *)value)->model_id;
+    /* Compares the characters: no __eq__ of a str subclass runs. */
+    int same = PyUnicode_Check(key) && model_id != NULL
+                   ? PyUnicode_Compare(model_id, key)
+                   : 1;
+    if (same == -1 && PyErr_Occurred()) {
+        goto done;
     }
-    Py_DECREF(items);
+    if (same != 0) {
+        PyErr_Format(state->echo_error,
+                     "standins[%R]: the stand-in is for model %R", key,
+                     model_id ? model_id : Py_None);
+        goto done;
+    }
+    PyObject *exact = PyUnicode_FromObject(key);
+    if (exact == NULL) {
+        goto done;
+    }
+    result = PyDict_SetItem(table, exact, value);
+    Py_DECREF(exact);
+done:
+    Py_DECREF(key);
+    Py_DECREF(value);
     return result;
+}
+
+/* Reads the map once into a private dict {exact id: stand-in}: an exact
+ * dict from its storage, any other Mapping through its items() (the only
+ * user code of the map that runs).  Every value must be a C stand-in
+ * filed under its own id, whether or not the census names it: a wrong
+ * map is a caller's bug that would otherwise surface only on the census
+ * that happens to name it.  Returns a new reference or NULL. */
+static PyObject *
+standins_table(cs_module_state *state, PyObject *standins)
+{
+    PyObject *items = NULL, *pairs = NULL, *table = NULL;
+    int is_mapping = PyDict_Check(standins)
+                         ? 1
+                         : PyObject_IsInstance(standins, state->mapping_abc);
+
+    if (is_mapping <= 0) {
+        if (is_mapping == 0) {
+            PyErr_Format(PyExc_TypeError,
+                         "standins: expected a mapping of model id to "
+                         "StandIn, got %R",
+                         standins);
+        }
+        return NULL;
+    }
+    table = PyDict_New();
+    if (table == NULL) {
+        return NULL;
+    }
+    if (PyDict_CheckExact(standins)) {
+        /* table_add owns the pair it is given; PyDict_Next stays in
+         * bounds even if a finalizer changed the dict meanwhile. */
+        PyObject *key, *value;
+        Py_ssize_t pos = 0;
+        while (PyDict_Next(standins, &pos, &key, &value)) {
+            if (table_add(state, table, key, value) < 0) {
+                goto error;
+            }
+        }
+        return table;
+    }
+    items = PyMapping_Items(standins);
+    if (items == NULL) {
+        goto error;
+    }
+    pairs = PySequence_Tuple(items); /* ours: nobody can change it */
+    Py_CLEAR(items);
+    if (pairs == NULL) {
+        goto error;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(pairs); i++) {
+        PyObject *pair = PyTuple_GET_ITEM(pairs, i);
+        if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2) {
+            PyErr_Format(PyExc_TypeError,
+                         "standins.items(): expected (key, value) pairs, "
+                         "got %R",
+                         pair);
+            goto error;
+        }
+        if (table_add(state, table, PyTuple_GET_ITEM(pair, 0),
+                      PyTuple_GET_ITEM(pair, 1)) < 0) {
+            goto error;
+        }
+    }
+    Py_DECREF(pairs);
+    return table;
+error:
+    Py_XDECREF(pairs);
+    Py_DECREF(table);
+    return NULL;
 }
 
 static PyObject *
 apply_residency(PyObject *module, PyObject *args)
 {
-    cs_module_state *state = cs_state_of_module(module);
-    PyObject *standins, *census, *fast = NULL, *seen = NULL, *held = NULL;
-    residency_entry *entries = NULL;
-    PyObject *result = NULL;
-    Py_ssize_t n, applied = 0;
+    cs_module_state *state = sync_state(module);
+    PyObject *standins, *census, *table = NULL, *result = NULL;
+    StandInObject **targets = NULL;
+    cs_census_snapshot snapshot = {0, NULL, NULL};
+    Py_ssize_t applied = 0;
 
-    if (!PyArg_ParseTuple(args, "OO:apply_residency", &standins, &census)) {
+    if (state == NULL ||
+        !PyArg_ParseTuple(args, "OO:apply_residency", &standins, &census)) {
         return NULL;
     }
-    if (!PyMapping_Check(standins) || PyList_Check(standins) ||
-        PyTuple_Check(standins) || PyUnicode_Check(standins) ||
-        PyBytes_Check(standins)) {
-        PyErr_Format(PyExc_TypeError,
-                     "standins: expected a mapping of model id to StandIn, "
-                     "got %R",
-                     standins);
+    /* All user code runs in these two reads (the map's items(), the
+     * census entries' get()); the rest works on exact strs, C stand-ins
+     * held by `table`, and C memory. */
+    table = standins_table(state, standins);
+    if (table == NULL) {
         return NULL;
     }
-    if (check_standins_map(state, standins) < 0) {
-        return NULL;
-    }
-    fast = cs_census_fast(state->echo_error, census);
-    if (fast == NULL) {
-        return NULL;
-    }
-    n = PySequence_Fast_GET_SIZE(fast);
-    entries = PyMem_Calloc(n ? (size_t)n : 1, sizeof(*entries));
-    seen = PySet_New(NULL);
-    held = PyList_New(0); /* keeps the looked-up stand-ins alive */
-    if (entries == NULL || seen == NULL || held == NULL) {
-        if (entries == NULL) {
-            PyErr_NoMemory();
-        }
+    if (cs_census_snapshot_take(state, census, &snapshot) < 0) {
         goto done;
     }
-    /* Validate everything first; nothing is written until all is good. */
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *id, *value;
-        residency_entry *e = &entries[i];
-        if (cs_decode_census_entry(state,
-                                   PySequence_Fast_GET_ITEM(fast, i), i, &id,
-                                   &e->resident, &e->has_seq, &e->seq) < 0) {
-            goto done;
-        }
-        int dup = PySet_Contains(seen, id);
-        if (dup < 0) {
-            goto done;
-        }
-        if (dup) {
-            PyErr_Format(state->echo_error,
-                         "census[%zd]['id']: duplicate model id %R", i, id);
-            goto done;
-        }
-        if (PySet_Add(seen, id) < 0) {
-            goto done;
-        }
-        value = PyObject_GetItem(standins, id);
-        if (value == NULL) {
-            if (!PyErr_ExceptionMatches(PyExc_KeyError)) {
-                goto done;
-            }
-            PyErr_Clear();
-            PyErr_Format(state->echo_error,
-                         "census[%zd]['id']: unknown model id %R (no "
-                         "stand-in for it in the mapping)",
-                         i, id);
-            goto done;
-        }
-        int appended = PyList_Append(held, value);
-        Py_DECREF(value);
-        if (appended < 0) {
-            goto done;
-        }
-        if (!PyObject_TypeCheck(value, state->standin_type)) {
-            PyErr_Format(state->echo_error,
-                         "standins[%R]: expected a comfy_standin.StandIn (C "
-                         "implementation), got %R",
-                         id, value);
-            goto done;
-        }
-        e->standin = (StandInObject *)value;
-        int same = PyUnicode_Compare(e->standin->model_id, id);
-        if (same == -1 && PyErr_Occurred()) {
-            goto done;
-        }
-        if (same != 0) {
-            PyErr_Format(state->echo_error,
-                         "standins[%R]: the stand-in is for model %R", id,
-                         e->standin->model_id);
-            goto done;
-        }
+    targets = PyMem_Calloc((size_t)snapshot.n + 1, sizeof(*targets));
+    if (targets == NULL) {
+        PyErr_NoMemory();
+        goto done;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
+    for (Py_ssize_t i = 0; i < snapshot.n; i++) {
+        /* Exact str in a dict of exact strs: runs no Python. */
+        PyObject *value = PyDict_GetItemWithError(table, snapshot.ids[i]);
+        if (value == NULL) {
+            if (!PyErr_Occurred()) {
+                PyErr_Format(state->echo_error,
+                             "census[%zd]['id']: unknown model id %R (no "
+                             "stand-in for it in the mapping)",
+                             i, snapshot.ids[i]);
+            }
+            goto done;
+        }
+        targets[i] = (StandInObject *)value; /* held by `table` */
+    }
+    for (Py_ssize_t i = 0; i < snapshot.n; i++) {
         bool written = false;
-        residency_entry *e = &entries[i];
-        (void)cs_model_apply_census(e->standin->record, e->has_seq != 0,
-                                    e->seq, e->resident, &written);
+        const cs_census_entry *e = &snapshot.entries[i];
+        (void)cs_model_apply_census(targets[i]->record, e->has_seq, e->seq,
+                                    e->resident, &written);
         applied += written;
     }
     result = PyLong_FromSsize_t(applied);
 done:
-    PyMem_Free(entries);
-    Py_XDECREF(seen);
-    Py_XDECREF(held);
-    Py_XDECREF(fast);
+    PyMem_Free(targets);
+    cs_census_snapshot_release(&snapshot);
+    Py_DECREF(table);
     return result;
 }
 

@@ -72,44 +72,80 @@ class WorkerGoneError(RuntimeError):
 
 
 def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    # By the real type: isinstance() would believe a __class__ property.
+    kind = type(value)
+    return issubclass(kind, int) and not issubclass(kind, bool)
+
+
+def _as_int(value: object) -> int | None:
+    """An int (subclass or not) as an exact int read from its digits, or
+    None: no __index__, __int__ or comparison of the caller's runs."""
+    return int.__index__(value) if _is_int(value) else None  # type: ignore
+
+
+def _is_str(value: object) -> bool:
+    return issubclass(type(value), str)
+
+
+def _exact_str(value: str) -> str:
+    """An exact str copy of a str (subclass or not): hashing or comparing
+    it never runs the caller's code."""
+    return str.__str__(value)
+
+
+def _utf8_ok(value: str) -> bool:
+    try:
+        str.encode(value, "utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _host_bytes(field: str, value: object) -> int:
     """A byte value given by the host: TypeError / ValueError."""
-    if not _is_int(value):
+    number = _as_int(value)
+    if number is None:
         raise TypeError(f"{field}: expected {_BYTES}, got {value!r}")
-    if not 0 <= value <= VALUE_MAX:  # type: ignore[operator]
+    if not 0 <= number <= VALUE_MAX:
         raise ValueError(f"{field}: expected {_BYTES}, got {value!r}")
-    return int(value)  # type: ignore[call-overload]
+    return number
 
 
 def _host_id(field: str, value: object) -> str:
-    if not isinstance(value, str):
+    if not _is_str(value):
         raise TypeError(f"{field}: expected a non-empty str, got {value!r}")
-    if not value:
+    if str.__len__(value) == 0:  # type: ignore[arg-type]
         raise ValueError(f"{field}: expected a non-empty str, got {value!r}")
-    return str(value)
+    # The id travels as UTF-8 (the C core's table, the board, the worker's
+    # transport): a lone surrogate has no UTF-8 form.
+    if not _utf8_ok(value):  # type: ignore[arg-type]
+        raise ValueError(
+            f"{field}: expected a str encodable as UTF-8 (no lone "
+            f"surrogates), got {value!r}"
+        )
+    return _exact_str(value)  # type: ignore[arg-type]
 
 
 def _echo_bytes(field: str, value: object, size: int | None = None) -> int:
     """A byte value that came from a worker: EchoError."""
-    if not _is_int(value) or not 0 <= value <= VALUE_MAX:  # type: ignore
+    number = _as_int(value)
+    if number is None or not 0 <= number <= VALUE_MAX:
         raise EchoError(f"{field}: expected {_BYTES}, got {value!r}")
-    if size is not None and value > size:  # type: ignore[operator]
+    if size is not None and number > size:
         raise EchoError(
             f"{field}: expected an int in [0, {size}] (the model's size), "
             f"got {value!r}"
         )
-    return int(value)  # type: ignore[call-overload]
+    return number
 
 
 def _echo_seq(field: str, value: object) -> int | None:
     if value is None:
         return None
-    if not _is_int(value) or not 0 <= value <= VALUE_MAX:  # type: ignore
+    number = _as_int(value)
+    if number is None or not 0 <= number <= VALUE_MAX:
         raise EchoError(f"{field}: expected None or {_BYTES}, got {value!r}")
-    return int(value)  # type: ignore[call-overload]
+    return number
 
 
 def _saturate(value: int) -> int:
@@ -405,7 +441,9 @@ class WorkerBooks:
             return record
 
     def find(self, model_id: str) -> ModelRecord | None:
-        return self._table.get(model_id)
+        if not _is_str(model_id) or not _utf8_ok(model_id):
+            return None
+        return self._table.get(_exact_str(model_id))
 
     def _bump_locked(self, generation: int) -> None:
         for record in list(self._table.values()):
@@ -487,8 +525,15 @@ class WorkerBooks:
             self._reading = used
 
     def apply_census(self, census: object) -> int:
+        # Read and checked whole before the lock: the caller's code (a
+        # mapping entry's get()) may call back into these books.
+        snapshot = _census_snapshot(census)
         with self._lock:
-            entries = _decode_census(census, self._table.get)
+            entries = _census_targets(
+                snapshot,
+                self._table.get,
+                " (no stand-in is registered for it on this worker)",
+            )
             if not self._alive:
                 return 0
             in_flight = self._in_flight > 0
@@ -631,39 +676,49 @@ class Ledger:
 # ---- receipts -------------------------------------------------------------
 
 
-def _decode_census(
-    census: object,
-    lookup: Callable[[str], Any],
-    path: str = "census",
-) -> list[tuple[Any, int, int | None]]:
-    """Validate a whole census; [(target, resident, seq)] or EchoError.
+def _census_snapshot(
+    census: object, path: str = "census"
+) -> list[tuple[str, int, int | None]]:
+    """Read a whole census, then check it whole: [(exact id, resident,
+    seq)] or EchoError naming the first bad field.
 
-    `lookup(id)` finds the target of an id, None when unknown."""
-    if not isinstance(census, (list, tuple)):
+    The caller's code (a mapping entry's ``get``, a str-subclass key's
+    ``__eq__``) runs only while reading, before anything is checked, looked
+    up or applied; the ids returned are exact strs."""
+    if isinstance(census, list):
+        items = tuple(list.__iter__(census))  # not an overridden __iter__
+    elif isinstance(census, tuple):
+        items = tuple(tuple.__iter__(census))
+    else:
         raise EchoError(
             f"{path}: expected a list or tuple of mappings, got {census!r}"
         )
+    read = []
+    for index, entry in enumerate(items):
+        if type(entry) is not dict and not isinstance(entry, Mapping):
+            raise EchoError(
+                f"{path}[{index}]: expected a mapping, got {entry!r}"
+            )
+        read.append(tuple(entry.get(key) for key in _CENSUS_KEYS))
     seen: dict[str, int] = {}
     entries = []
-    for index, entry in enumerate(census):
+    for index, (model_id, resident, seq, device) in enumerate(read):
         where = f"{path}[{index}]"
-        if not isinstance(entry, Mapping):
-            raise EchoError(f"{where}: expected a mapping, got {entry!r}")
-        if "id" not in entry:
-            raise EchoError(f"{where}['id']: missing (a non-empty str)")
-        model_id = entry["id"]
-        if not isinstance(model_id, str) or not model_id:
+        if not _is_str(model_id) or str.__len__(model_id) == 0:
             raise EchoError(
                 f"{where}['id']: expected a non-empty str, got {model_id!r}"
             )
-        if "resident" not in entry:
-            raise EchoError(f"{where}['resident']: missing ({_BYTES})")
-        resident = _echo_bytes(f"{where}['resident']", entry["resident"])
-        seq = _echo_seq(f"{where}['seq']", entry.get("seq"))
-        device = entry.get("device")
-        if device is not None and not isinstance(device, str):
+        resident = _echo_bytes(f"{where}['resident']", resident)
+        seq = _echo_seq(f"{where}['seq']", seq)
+        if device is not None and not _is_str(device):
             raise EchoError(
                 f"{where}['device']: expected None or a str, got {device!r}"
+            )
+        model_id = _exact_str(model_id)
+        if not _utf8_ok(model_id):
+            raise EchoError(
+                f"{where}['id']: not encodable as UTF-8 (a lone "
+                f"surrogate), so no stand-in has it: {model_id!r}"
             )
         if model_id in seen:
             raise EchoError(
@@ -671,9 +726,29 @@ def _decode_census(
                 f"(also {path}[{seen[model_id]}])"
             )
         seen[model_id] = index
+        entries.append((model_id, resident, seq))
+    return entries
+
+
+_CENSUS_KEYS = ("id", "resident", "seq", "device")
+
+
+def _census_targets(
+    snapshot: list[tuple[str, int, int | None]],
+    lookup: Callable[[str], Any],
+    where: str,
+    path: str = "census",
+) -> list[tuple[Any, int, int | None]]:
+    """[(target, resident, seq)] for a checked census; `lookup(id)` (by
+    exact str) finds the target, None when unknown (EchoError)."""
+    entries = []
+    for index, (model_id, resident, seq) in enumerate(snapshot):
         target = lookup(model_id)
         if target is None:
-            raise EchoError(f"{where}['id']: unknown model id {model_id!r}")
+            raise EchoError(
+                f"{path}[{index}]['id']: unknown model id {model_id!r}"
+                f"{where}"
+            )
         entries.append((target, resident, seq))
     return entries
 
@@ -705,12 +780,16 @@ def apply_echo(
     Always written (a reply is the newest word; ``seq=None`` keeps the
     receipt's seq).  Returns False, writing nothing, for a stale stand-in
     or a gone worker."""
+    unmapped = bool(unmapped)  # the caller's __bool__ runs first, as in C
+    in_flight = bool(in_flight)
     if not isinstance(standin, StandIn):
         _bad_type("standin", f"a StandIn of {__name__}", standin)
     record = standin._record
     resident = _echo_bytes("resident", resident, record.size)
     seq = _echo_seq("seq", seq)
-    return record.echo(resident, seq, None, bool(unmapped), bool(in_flight))
+    # The source compares with the receipt the echo replaces, never with a
+    # board reading (docs/semantics.md, "Receipts").
+    return record.echo(resident, seq, None, unmapped, in_flight)
 
 
 def raise_peak(standin: StandIn, resident: object) -> bool:
@@ -731,27 +810,48 @@ def raise_peak(standin: StandIn, resident: object) -> bool:
         return True
 
 
+def _standins_table(standins: object) -> dict[str, StandIn]:
+    """The map read once through its ``items()`` (the only code of the
+    map's that runs) into {exact id: stand-in}.  Every value must be a
+    stand-in filed under its own id, named by the census or not."""
+    if not isinstance(standins, Mapping):
+        _bad_type("standins", "a mapping of model id to StandIn", standins)
+    table: dict[str, StandIn] = {}
+    for pair in tuple(standins.items()):
+        if type(pair) is not tuple or len(pair) != 2:
+            raise TypeError(
+                f"standins.items(): expected (key, value) pairs, got {pair!r}"
+            )
+        key, standin = pair
+        if not isinstance(standin, StandIn):
+            raise EchoError(
+                f"standins[{key!r}]: expected a StandIn of {__name__}, "
+                f"got {standin!r}"
+            )
+        model_id = standin._record.model_id
+        # Compares the characters: no __eq__ of a str subclass runs.
+        if not _is_str(key) or not str.__eq__(key, model_id):
+            raise EchoError(
+                f"standins[{key!r}]: the stand-in is for model {model_id!r}"
+            )
+        table[_exact_str(key)] = standin
+    return table
+
+
 def apply_residency(standins: Mapping[str, StandIn], census: object) -> int:
     """Apply a node-boundary census to stand-ins; returns entries applied.
 
     Call it at a node boundary, never inside ComfyUI's ``free_memory``
     (which snapshots sort keys, then re-reads them).  All or nothing: any
     problem raises EchoError and changes nothing.  Ids the census lacks
-    keep their receipts (missing means unknown, not zero)."""
-    if not isinstance(standins, Mapping):
-        _bad_type("standins", "a mapping of id -> StandIn", standins)
-    for key, standin in standins.items():
-        if not isinstance(standin, StandIn):
-            raise EchoError(
-                f"standins[{key!r}]: expected a StandIn of {__name__}, "
-                f"got {standin!r}"
-            )
-        if key != standin._record.model_id:
-            raise EchoError(
-                f"standins[{key!r}]: the key is not the stand-in's model "
-                f"id {standin._record.model_id!r}"
-            )
-    entries = _decode_census(census, standins.get)
+    keep their receipts (missing means unknown, not zero).  The map and
+    the census are each read once, before anything is looked up: the map
+    is never indexed, so a defaultdict gains no key."""
+    table = _standins_table(standins)
+    entries = _census_targets(
+        _census_snapshot(census), table.get, " (no stand-in for it in the "
+        "mapping)"
+    )
     applied = 0
     for standin, resident, seq in entries:
         record = standin._record
@@ -1421,11 +1521,14 @@ class StandIn:
                 self._deferred_path(command, exc)
             return
         try:
-            if not isinstance(reply, dict):
+            if not issubclass(type(reply), dict):
                 raise EchoError(
                     f"reply from {command}: expected a dict, got {reply!r}"
                 )
-            seq = _echo_seq(f"reply['seq'] from {command}", reply.get("seq"))
+            seq = _echo_seq(
+                f"reply['seq'] from {command}",
+                _reply_value(reply, "seq", command),
+            )
         except EchoError as exc:
             self._bad_reply(exc)
             self._deferred_path(command, exc)
@@ -1447,25 +1550,42 @@ def _unload_arguments(
 def _decode_reply(
     reply: object, command: str, required: str, size: int
 ) -> tuple[int, int | None, int | None]:
-    """(required figure, resident or None, seq or None) or EchoError."""
-    if not isinstance(reply, dict):
+    """(required figure, resident or None, seq or None) or EchoError.
+
+    Read as a plain dict: a dict subclass's overridden methods are not
+    called (the C type reads the dict's storage)."""
+    if not issubclass(type(reply), dict):
         raise EchoError(
             f"reply from {command}: expected a dict, got {reply!r}"
         )
-    if required not in reply:
+    value = _reply_value(reply, required, command)  # type: ignore[arg-type]
+    if value is None:
         raise EchoError(
             f"reply[{required!r}] from {command}: missing ({_BYTES})"
         )
-    value = _echo_bytes(
-        f"reply[{required!r}] from {command}", reply[required], size
-    )
-    resident = reply.get("resident")
+    value = _echo_bytes(f"reply[{required!r}] from {command}", value, size)
+    resident = _reply_value(reply, "resident", command)  # type: ignore
     if resident is not None:
         resident = _echo_bytes(
             f"reply['resident'] from {command}", resident, size
         )
-    seq = _echo_seq(f"reply['seq'] from {command}", reply.get("seq"))
+    seq = _echo_seq(
+        f"reply['seq'] from {command}",
+        _reply_value(reply, "seq", command),  # type: ignore[arg-type]
+    )
     return value, resident, seq
+
+
+def _reply_value(reply: dict[str, Any], key: str, command: str) -> Any:
+    """dict.get(reply, key): the dict's own lookup.  It may still run
+    __eq__ of a str-subclass key in the reply: an Exception from it is a
+    bad reply (EchoError from it); a BaseException propagates."""
+    try:
+        return dict.get(reply, key)
+    except Exception as exc:
+        raise EchoError(
+            f"reply[{key!r}] from {command}: looking it up raised {exc!r}"
+        ) from exc
 
 
 def _decode_load_reply(
