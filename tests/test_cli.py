@@ -1,5 +1,5 @@
 """The command line, run as users run it: ``python -m comfy_standin ...``
-in a subprocess (DESIGN.md 6)."""
+in a subprocess (docs/cli.md)."""
 
 from __future__ import annotations
 

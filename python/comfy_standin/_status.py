@@ -92,7 +92,7 @@ def _standin_view(s: Any) -> dict[str, Any]:
 
 
 def collect(pool: Any) -> dict[str, Any]:
-    """A JSON-able picture of `pool` (DESIGN.md 6, ``status``)."""
+    """A JSON-able picture of `pool` (docs/cli.md, ``status``)."""
     by_worker = pool.standins()
     workers = []
     boards: dict[str, dict[str, Any]] = {}
