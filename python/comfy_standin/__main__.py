@@ -119,9 +119,11 @@ def _on_signal(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt()
 
 
-def _configure_logging(out: Output) -> None:
+def _configure_logging(out: Output, inline: bool) -> None:
+    """--verbose: the package's log on stderr (the demo shows it inline
+    instead); --quiet and --json: errors only."""
     logger = logging.getLogger("comfy_standin")
-    if out.verbose:
+    if out.verbose and not inline:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
         logger.addHandler(handler)
@@ -191,6 +193,9 @@ def _cmd_status(args: argparse.Namespace, out: Output) -> int:
     else:
         print(_status.render(status, probe=False), file=out.stream)
         print(_status.render_probe(result), file=out.stream)
+        if out.verbose:
+            print("raw probe result:", file=out.stream)
+            out.emit_json(result)
     return EXIT_OK
 
 
@@ -222,6 +227,9 @@ def _cmd_probe(args: argparse.Namespace, out: Output) -> int:
         print(_status.probe_line(summary), file=out.stream)
     else:
         print(_status.render_probe(result), file=out.stream)
+        if out.verbose:
+            print("raw probe result:", file=out.stream)
+            out.emit_json(result)
     if args.require_gpu and not summary["gpu"]:
         return EXIT_NO_GPU
     return EXIT_OK
@@ -333,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"a command is required; see '{parser.prog} "
                          f"--help'")
         out = Output(args, stdout)  # type: ignore[arg-type]
-        _configure_logging(out)
+        _configure_logging(out, inline=args.command == "demo")
         return int(args.func(args, out))
     except KeyboardInterrupt as exc:
         terminated = isinstance(exc, Terminated)

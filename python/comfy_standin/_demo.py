@@ -36,7 +36,7 @@ import time
 import traceback
 import uuid
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -185,6 +185,9 @@ class PipeWorker:
         self.name = name
         self.board = board
         self._buffer = b""
+        #: Called with (method, params, reply or error) for each command
+        #: when the demo runs with --verbose.
+        self.trace: Callable[[str, dict, Any], None] | None = None
         self.process = subprocess.Popen(
             [sys.executable, "-m", "comfy_standin._demo_worker", board.name],
             stdin=subprocess.PIPE,
@@ -242,6 +245,8 @@ class PipeWorker:
         except (BrokenPipeError, OSError) as exc:
             raise ConnectionError(f"worker {self.name}: {exc}") from exc
         reply = self._read_reply()
+        if self.trace is not None:
+            self.trace(method, params, reply)
         if reply.get("status") != "ok":
             raise WorkerError(
                 f"worker {self.name}: {method}: {reply.get('error')}"
@@ -592,13 +597,34 @@ def _version() -> str:
     return importlib.import_module("comfy_standin").__version__
 
 
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """SIGINT and SIGTERM that arrive inside are delivered on the way
+    out, to whatever handler was in place (in the main thread only)."""
+    pending: list[int] = []
+    wanted = (signal.SIGINT, signal.SIGTERM)
+    try:
+        previous = {s: signal.signal(s, lambda n, f: pending.append(n))
+                    for s in wanted}
+    except ValueError:  # not the main thread: signals are not ours
+        yield
+        return
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if pending:
+            signal.raise_signal(pending[0])
+
+
 def _shm_path(name: str) -> str:
     return "/dev/shm/" + name.lstrip("/")
 
 
 class Demo:
     def __init__(self, impl_name: str, out: TextIO,
-                 color: bool = False) -> None:
+                 color: bool = False, verbose: bool = False) -> None:
         self.impl_name = impl_name
         self.impl = (
             importlib.import_module("comfy_standin")
@@ -608,6 +634,7 @@ class Demo:
         self.board_type = importlib.import_module("comfy_standin._core").Board
         self.out = out
         self.color = color
+        self.verbose = verbose
         self.checks = Checks(out, color)
         #: What ``--json`` prints: one entry per step (scene).
         self.steps: list[dict[str, Any]] = []
@@ -638,6 +665,11 @@ class Demo:
         self.checks.step = text
         print(file=self.out)
         print(paint(f"== {text} ==", "title", self.color), file=self.out)
+
+    def trace_command(self, method: str, params: dict, reply: Any) -> None:
+        """--verbose: each command to a worker and its reply."""
+        shown = {k: v for k, v in params.items() if k != "models"}
+        self.say(f"    [wire] {method} {shown} -> {reply}")
 
     def define(self, *terms: str) -> None:
         """Names a glossary term the first time the demo uses it."""
@@ -801,13 +833,20 @@ class Demo:
     # -- building blocks ------------------------------------------------
 
     def start_worker(self, name: str) -> PipeWorker:
-        board = self.board_type.create(
-            8, generation=1, heartbeat_limit=HEARTBEAT_LIMIT
-        )
-        self.boards.append(board)
-        self.board_names.append(board.name)
-        worker = PipeWorker(name, board)
-        self.workers[name] = worker  # cleaned up even if it never greets
+        # Ctrl-C or SIGTERM between spawning a worker and recording it
+        # would leave a process nobody ends: they wait for the record.
+        with signals_deferred():
+            board = self.board_type.create(
+                8, generation=1, heartbeat_limit=HEARTBEAT_LIMIT
+            )
+            self.boards.append(board)
+            self.board_names.append(board.name)
+            if self.verbose:
+                self.say(f"    [board] created {board.name} for {name}")
+            worker = PipeWorker(name, board)
+            self.workers[name] = worker  # cleaned up even if never greets
+        if self.verbose:
+            worker.trace = self.trace_command
         worker.wait_ready()
         board.expected_owner = worker.pid
         # The worker has opened it (it greeted us): from now on the
@@ -1082,7 +1121,8 @@ def run_demo(impl_name: str = "c", out: TextIO | None = None,
     it) kills the workers and closes the boards before it propagates."""
     out = sys.stdout if out is None else out
     story = out if mode == "text" else io.StringIO()
-    demo = Demo(impl_name, story, color=color and mode == "text")
+    demo = Demo(impl_name, story, color=color and mode == "text",
+                verbose=verbose)
     crashed: str | None = None
     interrupted = False
     # What the stand-ins log (deferred evictions, a gone worker) is part
