@@ -63,7 +63,10 @@ def files() -> list[Path]:
             and not any(part.startswith(("venv", ".venv", "build-"))
                         for part in p.parts)
         ]
-    found = [ROOT / n for n in names]
+    # Top-level files and the project's own folders (not a build or
+    # virtual-environment folder someone made in the checkout).
+    found = [ROOT / n for n in names
+             if "/" not in n or n.split("/", 1)[0] in TOP]
     return sorted(p for p in found if p.suffix in SUFFIXES and p.is_file())
 
 
