@@ -805,9 +805,10 @@ class Demo:
             self.say(
                 f"  free_memory ended short of its request: "
                 f"{gib(run.free_after)} free of {gib(run.memory_required)} "
-                f"asked. It evicts only what its candidates give back and "
-                f"does not retry (ComfyUI then loads in low-VRAM mode or "
-                f"runs out of memory). Here: {short_because or 'see above'}"
+                f"asked. It evicts only what its candidates give back, then "
+                f"stops (ComfyUI's load_models_gpu then asks once more for "
+                f"just its minimum and loads what fits, a partial low-VRAM "
+                f"load). Here: {short_because or 'see above'}"
             )
         if self.steps:
             self.steps[-1]["free_memory"].append({
