@@ -288,7 +288,8 @@ def _common_options() -> argparse.ArgumentParser:
     level.add_argument("-q", "--quiet", action="store_true",
                        help="print only the result line")
     level.add_argument("-v", "--verbose", action="store_true",
-                       help="more detail; debug logging on stderr")
+                       help="more detail (the demo: every worker command "
+                            "and reply)")
     return common
 
 
@@ -300,6 +301,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
             "ComfyUI's VRAM management."
         ),
         epilog=(
+            "Every command takes --json, --quiet and --verbose. "
             "exit codes: 0 ok; 1 a check failed (demo, selfcheck); 2 bad "
             "usage; 3 probe --require-gpu found no GPU; 130 interrupted; "
             "143 terminated. Colour only on a terminal and never with "
