@@ -34,6 +34,9 @@ def cli(*args: str, env: dict[str, str] | None = None):
 
 
 def segments() -> set[str]:
+    """Board segments in /dev/shm.  Other processes on the machine (other
+    test runs) may have some of their own: tests look for the names the
+    demo printed, not at the difference of two listings."""
     return set(glob.glob("/dev/shm/csb*"))
 
 
@@ -55,7 +58,6 @@ def demo_worker_alive(pid: int) -> bool:
 
 @pytest.mark.parametrize("impl", ["c", "reference"])
 def test_demo_runs_checks_and_leaves_nothing(impl):
-    before = segments()
     result = cli("demo", "--impl", impl)
     out = result.stdout
     assert result.returncode == 0, out + result.stderr
@@ -78,7 +80,6 @@ def test_demo_runs_checks_and_leaves_nothing(impl):
     assert len(set(names)) == 2
     for name in names:
         assert not os.path.exists("/dev/shm" + name)
-    assert segments() - before == set()
     pids = [int(p) for p in re.findall(r"worker [AB] pid (\d+)", out)]
     assert len(set(pids)) == 2
     assert not [pid for pid in pids if demo_worker_alive(pid)]
@@ -115,11 +116,11 @@ def test_demo_exits_1_when_a_check_fails(monkeypatch):
 
 
 def test_demo_cleans_up_after_a_crash(monkeypatch):
-    before = segments()
     started = []
 
     def crash(self):
         started.append(self.start_worker("A"))
+        started.append(self.board_names[-1])
         raise RuntimeError("boom in the middle of the demo")
 
     monkeypatch.setattr(_demo.Demo, "run", crash)
@@ -130,7 +131,7 @@ def test_demo_cleans_up_after_a_crash(monkeypatch):
     assert "[ok  ] no board segment left in /dev/shm" in text
     assert started and started[0].process.returncode is not None
     assert not demo_worker_alive(started[0].pid)
-    assert segments() - before == set()
+    assert "/dev/shm" + started[1] not in segments()
 
 
 # ---------------------------------------------------------------------------
@@ -341,7 +342,6 @@ def test_a_closed_pipe_ends_quietly(argv):
     """``comfy-standin demo | head``: the reader has gone before the
     first write; every write fails with EPIPE.  No traceback, the normal
     exit code, and the demo still cleans up."""
-    before = segments()
     read_end, write_end = os.pipe()
     os.close(read_end)  # the reader is gone already
     try:
@@ -353,8 +353,9 @@ def test_a_closed_pipe_ends_quietly(argv):
     finally:
         os.close(write_end)
     assert result.stderr == "", result.stderr
+    # 0: for the demo that includes its own check that none of its board
+    # segments is left in /dev/shm.
     assert result.returncode == 0
-    assert segments() - before == set()
     assert marked_processes("pipe") == []
 
 
