@@ -92,6 +92,13 @@ class Pool:
         # Strong references to stand-ins of dead or restarted workers,
         # dropped at the next boundary().
         self._graveyard: dict[int, Any] = {}
+        # Strong references to registered stand-ins (register()): ComfyUI's
+        # list holds its models only weakly, so without this a stand-in
+        # whose caller dropped it would leave the list with no command
+        # reaching its worker.  Released at a boundary() once ComfyUI no
+        # longer lists it, its worker lost the model, or the worker is
+        # gone or restarted (docs/semantics.md "The pool").
+        self._held: dict[int, Any] = {}
         self.on_pressure: Callable[[int], object] | None = None
         # id(worker) -> (worker, the host side of its residency board).
         self._boards: dict[int, tuple[Any, Any]] = {}
@@ -159,6 +166,29 @@ class Pool:
         with self._lock:
             return len(self._graveyard)
 
+    def _hold(self, standin: Any) -> None:
+        """Called by ``register()``: keep `standin` alive while ComfyUI
+        lists it (see ``boundary``).  Idempotent."""
+        with self._lock:
+            self._held[id(standin)] = standin
+
+    def held(self) -> list[Any]:
+        """Registered stand-ins the pool keeps alive; a snapshot."""
+        with self._lock:
+            return list(self._held.values())
+
+    def _held_items(self) -> list[tuple[int, Any]]:
+        with self._lock:
+            return list(self._held.items())
+
+    def _release_held_locked(self, doomed: Callable[[Any], bool]) -> None:
+        """Moves held stand-ins to the graveyard (dropped at the next
+        boundary, so no finalizer runs inside ``free_memory``)."""
+        for key, standin in list(self._held.items()):
+            if doomed(standin):
+                del self._held[key]
+                self._graveyard[key] = standin
+
     def boundary(self, mm: Any = None) -> list[Any]:
         """Node-boundary housekeeping.  Call it between nodes, never inside
         ComfyUI's ``free_memory`` (its loop pops entries by index).
@@ -169,6 +199,11 @@ class Pool:
           anyway (``LoadedModel.model_unload`` pops an entry even when
           ``detach`` freed nothing); the weights are still on the card, so
           ComfyUI must keep seeing them.  Returns those stand-ins.
+        - Releases registered stand-ins (``register()`` holds them) that
+          are stale (worker gone or restarted), whose worker lost the model
+          (receipt source "worker gone"), or, with `mm`, that ComfyUI no
+          longer lists (it unloaded them: ``model_unload`` or a clone pop
+          ran ``detach``).
         - Drops the graveyard, then the books of gone workers nobody holds
           a stand-in of any more (a restart under a new worker object
           would otherwise keep every dead one on the books forever).
@@ -189,7 +224,18 @@ class Pool:
                     ):
                         register(mm, s)
                         restored.append(s)
+        listed = None
+        if mm is not None:
+            listed = {
+                id(entry.model) for entry in list(mm.current_loaded_models)
+            }
+        # Decided outside the lock: the reads may log.
+        done = {
+            key for key, s in self._held_items()
+            if _registration_over(s, listed)
+        }
         with self._lock:
+            self._release_held_locked(lambda s: id(s) in done)
             buried, self._graveyard = self._graveyard, {}
         # Finalizers (mm.cleanup_models) may run here, outside the lock.
         del buried
@@ -253,6 +299,7 @@ class Pool:
             books.gone()
         with self._lock:
             self._bury_locked(worker, lambda s: True)
+            self._release_held_locked(lambda s: s.worker is worker)
         self._close_board(worker)
 
     def restarted(self, worker: Any, generation: int) -> None:
@@ -266,6 +313,10 @@ class Pool:
             self._bury_locked(
                 worker, lambda s: s.worker_generation < generation
             )
+            self._release_held_locked(
+                lambda s: s.worker is worker
+                and s.worker_generation < generation
+            )
             slot = self._adopted.get(id(worker))
             if slot is not None:
                 slot[2][0] = max(slot[2][0], generation)
@@ -276,6 +327,7 @@ class Pool:
         self._ledger.forget(worker)
         with self._lock:
             self._adopted.pop(id(worker), None)
+            self._release_held_locked(lambda s: s.worker is worker)
         self._close_board(worker)
 
     def begin_call(self, worker: Any) -> None:
@@ -425,6 +477,17 @@ class Pool:
         return self._ledger.reserve(
             base, 0 if total is None else total, self._process_local
         )
+
+
+def _registration_over(s: Any, listed: set[int] | None) -> bool:
+    """Whether a registered stand-in may be let go (see boundary())."""
+    try:
+        if s.stale or s.receipt()[3] == "worker gone":
+            return True
+    except Exception:  # noqa: BLE001 - a broken read keeps the hold
+        log.warning("comfy_standin: could not read %r", s, exc_info=True)
+        return False
+    return listed is not None and id(s) not in listed
 
 
 def _probe(impl: ModuleType) -> Mapping[str, Any]:
