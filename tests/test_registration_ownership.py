@@ -233,3 +233,18 @@ def test_register_holds_only_our_stand_ins(impl, own_pool, mm):
     foreign = Foreign()
     impl.register(mm, foreign)
     assert own_pool.held() == []
+
+
+def test_a_worker_dead_without_a_command_is_noticed(impl, own_pool, mm):
+    """The process died and nothing was sent since: the boundary asks
+    is_alive(), marks the worker gone and lets its stand-ins go."""
+    w = fakes.FakeWorker("w")
+    ref = register_dropped(impl, own_pool, w, "m", 2 * GiB, 2 * GiB)
+    w.kill()
+    gc.collect()
+    assert ref() is not None
+    own_pool.boundary(mm)
+    gc.collect()
+    assert ref() is None
+    own_pool.boundary(mm)
+    assert own_pool.worker_charges() == {}  # its books are forgotten

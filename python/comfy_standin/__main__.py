@@ -1,7 +1,8 @@
 """Command line: ``python -m comfy_standin {demo,status,probe,selfcheck}``.
 
-Exit codes: 0 success; 1 a check failed (demo, selfcheck); 2 bad usage
-(argparse); 3 ``probe --require-gpu`` found no readable GPU.
+Exit codes: 0 success; 1 a check failed (demo, selfcheck), ``status
+--url`` read nothing, ``install-node``/``uninstall-node`` refused; 2 bad
+usage (argparse); 3 ``probe --require-gpu`` found no readable GPU.
 """
 
 from __future__ import annotations
@@ -23,6 +24,43 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
+    if args.url is not None or args.watch is not None:
+        return _status_loop(args)
+    return _status_once(args)
+
+
+def _status_loop(args: argparse.Namespace) -> int:
+    """``status --url`` (a running ComfyUI) and ``--watch SECONDS``."""
+    import time
+
+    from . import _status
+
+    while True:
+        if args.url is None:
+            code = _status_once(args)
+        else:
+            try:
+                data = _status.fetch(args.url)
+            except _status.RemoteError as exc:
+                print(f"status: {exc}", file=sys.stderr)
+                code = EXIT_FAILED
+            else:
+                code = EXIT_OK
+                if args.json:
+                    print(json.dumps(data, indent=2, sort_keys=True))
+                else:
+                    print(_status.render_remote(data, args.url))
+        if args.watch is None:
+            return code
+        sys.stdout.flush()
+        try:
+            time.sleep(args.watch)
+        except KeyboardInterrupt:
+            return code
+        print()
+
+
+def _status_once(args: argparse.Namespace) -> int:
     import comfy_standin as cs
 
     from . import _status
@@ -66,6 +104,18 @@ def _cmd_selfcheck(args: argparse.Namespace) -> int:
     from . import _selfcheck
 
     return _selfcheck.run(sys.stdout)
+
+
+def _cmd_install_node(args: argparse.Namespace) -> int:
+    from . import _node
+
+    return _node.install(args.comfyui, sys.stdout)
+
+
+def _cmd_uninstall_node(args: argparse.Namespace) -> int:
+    from . import _node
+
+    return _node.uninstall(args.comfyui, sys.stdout)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,6 +162,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="machine-readable output")
     status.add_argument("--impl", choices=("c", "reference"), default="c",
                         help="whose default pool (default: c)")
+    status.add_argument(
+        "--url", nargs="?", const="http://127.0.0.1:8188", default=None,
+        help="read a running ComfyUI (with the node entry installed) "
+             "instead of this process; URL defaults to "
+             "http://127.0.0.1:8188",
+    )
+    status.add_argument("--watch", type=_positive_seconds, default=None,
+                        metavar="SECONDS",
+                        help="print again every SECONDS until Ctrl-C")
     status.set_defaults(func=_cmd_status)
 
     probe = sub.add_parser(
@@ -130,7 +189,35 @@ def build_parser() -> argparse.ArgumentParser:
              "history",
     )
     selfcheck.set_defaults(func=_cmd_selfcheck)
+
+    install_node = sub.add_parser(
+        "install-node",
+        help="switch comfy_standin on in a ComfyUI: a custom-node entry "
+             "that registers no nodes (undo: uninstall-node)",
+    )
+    install_node.add_argument("comfyui", metavar="PATH_TO_COMFYUI",
+                              help="the ComfyUI folder (has main.py and "
+                                   "custom_nodes/)")
+    install_node.set_defaults(func=_cmd_install_node)
+    uninstall_node = sub.add_parser(
+        "uninstall-node",
+        help="remove the entry install-node wrote",
+    )
+    uninstall_node.add_argument("comfyui", metavar="PATH_TO_COMFYUI")
+    uninstall_node.set_defaults(func=_cmd_uninstall_node)
     return parser
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected seconds, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"expected seconds above 0, got {text!r}")
+    return value
 
 
 def _version() -> str:

@@ -181,6 +181,26 @@ class Pool:
         with self._lock:
             return list(self._held.items())
 
+    def _dead_workers_held(self) -> list[Any]:
+        """Workers of live held stand-ins whose ``is_alive()`` says False
+        (a raising probe counts as alive, as in the stand-in)."""
+        seen: dict[int, Any] = {}
+        for _, s in self._held_items():
+            try:
+                if not s.stale:
+                    seen.setdefault(id(s.worker), s.worker)
+            except Exception:  # noqa: BLE001 - a broken read: keep it
+                continue
+        dead = []
+        for worker in seen.values():
+            try:
+                alive = bool(worker.is_alive())
+            except Exception:  # noqa: BLE001 - undecidable: alive
+                alive = True
+            if not alive:
+                dead.append(worker)
+        return dead
+
     def _release_held_locked(self, doomed: Callable[[Any], bool]) -> None:
         """Moves held stand-ins to the graveyard (dropped at the next
         boundary, so no finalizer runs inside ``free_memory``)."""
@@ -199,6 +219,8 @@ class Pool:
           anyway (``LoadedModel.model_unload`` pops an entry even when
           ``detach`` freed nothing); the weights are still on the card, so
           ComfyUI must keep seeing them.  Returns those stand-ins.
+        - Marks gone the workers of held stand-ins whose ``is_alive()``
+          now says False (``worker_gone``).
         - Releases registered stand-ins (``register()`` holds them) that
           are stale (worker gone or restarted), whose worker lost the model
           (receipt source "worker gone"), or, with `mm`, that ComfyUI no
@@ -229,6 +251,10 @@ class Pool:
             listed = {
                 id(entry.model) for entry in list(mm.current_loaded_models)
             }
+        # A worker that died since its last command: its held stand-ins
+        # would otherwise stay listed until ComfyUI happens to evict them.
+        for worker in self._dead_workers_held():
+            self.worker_gone(worker)
         # Decided outside the lock: the reads may log.
         done = {
             key for key, s in self._held_items()
