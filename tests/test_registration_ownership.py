@@ -248,3 +248,26 @@ def test_a_worker_dead_without_a_command_is_noticed(impl, own_pool, mm):
     assert ref() is None
     own_pool.boundary(mm)
     assert own_pool.worker_charges() == {}  # its books are forgotten
+
+
+def test_refusal_then_census_is_still_restored(impl, own_pool, mm):
+    """A refused detach, then a census (a reply frame of the next call)
+    clears the deferral before the boundary: the model is still on the
+    card, so the boundary lists it again all the same."""
+    w = fakes.FakeWorker("w")
+    ref = register_dropped(impl, own_pool, w, "m", 2 * GiB, 2 * GiB)
+    w.script("refuse", "model_to_device")
+    mm.unload_all_models()
+    assert not listed(mm, ref) and ref().eviction_deferred
+    impl.apply_residency({"m": ref()}, w.census())
+    assert not ref().eviction_deferred
+    assert own_pool.boundary(mm) == [ref()]
+    gc.collect()
+    assert ref() is not None and listed(mm, ref)
+    # and ComfyUI's next eviction reaches the worker
+    mm.unload_all_models()
+    assert w.resident("m") == 0
+    own_pool.boundary(mm)
+    # released (the log capture keeps the refusal's traceback, and with
+    # it the stand-in, alive in the reference: no collection check here)
+    assert own_pool.held() == [] and not listed(mm, ref)
