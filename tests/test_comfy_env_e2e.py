@@ -13,8 +13,9 @@ These tests use comfy-env internals (``_call_in_worker``, the worker's
 ``_shutdown_all_workers``), so they are pinned to the version read here:
 another version fails with a message saying so, it is never skipped.
 
-Without torch in the worker (the default test environment) a
-model-moving command is refused by a live worker; the ``torch_worker``
+A model-moving command is refused by a live worker (the pack's module
+refuses to move; without torch the worker cannot import it); the
+``torch_worker``
 tests (marker; a separate CI step installs the CPU torch wheel) run the
 worker's real unload and detach handlers.
 """
@@ -73,8 +74,9 @@ PACK = textwrap.dedent('''
 
 
     class FakeModule:
-        def __init__(self, nbytes):
+        def __init__(self, nbytes, refuse):
             self._params = [_Param(nbytes, "cuda")]
+            self._refuse = refuse
 
         def parameters(self):
             return iter(self._params)
@@ -83,6 +85,8 @@ PACK = textwrap.dedent('''
             return iter(())
 
         def to(self, device):
+            if self._refuse:
+                raise RuntimeError("the card is busy")
             kind = getattr(device, "type", str(device).split(":")[0])
             for p in self._params:
                 p.device = types.SimpleNamespace(type=kind)
@@ -90,10 +94,10 @@ PACK = textwrap.dedent('''
 
 
     class LoadModel:
-        def load(self, model_id, nbytes):
+        def load(self, model_id, nbytes, refuse=False):
             import comfy_worker
 
-            module = FakeModule(nbytes)
+            module = FakeModule(nbytes, refuse)
             _KEEP[model_id] = module
             comfy_worker.register_model(model_id, module, kind="unet")
             return (model_id,)
@@ -116,6 +120,26 @@ def test_comfy_env_is_the_pinned_version():
 
 def _fds():
     return set(os.listdir("/proc/self/fd"))
+
+
+def _target(fd):
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None  # closed meanwhile
+
+
+def _process_wide():
+    """fds meant to live as long as the process: the listener of
+    multiprocessing's resource sharer, which torch's tensor transport
+    (comfy-env's canary, with torch in the host) starts once."""
+    sharer = sys.modules.get("multiprocessing.resource_sharer")
+    listener = getattr(getattr(sharer, "_resource_sharer", None),
+                       "_listener", None)
+    try:
+        return {str(listener._listener._socket.fileno())}
+    except AttributeError:
+        return set()
 
 
 def _sockets():
@@ -160,7 +184,8 @@ def host(mm, monkeypatch, tmp_path):
     # nothing of the worker is left: process, fds, sockets
     for pid in ns.workers:
         assert not os.path.exists(f"/proc/{pid}"), f"worker {pid} left"
-    assert _fds() - fds == set(), "file descriptors left open"
+    left = {fd: _target(fd) for fd in _fds() - fds - _process_wide()}
+    assert left == {}, f"file descriptors left open: {left}"
     assert _sockets() - sockets == set(), "worker sockets left"
 
 
@@ -174,9 +199,8 @@ def standin_of(mm, model_id):
 
 def test_real_worker_registration_census_refusal_shutdown(host):
     mm = host.mm
-    assert host.call("load", model_id="unet-e2e", nbytes=3 * MiB) == [
-        "unet-e2e"
-    ]
+    assert host.call("load", model_id="unet-e2e", nbytes=3 * MiB,
+                     refuse=True) == ["unet-e2e"]
     worker, generation = host.pool._WORKER_POOL[host.key]
     host.workers.append(worker._process.pid)
     # the handshake: a per-spawn authkey, checked on connect
@@ -198,8 +222,9 @@ def test_real_worker_registration_census_refusal_shutdown(host):
     loaded, seq, _, source = s.receipt()
     assert (loaded, seq, source) == (3 * MiB, 1, "census")
 
-    # a live worker refuses to move a model (no torch in it): nothing
-    # freed, the receipt kept, the eviction deferred
+    # a live worker refuses to move a model (the move raises in it; with
+    # no torch in the worker, importing torch does): nothing freed, the
+    # receipt kept, the eviction deferred
     assert s.partially_unload("cpu", 1 * MiB) == 0
     assert s.receipt()[:2] == (loaded, seq) and s.receipt()[3] == "census"
     assert s.eviction_deferred and worker.is_alive()
