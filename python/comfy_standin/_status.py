@@ -130,18 +130,19 @@ def collect(pool: Any) -> dict[str, Any]:
     }
 
 
-def render(status: dict[str, Any], probe: bool = True) -> str:
+def render(status: dict[str, Any], probe: bool = True,
+           no_workers: str | None = None) -> str:
     lines = [
         f"pool ({status['implementation']}): floor "
         f"{_gib(status['floor'])} per worker, free memory "
         f"{'process-local' if status['process_local'] else 'device-wide'}"
     ]
     if not status["workers"]:
-        lines.append(
+        lines.append(no_workers or (
             "  no workers: nothing has registered a stand-in in this "
             "process (status reads this process's pool; comfy-env fills "
             "it inside ComfyUI)"
-        )
+        ))
     for w in status["workers"]:
         ch = w["charge"]
         state = "alive" if w["alive"] else "gone"
@@ -347,7 +348,10 @@ def render_remote(data: dict[str, Any], url: str) -> str:
         f"; reserve published {_gib(reserve.get('extra_reserved_vram'))}, "
         f"worker charges {_gib(reserve.get('worker_charges'))}; "
         f"{pool.get('held', 0)} registered stand-in(s) held",
-        render(pool, probe=False),
+        render(pool, probe=False, no_workers=(
+            "  no workers yet: no comfy-env node has registered a model "
+            "in this ComfyUI since it started"
+        )),
     ]
     if isinstance(data.get("probe"), dict):
         lines.append(render_probe(data["probe"]))
