@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
             "ComfyUI's VRAM management."
         ),
         epilog=(
-            "exit codes: 0 ok; 1 a check failed (demo, selfcheck); 2 bad "
+            "exit codes: 0 ok; 1 a check failed (demo, selfcheck), status "
+            "--url read nothing, install-node/uninstall-node refused; 2 bad "
             "usage; 3 probe --require-gpu found no GPU"
         ),
     )
@@ -155,8 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser(
         "status",
-        help="this process's default pool: workers, models, receipts "
-             "(age, source), boards; and the probe",
+        help="this process's default pool, or a running ComfyUI's "
+             "(--url): workers, models, receipts (age, source), boards; "
+             "and the probe",
     )
     status.add_argument("--json", action="store_true",
                         help="machine-readable output")
