@@ -583,7 +583,13 @@ def test_register_finalizer_cleans_up(impl, make_standin):
     mm = fake_mm()
     s = make_standin()
     impl.register(mm, s)
+    pool, worker = s.pool, s.worker
     del s
+    gc.collect()
+    # registered: its pool keeps it (tests/test_registration_ownership.py)
+    assert mm.cleanups == []
+    pool.worker_gone(worker)
+    pool.boundary()
     gc.collect()
     assert mm.cleanups == [1]
     assert mm.current_loaded_models == []
