@@ -1772,6 +1772,25 @@ standin_get_deferred(StandInObject *self, void *closure)
     return PyBool_FromLong(cs_model_eviction_deferred(self->record));
 }
 
+/* comfy-env's boundary writes False once it listed a refused stand-in
+ * again; only a bool is taken (docs/semantics.md, "eviction_deferred"). */
+static int
+standin_set_deferred(StandInObject *self, PyObject *value, void *closure)
+{
+    if (value == NULL) {
+        PyErr_SetString(PyExc_TypeError,
+                        "eviction_deferred cannot be deleted");
+        return -1;
+    }
+    if (!PyBool_Check(value)) {
+        PyErr_Format(PyExc_TypeError,
+                     "eviction_deferred: expected a bool, got %R", value);
+        return -1;
+    }
+    cs_model_set_eviction_deferred(self->record, value == Py_True);
+    return 0;
+}
+
 static PyObject *
 standin_get_bad_replies(StandInObject *self, void *closure)
 {
@@ -1835,7 +1854,8 @@ static PyGetSetDef standin_getset[] = {
      "\"unet\", \"clip\", \"vae\" or \"other\".", NULL},
     {"stale", (getter)standin_get_stale, NULL,
      "True once the worker died or restarted: reads as offloaded.", NULL},
-    {"eviction_deferred", (getter)standin_get_deferred, NULL,
+    {"eviction_deferred", (getter)standin_get_deferred,
+     (setter)standin_set_deferred,
      "True when a live worker refused the last eviction (receipt kept).",
      NULL},
     {"bad_replies", (getter)standin_get_bad_replies, NULL,

@@ -327,9 +327,9 @@ class ModelRecord:
             self._write_locked(0, None, "worker gone", 0)
             return True
 
-    def set_deferred(self) -> None:
+    def set_deferred(self, value: bool = True) -> None:
         with self.books._lock:
-            self._deferred = True
+            self._deferred = value
 
     def gone(self) -> None:
         """This model's process died, whether or not its books still hold
@@ -1193,6 +1193,20 @@ class StandIn:
     @property
     def eviction_deferred(self) -> bool:
         return self._record.eviction_deferred
+
+    @eviction_deferred.setter
+    def eviction_deferred(self, value: bool) -> None:
+        # comfy-env's boundary writes False once it listed a refused
+        # stand-in again (docs/semantics.md, "eviction_deferred").
+        if type(value) is not bool:
+            raise TypeError(
+                f"eviction_deferred: expected a bool, got {value!r}"
+            )
+        self._record.set_deferred(value)
+
+    @eviction_deferred.deleter
+    def eviction_deferred(self) -> None:
+        raise TypeError("eviction_deferred cannot be deleted")
 
     @property
     def bad_replies(self) -> int:
