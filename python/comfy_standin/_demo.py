@@ -150,11 +150,16 @@ class PipeWorker:
         self.name = name
         self.board = board
         self._buffer = b""
+        # The board goes to the worker as an inherited descriptor (Linux:
+        # a sealed memfd with no name), else by its name.
+        fd = board.fd
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "comfy_standin._demo_worker", board.name],
+            [sys.executable, "-m", "comfy_standin._demo_worker",
+             str(fd) if fd is not None else board.name],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             bufsize=0,
+            pass_fds=(fd,) if fd is not None else (),
         )
 
     def wait_ready(self) -> None:
@@ -213,7 +218,11 @@ class PipeWorker:
         """SIGKILL and reap: afterwards ``is_alive()`` is False."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGKILL)
-        return self.process.wait(timeout=REPLY_TIMEOUT)
+        code = self.process.wait(timeout=REPLY_TIMEOUT)
+        # Reaped: the host knows it is dead, so its board says so at once
+        # (reads do no liveness system call of their own).
+        self.board.worker_gone()
+        return code
 
     def shut_down(self) -> None:
         """Ask it to exit, and make sure it did."""
@@ -546,8 +555,26 @@ def _version() -> str:
     return importlib.import_module("comfy_standin").__version__
 
 
-def _shm_path(name: str) -> str:
-    return "/dev/shm/" + name.lstrip("/")
+def _board_leftovers(names: list[str]) -> list[str]:
+    """Boards of this demo still reachable: on Linux a descriptor or a
+    mapping of one of its memfds in this process; elsewhere a name in
+    /dev/shm."""
+    left = []
+    if sys.platform.startswith("linux"):
+        labels = {n.removeprefix("memfd:") for n in names}
+        seen = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                seen.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:
+                continue
+        with open("/proc/self/maps") as maps:
+            seen.extend(maps.read().splitlines())
+        for label in labels:
+            if any(label in line for line in seen):
+                left.append(label)
+        return left
+    return [n for n in names if os.path.exists("/dev/shm/" + n.lstrip("/"))]
 
 
 class Demo:
@@ -696,8 +723,9 @@ class Demo:
         self.workers[name] = worker  # cleaned up even if it never greets
         worker.wait_ready()
         board.expected_owner = worker.pid
-        # The worker has opened it (it greeted us): from now on the
-        # segment has no name, so nothing can leak it (docs/board.md).
+        # The worker has mapped it (it greeted us): the host drops its
+        # descriptor, so the memory lives exactly as long as the two
+        # mappings and nothing can leak it (docs/board.md).
         if board.attached:
             board.unlink()
         return worker
@@ -711,6 +739,9 @@ class Demo:
                 offload_device=CPU, kind=new["kind"], pool=self.pool,
             )
             slot = s.attach_board(worker.board)
+            # The slot's tag is the host's: the worker publishes under it.
+            worker.send_command("board_bind", model_id=s.model_id,
+                                slot=slot, tag=worker.board.tag(slot))
             self.card.track(worker.name, worker.is_alive, s.model_id,
                             worker.board, slot)
             self.impl.register(self.mm, s)
@@ -759,7 +790,7 @@ class Demo:
         b = self.start_worker("B")
         self.say(f"  worker A pid {a.pid}, board {a.board.name}; "
                  f"worker B pid {b.pid}, board {b.board.name} "
-                 f"(unlinked once opened)")
+                 f"(handed over as a sealed descriptor, dropped once mapped)")
         self.add_host_model("clip", 2 * GiB, "clip")
         self.add_host_model("vae", 1 * GiB, "vae")
         self.add_worker_models(a, [
@@ -898,9 +929,8 @@ class Demo:
 
     def check_nothing_left(self) -> None:
         c = self.checks
-        left = [name for name in self.board_names
-                if os.path.exists(_shm_path(name))]
-        c.check(not left, "no board segment left in /dev/shm"
+        left = _board_leftovers(self.board_names)
+        c.check(not left, "no board segment, descriptor or mapping left"
                 + (f" (left: {left})" if left else ""))
         running = [w.name for w in self.workers.values()
                    if w.process.returncode is None]
