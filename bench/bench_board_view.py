@@ -79,7 +79,8 @@ def bench_reads(n: int, repeats: int = 5) -> dict[str, Any]:
     so that drift of the machine falls on all of them alike."""
     impls = {k: importlib.import_module(v) for k, v in IMPLS.items()}
     host = Board.create(len(impls))
-    worker_side = Board.open(host.name)  # this process plays the worker
+    # This process plays the worker, on its own mapping of the segment.
+    worker_side = Board.open(host.fd if host.fd is not None else host.name)
     host.expected_owner = os.getpid()
     host.unlink()
     cases: dict[tuple[str, str], Any] = {}
@@ -90,6 +91,7 @@ def bench_reads(n: int, repeats: int = 5) -> dict[str, Any]:
             impl.apply_echo(receipts, 1 * GIB, seq=1)
             on_board = make_standin(impl, model_id=f"b-{name}")
             slot = on_board.attach_board(host)
+            worker_side.bind(slot, host.tag(slot))
             impl.apply_echo(on_board, 1 * GIB, seq=1)
             boards.append((on_board, slot))
             cases[(name, "receipts")] = receipts.loaded_size
@@ -135,13 +137,17 @@ class BusyWorker:
     with select() and os.read(), so a non-blocking look never misses a
     line buffered on this side."""
 
-    def __init__(self, board, size: int = SIZE, model_id: str = MODEL_ID):
+    def __init__(self, board, slot: int, size: int = SIZE):
         fd, self.log_path = tempfile.mkstemp(prefix="busy_worker.", text=True)
         os.close(fd)
+        # Linux: the sealed memfd goes over as an inherited descriptor.
+        board_fd = board.fd
+        source = str(board_fd) if board_fd is not None else board.name
         self.proc = subprocess.Popen(
-            [sys.executable, str(WORKER), board.name, model_id, str(size),
-             self.log_path],
+            [sys.executable, str(WORKER), source, str(slot),
+             str(board.tag(slot)), str(size), self.log_path],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
+            pass_fds=(board_fd,) if board_fd is not None else (),
         )
         self.fd = self.proc.stdout.fileno()
         self.buf = b""
@@ -217,12 +223,12 @@ class Host:
         self.board = Board.create(1)
         self.receipts = make_standin(self.impl, size)
         self.on_board = make_standin(self.impl, size)
-        self.on_board.attach_board(self.board)
+        slot = self.on_board.attach_board(self.board)
         self.worker: BusyWorker | None = None
         try:
-            self.worker = BusyWorker(self.board, size)
+            self.worker = BusyWorker(self.board, slot, size)
             self.board.expected_owner = self.worker.pid
-            self.board.unlink()  # the worker has it open: the name may go
+            self.board.unlink()  # the worker has it mapped: drop the fd
         except BaseException:
             self.close()
             raise
