@@ -361,7 +361,6 @@ struct cs_board {
     uint64_t epoch; /* fork_epoch when the handle was made */
     dev_t fd_dev;   /* the segment's identity, to recognise the fd */
     ino_t fd_ino;
-    uint64_t coarse_slack; /* resolution of the host's read clock */
 
     /* Host only. */
     _Atomic int fd;       /* memfd board: the host's descriptor, or -1 */
@@ -403,8 +402,9 @@ board_slot_at(const cs_board *board, uint32_t slot)
                                   (size_t)slot * CS_BOARD_SLOT_SIZE);
 }
 
-/* The host's clock for reads: the coarse monotonic clock where there is
- * one (a few ns instead of a vDSO call), with its resolution as slack. */
+/* The host's clock for the heartbeat check: the coarse monotonic clock
+ * where there is one (a few ns instead of a vDSO call; it lags by about a
+ * tick, which a limit of seconds does not notice). */
 static uint64_t
 board_read_clock(void)
 {
@@ -412,21 +412,6 @@ board_read_clock(void)
     return board_clock_ns(CLOCK_MONOTONIC_COARSE);
 #else
     return board_now_ns();
-#endif
-}
-
-static uint64_t
-board_read_clock_slack(void)
-{
-#if defined(CLOCK_MONOTONIC_COARSE)
-    struct timespec res;
-    if (clock_getres(CLOCK_MONOTONIC_COARSE, &res) == 0 &&
-        res.tv_sec == 0) {
-        return (uint64_t)res.tv_nsec;
-    }
-    return UINT64_C(10000000);
-#else
-    return 0;
 #endif
 }
 
@@ -684,7 +669,6 @@ cs_board_create(uint32_t slots, uint64_t generation,
     board->host = true;
     board->generation = generation;
     board->heartbeat_limit = heartbeat_limit_ns;
-    board->coarse_slack = board_read_clock_slack();
     board->length = CS_BOARD_HEADER_SIZE + (size_t)slots * CS_BOARD_SLOT_SIZE;
     board->table = calloc(slots, sizeof(host_slot));
     if (board->table == NULL) {
@@ -1380,11 +1364,18 @@ cs_board_read_slot_status(const cs_board *board, uint32_t slot,
             return CS_BOARD_NO_READING;
         }
         /* Untrusted values: the caller's size bounds the reading, and a
-         * stamp from the future cannot claim to be newer than now (the
-         * coarse clock's resolution is the slack a true stamp needs). */
-        uint64_t latest = now + board->coarse_slack;
+         * stamp from the future cannot claim to be newer than now.  The
+         * coarse clock lags the precise one by a tick or more, so a stamp
+         * past it (a publish of the last few ms, or a forged one) is
+         * checked against the precise clock. */
+        if (stamp > now) {
+            uint64_t precise = board_now_ns();
+            if (stamp > precise) {
+                stamp = precise;
+            }
+        }
         *loaded = value < size ? value : size;
-        *updated_ns = stamp < latest ? stamp : latest;
+        *updated_ns = stamp;
         return CS_BOARD_VALID;
     }
     return CS_BOARD_TORN;

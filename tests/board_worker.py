@@ -131,9 +131,10 @@ def scribble(fd: int, reply) -> None:
         n = rng.randint(1, 16)
         mem[off:off + n] = rng.randbytes(min(n, len(mem) - off))
         if rng.random() < 0.3:
-            # A fresh heartbeat often, so reads get past it to the slots.
-            now = time.monotonic_ns().to_bytes(8, "little")
-            mem[48:56] = now
+            # The owner and a fresh heartbeat back often, so reads get
+            # past the header to the slots.
+            mem[40:48] = os.getpid().to_bytes(8, "little")
+            mem[48:56] = time.monotonic_ns().to_bytes(8, "little")
 
 
 def keep_odd(fd: int, board, reply) -> None:
