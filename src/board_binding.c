@@ -18,6 +18,8 @@
 #include <stddef.h>
 #include <string.h>
 
+#ifndef _WIN32
+
 typedef struct {
     PyObject_HEAD
     cs_board *board; /* owned; NULL once closed */
@@ -1094,6 +1096,76 @@ static PyType_Spec Board_spec = {
              Py_TPFLAGS_DISALLOW_INSTANTIATION,
     .slots = Board_slots,
 };
+
+#else /* _WIN32 */
+
+/* No board on Windows (docs/board.md): the package imports, the type
+ * exists, and making one says why not.  The core is not built. */
+
+typedef struct {
+    PyObject_HEAD
+} BoardObject;
+
+static PyObject *
+Board_unsupported(PyObject *cls, PyObject *args, PyObject *kwargs)
+{
+    PyErr_SetString(PyExc_NotImplementedError,
+                    "comfy_standin.Board: no residency board on Windows "
+                    "(stand-ins use receipts)");
+    return NULL;
+}
+
+cs_board *
+cs_board_from_object(PyObject *obj)
+{
+    (void)Board_unsupported(NULL, NULL, NULL);
+    return NULL;
+}
+
+int
+cs_board_attach_model(PyObject *board_obj, PyObject *model_id,
+                      const char *id, size_t id_len, uint64_t size,
+                      PyObject *slot_obj, uint32_t *slot, uint64_t *tag)
+{
+    (void)Board_unsupported(NULL, NULL, NULL);
+    return -1;
+}
+
+bool
+cs_board_object_read(PyObject *board_obj, uint32_t slot, uint64_t tag,
+                     uint64_t size, uint64_t *loaded, uint64_t *updated_ns)
+{
+    return false;
+}
+
+static PyMethodDef Board_methods[] = {
+    {"create", (PyCFunction)(void (*)(void))Board_unsupported,
+     METH_VARARGS | METH_KEYWORDS | METH_CLASS,
+     "Not on Windows: raises NotImplementedError."},
+    {"open", (PyCFunction)(void (*)(void))Board_unsupported,
+     METH_VARARGS | METH_KEYWORDS | METH_CLASS,
+     "Not on Windows: raises NotImplementedError."},
+    {NULL, NULL, 0, NULL},
+};
+
+PyDoc_STRVAR(Board_doc,
+    "A live residency board: not available on Windows (docs/board.md).");
+
+static PyType_Slot Board_slots[] = {
+    {Py_tp_doc, (void *)Board_doc},
+    {Py_tp_methods, Board_methods},
+    {0, NULL},
+};
+
+static PyType_Spec Board_spec = {
+    .name = "comfy_standin._core.Board",
+    .basicsize = sizeof(BoardObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE |
+             Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = Board_slots,
+};
+
+#endif /* _WIN32 */
 
 int
 cs_board_binding_exec(PyObject *module, cs_module_state *state)
