@@ -564,8 +564,14 @@ Board_find(PyObject *op, PyObject *arg)
         return NULL;
     }
     uint32_t slot;
-    if (cs_board_find(board, id, (size_t)id_len, &slot) != CS_BOARD_OK) {
+    cs_board_status status = cs_board_find(board, id, (size_t)id_len, &slot);
+    if (status == CS_BOARD_ERR_RANGE) {
         Py_RETURN_NONE;
+    }
+    if (status != CS_BOARD_OK) {
+        /* A worker (the segment holds no ids) or a forked child. */
+        board_raise_on(board, status, 0, what);
+        return NULL;
     }
     return PyLong_FromUnsignedLong(slot);
 }

@@ -328,3 +328,34 @@ def test_pool_boards_are_per_worker(impl):
     pool.forget(a)
     pool.forget(b)
     assert again.closed and board_b.closed
+
+
+def test_attach_in_a_fork_child_is_refused(impl, pool, host_board):
+    """A board handle inherited across fork() belongs to the parent: the
+    child can neither attach to it nor read it (both implementations)."""
+    board = host_board(1)
+    s = make(impl, pool, size=1000)
+    t = make(impl, pool, size=1000, model_id="other")
+    slot = s.attach_board(board)
+    worker_side = Board.open(board.fd)
+    worker_side.bind(slot, board.tag(slot))
+    impl.apply_echo(s, 100, seq=1)
+    worker_side.publish(slot, 700)
+    assert s.loaded_size() == 700
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            if s.loaded_size() != 100:  # the receipt, not the board
+                code = 2
+            try:
+                t.attach_board(board)
+                code = 3
+            except RuntimeError:
+                pass
+        except BaseException:
+            code = 4
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    worker_side.close()
+    assert os.waitstatus_to_exitcode(status) == 0
