@@ -76,7 +76,10 @@ def test_demo_runs_checks_and_leaves_nothing(impl):
     assert len(set(names)) == 2
     for name in names:
         assert not os.path.exists("/dev/shm/" + name.lstrip("/"))
-    assert segments() - before == set()
+    if not sys.platform.startswith("linux"):
+        # Named boards (no memfd here).  On Linux boards have no name, and
+        # /dev/shm is shared with whatever else runs on the machine.
+        assert segments() - before == set()
     pids = [int(p) for p in re.findall(r"worker [AB] pid (\d+)", out)]
     assert len(set(pids)) == 2
     assert not [pid for pid in pids if demo_worker_alive(pid)]
@@ -128,7 +131,8 @@ def test_demo_cleans_up_after_a_crash(monkeypatch):
     assert "[ok  ] no board segment, descriptor or mapping left" in text
     assert started and started[0].process.returncode is not None
     assert not demo_worker_alive(started[0].pid)
-    assert segments() - before == set()
+    if not sys.platform.startswith("linux"):
+        assert segments() - before == set()
 
 
 # ---------------------------------------------------------------------------
