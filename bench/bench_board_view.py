@@ -118,7 +118,8 @@ def bench_reads(n: int, repeats: int = 5) -> dict[str, Any]:
                 best[key] = min(best[key], (clock() - start) / n)
             for on_board, _ in boards:  # still read from the board
                 assert on_board.loaded_size() == 2 * GIB
-        out: dict[str, Any] = {"empty": best.pop("empty"), "n": n}
+        out: dict[str, Any] = {"empty": best.pop("empty"), "n": n,
+                               "repeats": repeats}
         for (name, case), ns in best.items():
             out.setdefault(name, {})[case] = ns
         for on_board, _ in boards:
@@ -480,7 +481,8 @@ def report(reads, errors, stale, args, where: str | None = None) -> str:
         "a worker pages, with receipts only (seed, inaccuracy 2) and with "
         "the live board attached (docs/board.md).",
         "",
-        f"### read cost (ns per `loaded_size()`, best of 5 x {reads['n']:,})",
+        f"### read cost (ns per `loaded_size()`, best of "
+        f"{reads['repeats']} x {reads['n']:,})",
         "",
         "| implementation | receipts only | board attached (valid reading) "
         "| board / receipts |",
@@ -577,6 +579,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", action="store_true")
     parser.add_argument("-n", type=int, default=100_000,
                         help="loaded_size() calls per timing")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="read-cost rounds; the best counts (more "
+                        "rounds on a busy machine)")
     parser.add_argument("--duration", type=float, default=6.0,
                         help="seconds of the sampled call")
     parser.add_argument("--period-us", type=float, default=200.0)
@@ -587,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     where = machine()  # before the run loads the machine
-    reads = bench_reads(args.n)
+    reads = bench_reads(args.n, args.repeats)
     steps = (args.step_min_us, args.step_max_us)
     with Host() as host:
         timeline, samples = sample_call(host, args.duration, args.period_us,

@@ -361,6 +361,7 @@ struct cs_board {
     uint64_t epoch; /* fork_epoch when the handle was made */
     dev_t fd_dev;   /* the segment's identity, to recognise the fd */
     ino_t fd_ino;
+    uint64_t clock_tick; /* the coarse clock's resolution (host reads) */
 
     /* Host only. */
     _Atomic int fd;       /* memfd board: the host's descriptor, or -1 */
@@ -413,6 +414,18 @@ board_read_clock(void)
 #else
     return board_now_ns();
 #endif
+}
+
+static uint64_t
+board_read_clock_tick(void)
+{
+#if defined(CLOCK_MONOTONIC_COARSE)
+    struct timespec res;
+    if (clock_getres(CLOCK_MONOTONIC_COARSE, &res) == 0 && res.tv_sec == 0) {
+        return (uint64_t)res.tv_nsec;
+    }
+#endif
+    return 0;
 }
 
 /* ---- the seqlock (worker side) --------------------------------------- */
@@ -669,6 +682,7 @@ cs_board_create(uint32_t slots, uint64_t generation,
     board->host = true;
     board->generation = generation;
     board->heartbeat_limit = heartbeat_limit_ns;
+    board->clock_tick = board_read_clock_tick();
     board->length = CS_BOARD_HEADER_SIZE + (size_t)slots * CS_BOARD_SLOT_SIZE;
     board->table = calloc(slots, sizeof(host_slot));
     if (board->table == NULL) {
@@ -1365,10 +1379,11 @@ cs_board_read_slot_status(const cs_board *board, uint32_t slot,
         }
         /* Untrusted values: the caller's size bounds the reading, and a
          * stamp from the future cannot claim to be newer than now.  The
-         * coarse clock lags the precise one by a tick or more, so a stamp
-         * past it (a publish of the last few ms, or a forged one) is
-         * checked against the precise clock. */
-        if (stamp > now) {
+         * coarse clock lags the precise one by about a tick, so a stamp
+         * within a tick past it is taken as is (a fresh publish: at worst
+         * a tick early), and one further (a forged one, or a tick that
+         * came late) is checked against the precise clock. */
+        if (stamp > now + board->clock_tick) {
             uint64_t precise = board_now_ns();
             if (stamp > precise) {
                 stamp = precise;
