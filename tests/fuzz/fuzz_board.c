@@ -150,8 +150,9 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         if (cs_board_slot_count(worker) != slots) {
             abort(); /* validated against the segment's real length */
         }
+        /* No publish: on a slot left odd a worker's writer waits (up to
+         * 100 ms, by design), which would only slow the fuzzer. */
         (void)cs_board_bind(worker, 0, 1);
-        (void)cs_board_publish(worker, 0, 1);
         cs_board_close(worker);
     }
     return 0;
