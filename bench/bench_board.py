@@ -137,7 +137,9 @@ def main() -> int:
         f"Command: `{COMMAND}`  ",
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, "
         f"{platform.system()} {platform.release()}, Python "
-        f"{platform.python_version()}.",
+        f"{platform.python_version()} (load average "
+        f"{os.getloadavg()[0]:.2f} at the end of the run: other jobs on the "
+        "machine inflate every figure alike).",
         "",
         "| what | figure |",
         "|---|---|",

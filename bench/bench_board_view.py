@@ -500,9 +500,9 @@ def report(reads, errors, stale, args, where: str | None = None) -> str:
         "the slot's tag from the host's own table, checks the host's "
         "worker-gone flag, the owner word and the heartbeat (coarse clock), "
         "and the seqlock snapshot (tag, value, stamp): a few atomic loads "
-        "and no system call (the precise clock only for a stamp newer than "
-        "the coarse one).  Board v1 paid a `kill(pid, 0)` per read: 506 ns, "
-        "18.0x a receipt, on this machine.",
+        "and no system call (the precise clock only for a stamp more than a "
+        "tick past the coarse one).  Board v1 paid a `kill(pid, 0)` per "
+        "read: 506 ns, 18.0x a receipt, on this machine.",
         "",
         "### error of the host's view during a busy call (C stand-in)",
         "",

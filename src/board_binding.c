@@ -104,6 +104,9 @@ board_u64_arg(PyObject *obj, const char *what, const char *arg,
               uint64_t max, uint64_t *out)
 {
     char field[96];
+    if (cs_value_check(obj, max, out) == 0) {
+        return 0; /* the hot path: no message built */
+    }
     PyOS_snprintf(field, sizeof(field), "%s: %s", what, arg);
     return cs_value_in_range(obj, field, NULL, 0, max, out);
 }
@@ -115,6 +118,11 @@ board_slot_arg(cs_board *board, PyObject *obj, const char *what,
 {
     char field[96];
     uint64_t value = 0;
+    uint32_t count = cs_board_slot_count(board);
+    if (cs_value_check(obj, (uint64_t)count - 1, &value) == 0) {
+        *slot = (uint32_t)value; /* the hot path: no message built */
+        return 0;
+    }
     PyOS_snprintf(field, sizeof(field), "%s: slot", what);
     if (cs_value_in_range(obj, field, PyExc_IndexError, 0,
                           (uint64_t)cs_board_slot_count(board) - 1,

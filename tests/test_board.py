@@ -710,7 +710,8 @@ def scribble_board():
 @settings(max_examples=200, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(patches=st.lists(
-    st.tuples(st.integers(0, HEADER + 2 * SLOT - 1), st.binary(min_size=1, max_size=24)),
+    st.tuples(st.integers(0, HEADER + 2 * SLOT - 1),
+              st.binary(min_size=1, max_size=24)),
     max_size=12))
 def test_random_bytes_never_escape_the_size(scribble_board, patches):
     host, mem = scribble_board
