@@ -41,7 +41,9 @@
 #include <time.h>
 #include <unistd.h>
 #if defined(__linux__)
+#include <poll.h>
 #include <sys/random.h>
+#include <sys/syscall.h>
 #endif
 
 /* Linux boards are sealed memfds with no name; everywhere else (and in a
@@ -368,6 +370,7 @@ struct cs_board {
     host_slot *table;     /* under lock; tag/size read unlocked */
     uint64_t next_tag;    /* under lock */
     _Atomic int64_t expected_owner;
+    _Atomic int owner_pidfd; /* Linux: a pidfd of expected_owner, or -1 */
     _Atomic bool owner_gone;
     _Atomic bool linked;
 
@@ -505,6 +508,7 @@ board_alloc(uint32_t slots)
     board->epoch = atomic_load_explicit(&fork_epoch, memory_order_relaxed);
     board->next_tag = 1;
     atomic_init(&board->fd, -1);
+    atomic_init(&board->owner_pidfd, -1);
     atomic_init(&board->expected_owner, 0);
     atomic_init(&board->owner_gone, false);
     atomic_init(&board->linked, false);
@@ -1003,6 +1007,11 @@ cs_board_close(cs_board *board)
     if (board->host) {
         int ignored;
         (void)cs_board_unlink(board, &ignored);
+        int pidfd = atomic_exchange_explicit(&board->owner_pidfd, -1,
+                                             memory_order_acq_rel);
+        if (pidfd >= 0) {
+            (void)close(pidfd);
+        }
     }
     else {
         board_stop_sampler(board);
@@ -1121,6 +1130,45 @@ cs_board_expect_owner(cs_board *board, int64_t pid)
 {
     atomic_store_explicit(&board->expected_owner, pid < 0 ? 0 : pid,
                           memory_order_release);
+    if (!board->host || !board_here(board)) {
+        return;
+    }
+    int pidfd = -1;
+#if defined(__linux__) && defined(SYS_pidfd_open)
+    /* A pidfd names this very process (no pid reuse), in the host's
+     * namespace; polled off the read path (cs_board_poll_owner). */
+    if (pid > 0 && pid <= INT_MAX) {
+        long r = syscall(SYS_pidfd_open, (pid_t)pid, 0);
+        pidfd = r >= 0 ? (int)r : -1;
+        if (pidfd >= 0) {
+            (void)fcntl(pidfd, F_SETFD, FD_CLOEXEC);
+        }
+    }
+#endif
+    int old = atomic_exchange_explicit(&board->owner_pidfd, pidfd,
+                                       memory_order_acq_rel);
+    if (old >= 0) {
+        (void)close(old);
+    }
+}
+
+bool
+cs_board_poll_owner(cs_board *board)
+{
+    if (!board->host || !board_here(board)) {
+        return cs_board_owner_is_gone(board);
+    }
+#if defined(__linux__)
+    int pidfd = atomic_load_explicit(&board->owner_pidfd,
+                                     memory_order_acquire);
+    if (pidfd >= 0) {
+        struct pollfd p = {.fd = pidfd, .events = POLLIN};
+        if (poll(&p, 1, 0) > 0) { /* readable: the process exited */
+            cs_board_owner_gone(board);
+        }
+    }
+#endif
+    return cs_board_owner_is_gone(board);
 }
 
 int64_t

@@ -510,6 +510,21 @@ Board_worker_gone(PyObject *op, PyObject *unused)
 }
 
 static PyObject *
+Board_poll_owner(PyObject *op, PyObject *unused)
+{
+    const char *what = "Board.poll_owner()";
+    cs_board *board = board_handle((BoardObject *)op, what);
+    if (board == NULL) {
+        return NULL;
+    }
+    if (!cs_board_is_host(board)) {
+        board_raise_on(board, CS_BOARD_ERR_ROLE, 0, what);
+        return NULL;
+    }
+    return PyBool_FromLong(cs_board_poll_owner(board));
+}
+
+static PyObject *
 Board_bind(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
 {
     const char *what = "Board.bind()";
@@ -1006,6 +1021,11 @@ static PyMethodDef Board_methods[] = {
     {"worker_gone", Board_worker_gone, METH_NOARGS,
      "worker_gone($self, /)\n--\n\n"
      "Host side: the worker is known dead; reads say 'dead owner'."},
+    {"poll_owner", Board_poll_owner, METH_NOARGS,
+     "poll_owner($self, /)\n--\n\n"
+     "Host side, off the read path: whether the expected owner is known\n"
+     "gone.  On Linux, setting expected_owner keeps a pidfd of it and\n"
+     "this polls it (no wait); an exited worker then reads 'dead owner'."},
     {"bind", (PyCFunction)(void (*)(void))Board_bind, METH_FASTCALL,
      "bind($self, slot, tag, /)\n--\n\n"
      "Worker side: publish the slot under the tag the host gave it."},

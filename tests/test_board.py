@@ -992,3 +992,24 @@ def test_exit_leaves_no_segment():
                          text=True, timeout=DEADLINE, check=True)
     assert out.stdout.startswith("memfd:csb-")
     assert set(os.listdir("/dev/shm")) - before == set()
+
+
+def test_poll_owner_sees_an_exited_worker_through_a_pidfd(boards, spawn):
+    host = boards(1)
+    w = spawn(host)
+    slot = attach(host, w, "m", 100)
+    assert w.ask(f"publish {slot} 40") == "ok"
+    host.expected_owner = w.pid
+    assert host.poll_owner() is False
+    assert host.status(slot) == "valid"
+    w.kill()  # the pidfd turns readable at exit: no reaping needed
+    assert host.poll_owner() is True
+    assert host.owner_is_gone and host.status(slot) == "dead owner"
+    pidfds = [fd for fd in os.listdir("/proc/self/fd")
+              if os.path.exists(f"/proc/self/fd/{fd}")
+              and "pidfd" in os.readlink(f"/proc/self/fd/{fd}")]
+    host.close()
+    left = [fd for fd in os.listdir("/proc/self/fd")
+            if os.path.exists(f"/proc/self/fd/{fd}")
+            and "pidfd" in os.readlink(f"/proc/self/fd/{fd}")]
+    assert len(left) == len(pidfds) - 1  # close() dropped the pidfd

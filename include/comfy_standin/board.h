@@ -220,6 +220,11 @@ int64_t cs_board_expected_owner(const cs_board *board);
  * worker is gone: every read is CS_BOARD_DEAD_OWNER from now on. */
 void cs_board_owner_gone(cs_board *board);
 bool cs_board_owner_is_gone(const cs_board *board);
+/* Off the read path: on Linux, cs_board_expect_owner() keeps a pidfd of
+ * the expected owner; this polls it without waiting and, when the process
+ * has exited, does cs_board_owner_gone().  True when the owner is known
+ * gone.  (Elsewhere, or without a pidfd: only what owner_gone said.) */
+bool cs_board_poll_owner(cs_board *board);
 uint64_t cs_board_heartbeat_limit(const cs_board *board);
 
 /* The host read, for a caller holding `size` (its own registered size)
