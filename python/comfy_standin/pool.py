@@ -210,9 +210,9 @@ class Pool:
         self, worker: Any, slots: int = 64, heartbeat_limit: float = 5.0
     ) -> Any:
         """The host side of `worker`'s live residency board, created on the
-        first call and owned by the pool: it is closed (its shared memory
-        unlinked) when the worker is gone, restarted or forgotten, and
-        when the pool is.  Hand the worker ``board.fd`` (``pass_fds`` at
+        first call and owned by the pool: it is closed (unmapped, its
+        descriptor dropped) when the worker is gone, restarted or forgotten,
+        and when the pool is.  Hand the worker ``board.fd`` (``pass_fds`` at
         spawn, or SCM_RIGHTS; ``board.name`` where boards have names),
         have each stand-in ``attach_board(board)`` and tell the worker
         ``(slot, board.tag(slot))``, and ``board.unlink()`` once the worker
