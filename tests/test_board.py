@@ -1013,3 +1013,46 @@ def test_poll_owner_sees_an_exited_worker_through_a_pidfd(boards, spawn):
             if os.path.exists(f"/proc/self/fd/{fd}")
             and "pidfd" in os.readlink(f"/proc/self/fd/{fd}")]
     assert len(left) == len(pidfds) - 1  # close() dropped the pidfd
+
+
+SCM_WORKER = r"""
+import os, socket, sys
+from comfy_standin._core import Board
+sock = socket.socket(fileno=int(sys.argv[1]))
+msg, fds, _, _ = socket.recv_fds(sock, 64, 1)
+slot, tag = map(int, msg.split())
+board = Board.open(fds[0])
+os.close(fds[0])  # mapped: the descriptor is not needed
+board.bind(slot, tag)
+board.publish(slot, 77)
+sock.sendall(b"published")
+sock.recv(1)  # the host has read it
+board.close()
+"""
+
+
+def test_descriptor_sent_over_a_unix_socket(boards):
+    """The other hand-over: SCM_RIGHTS to a worker that is already
+    running (socket.send_fds), for a board made after the spawn."""
+    import socket
+
+    parent, child = socket.socketpair()
+    proc = subprocess.Popen([sys.executable, "-c", SCM_WORKER,
+                             str(child.fileno())], pass_fds=(child.fileno(),))
+    child.close()
+    try:
+        host = boards(2)
+        slot = host.assign("m", 100)
+        socket.send_fds(parent, [f"{slot} {host.tag(slot)}".encode()],
+                        [host.fd])
+        host.unlink()  # sent: the host's own descriptor may go
+        assert parent.recv(64) == b"published"
+        assert host.read(slot)[0] == 77
+        parent.sendall(b"x")
+        assert proc.wait(DEADLINE) == 0
+        assert not host.attached
+    finally:
+        parent.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
