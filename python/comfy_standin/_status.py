@@ -68,6 +68,7 @@ def _board_summary(board: Any) -> dict[str, Any]:
         "expected_owner": board.expected_owner,
         "attached": board.attached,
         "linked": board.linked,
+        "worker_gone": board.owner_is_gone,
         "closed": False,
         "models": [],
     }
@@ -199,7 +200,8 @@ def render(status: dict[str, Any], probe: bool = True,
                 f"    {b['name']}: {b['slots']} slots, generation "
                 f"{b['generation']}, owner pid {b['owner_pid']} (expected "
                 f"{b['expected_owner']}), "
-                f"{'named' if b['linked'] else 'unlinked'}"
+                f"{'host holds a way in' if b['linked'] else 'handed over'}"
+                f"{', worker gone' if b.get('worker_gone') else ''}"
                 f"{', closed' if b['closed'] else ''}; models "
                 f"{', '.join(b['models'])}"
             )

@@ -364,11 +364,13 @@ class Pool:
         self, worker: Any, slots: int = 64, heartbeat_limit: float = 5.0
     ) -> Any:
         """The host side of `worker`'s live residency board, created on the
-        first call and owned by the pool: it is closed (its shared memory
-        unlinked) when the worker is gone, restarted or forgotten, and
-        when the pool is.  Hand ``board.name`` to the worker, have each
-        stand-in ``attach_board(board)``, and ``board.unlink()`` once the
-        worker has opened it."""
+        first call and owned by the pool: it is closed (unmapped, its
+        descriptor dropped) when the worker is gone, restarted or forgotten,
+        and when the pool is.  Hand the worker ``board.fd`` (``pass_fds`` at
+        spawn, or SCM_RIGHTS; ``board.name`` where boards have names),
+        have each stand-in ``attach_board(board)`` and tell the worker
+        ``(slot, board.tag(slot))``, and ``board.unlink()`` once the worker
+        has mapped it."""
         from ._core import Board  # shared memory is C in both impls
 
         with self._lock:
@@ -396,7 +398,7 @@ class Pool:
         with self._lock:
             held = self._boards.pop(id(worker), None)
         if held is not None:
-            held[1].close()  # unmaps and unlinks; stand-ins fall back
+            held[1].close()  # unmaps, drops the fd; stand-ins fall back
 
     # ---- workers ----------------------------------------------------------
 
