@@ -6,7 +6,7 @@ Started by ``python -m comfy_standin demo`` as::
 
 It opens the residency board the host created from the descriptor it
 inherited (it never creates one; on Linux the board has no name),
-then speaks comfy-env's command protocol (COMFYUI_FACTS.md, "Worker
+then speaks comfy-env's command protocol (docs/comfyui.md, "Worker
 protocol") as JSON lines: one request per line on stdin, exactly one reply
 line per request on stdout, so the host never has to wait on a clock.
 

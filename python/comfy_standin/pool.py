@@ -534,7 +534,7 @@ class Pool:
     # ---- charges ----------------------------------------------------------
 
     def worker_charges(self) -> WorkerMap:
-        """{worker: bytes it costs the card} (DESIGN.md 3.5), keyed by
+        """{worker: bytes it costs the card} (docs/reserve.md), keyed by
         identity (``WorkerMap``: unhashable workers work too)."""
         charges: list[tuple[Any, int]] = []
         for worker in self._ledger.keys():
