@@ -739,9 +739,12 @@ def test_echo_source_compares_with_the_receipt_not_the_board(impl):
     _, _, table = setup(impl)
     s = table["m0"]
     board = _core.Board.create(1)
-    worker_side = _core.Board.open(board.name)
+    slot = s.attach_board(board)
+    worker_side = _core.Board.open(
+        board.fd if board.fd is not None else board.name
+    )
+    worker_side.bind(slot, board.tag(slot))
     try:
-        slot = s.attach_board(board)
         impl.apply_echo(s, 800, seq=1)
         worker_side.publish(slot, 100)
         assert s.loaded_size() == 100  # the board is newer
