@@ -1,0 +1,970 @@
+"""The differential referee (issue 8): the C type and the pure-Python
+reference are one contract, and this state machine is its referee.
+
+A hypothesis ``RuleBasedStateMachine`` builds two worlds, one per
+implementation, each with its own pool, fake workers (tests/fakes.py), mock
+``comfy.model_management`` (a private copy of tests/mockcomfy, so the two
+lists and simulated cards never mix) and live residency boards.  Every rule
+is one operation, run on the C world and then on the reference world with
+objects built the same way (the same worker scripts, hostile ids, hostile
+mappings, reentrant callbacks), and then every observable is compared:
+
+- the operation's return value, or the exception's type and message
+  (messages with the implementation's module name and addresses masked);
+  BaseExceptions injected by a worker (KeyboardInterrupt, SystemExit) must
+  propagate from both;
+- per stand-in: loaded_size, model_size, receipt() minus its age, stale,
+  eviction_deferred, the device, bad_replies, model_id (and its type);
+- the pool: worker_charges, charge_details, standins(), graveyard_size,
+  the ledger's keys, the reserve;
+- ComfyUI's list, the commands every fake worker received and what the
+  simulated card holds, and what reentrant callbacks saw.
+
+gc is disabled while a machine runs and collected at explicit points (a
+rule, or a hostile callback), after each world's part of such a step, so
+both worlds see a collection at the same point of their history.
+
+Counts: COMFY_STANDIN_EXAMPLES (default 30) examples of up to
+COMFY_STANDIN_STEPS (default 40) steps; docs/RELIABILITY.md has the
+figures of a long run.  The meta-tests at the end reintroduce known drifts
+into a copy of the reference and check the machine reports a difference.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import gc
+import importlib.util
+import logging
+import os
+import re
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+import comfy_standin
+import comfy_standin._reference as reference
+from comfy_standin import _core
+from fakes import FakeWorker
+
+EXAMPLES = int(os.environ.get("COMFY_STANDIN_EXAMPLES", "30"))
+STEPS = int(os.environ.get("COMFY_STANDIN_STEPS", "40"))
+SETTINGS = settings(
+    max_examples=EXAMPLES,
+    stateful_step_count=STEPS,
+    deadline=None,
+    derandomize=os.environ.get("COMFY_STANDIN_RANDOM") is None,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
+
+FLOOR = 100
+CARD = 6000  # bytes of the simulated card: free_memory has work to do
+MAX_WORKERS = 4
+MAX_STANDINS = 14
+SIZES = (0, 100, 700, 1500)
+PLAIN_IDS = ("a", "b", "c")
+SURROGATE_ID = "m\ud800"
+
+_MOCK = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)),
+    "mockcomfy",
+    "comfy",
+    "model_management.py",
+)
+
+
+def _mock_copy(tag: str) -> Any:
+    """A private copy of the mock model_management: its own list, card."""
+    spec = importlib.util.spec_from_file_location(f"_referee_mm_{tag}", _MOCK)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+MOCKS = {"c": _mock_copy("c"), "ref": _mock_copy("ref")}
+
+
+# ---- injected BaseExceptions -------------------------------------------------
+# Subclasses, so a real Ctrl-C still stops the run.
+
+
+class InjectedInterrupt(KeyboardInterrupt):
+    pass
+
+
+class InjectedExit(SystemExit):
+    pass
+
+
+INJECTED = (InjectedInterrupt, InjectedExit)
+
+
+# ---- hostile objects -----------------------------------------------------------
+
+
+class HostileStr(str):
+    """A str subclass whose __hash__/__eq__ run `action` first."""
+
+    action: Callable[[], None] = staticmethod(lambda: None)
+    const_hash = False
+
+    def __hash__(self) -> int:
+        self.action()
+        return 7 if self.const_hash else str.__hash__(self)
+
+    def __eq__(self, other: object) -> bool:
+        self.action()
+        return str.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+
+class DictSub(dict):
+    pass
+
+
+class PlainMapping(Mapping):
+    """A Mapping that is not a dict; __getitem__ runs `action` first."""
+
+    def __init__(self, data: dict, action: Callable[[], None]) -> None:
+        self._data = data
+        self._action = action
+
+    def __getitem__(self, key: Any) -> Any:
+        self._action()
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(list(self._data))
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+class GetItemOnly:
+    """Only __getitem__ (no keys, no items): not a mapping."""
+
+    def __init__(self, data: dict) -> None:
+        self._data = data
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._data[key]
+
+
+class HostileAmount:
+    """An amount whose __float__ raises."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self._exc = exc
+
+    def __float__(self) -> float:
+        raise self._exc
+
+    def __repr__(self) -> str:
+        return "<HostileAmount>"
+
+
+class RefereeWorker(FakeWorker):
+    """A FakeWorker whose is_alive() can be scripted, with a pid."""
+
+    def __init__(self, name: str, sim: Any, load_device: Any) -> None:
+        super().__init__(name, sim=sim, load_device=load_device)
+        self.alive_scripts: collections.deque[str] = collections.deque()
+        self.pid = 1000 + int(name[1:])
+
+    def is_alive(self) -> bool:
+        if self.alive_scripts:
+            kind = self.alive_scripts.popleft()
+            if kind == "raise":
+                raise RuntimeError("is_alive probe failed")
+            if kind == "interrupt":
+                raise InjectedInterrupt("is_alive")
+        return self.alive
+
+
+# ---- one world -------------------------------------------------------------------
+
+_MASKS = (
+    (re.compile(r"comfy_standin\._reference"), "IMPL"),
+    (re.compile(r"comfy_standin\._core"), "IMPL"),
+    (re.compile(r"\bcomfy_standin\b(?!\.)"), "IMPL"),
+    (re.compile(r"0x[0-9a-fA-F]+"), "0x?"),
+)
+
+
+def mask(text: str) -> str:
+    for pattern, repl in _MASKS:
+        text = pattern.sub(repl, text)
+    return text
+
+
+class _Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.target: list[Any] | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.target is not None:
+            self.target.append((record.levelname, mask(record.getMessage())))
+
+
+CAPTURE = _Capture()
+logging.getLogger("comfy_standin").addHandler(CAPTURE)
+
+
+class World:
+    """One implementation's side of the machine."""
+
+    def __init__(self, impl: Any, tag: str) -> None:
+        self.impl = impl
+        self.tag = tag
+        self.mm = MOCKS[tag]
+        self.mm.reset(total=CARD)
+        self.pool = impl.Pool(floor=FLOOR, process_local=True)
+        self.workers: list[RefereeWorker] = []
+        self.standins: list[Any] = []  # None once dropped
+        self.weak: dict[int, weakref.ref] = {}
+        self.trace: list[Any] = []
+        self.logs: list[Any] = []
+        self.worker_boards: dict[int, Any] = {}
+        self.last_census: list[Any] = []
+        self.last_map: Any = None
+
+    # -- naming --------------------------------------------------------------
+
+    def serials(self) -> dict[int, int]:
+        return {
+            id(obj): n
+            for n, ref in self.weak.items()
+            if (obj := ref()) is not None
+        }
+
+    def worker_index(self, worker: Any) -> Any:
+        for i, w in enumerate(self.workers):
+            if w is worker:
+                return i
+        return repr(worker)
+
+    def norm(self, value: Any) -> Any:
+        """A value made comparable across the two worlds."""
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        serials = self.serials()
+        if id(value) in serials:
+            return ("standin", serials[id(value)])
+        for n, ref in self.weak.items():
+            s = ref()
+            if s is not None and value is s.model:
+                return ("module", n)
+        if isinstance(value, self.mm.LoadedModel):
+            return ("entry", self.norm(value.model))
+        if isinstance(value, RefereeWorker):
+            return ("worker", self.worker_index(value))
+        if isinstance(value, dict):
+            return sorted(
+                ((repr(self.norm(k)), self.norm(v)) for k, v in value.items()),
+            )
+        if isinstance(value, (list, tuple)):
+            return [self.norm(v) for v in value]
+        return ("other", type(value).__name__)
+
+    # -- actions run by hostile objects and reentrant workers ----------------
+
+    def action(self, kind: str, s: Any = None, w: Any = None) -> Callable:
+        def run() -> None:
+            if kind == "none":
+                return
+            if kind == "gc":
+                gc.collect()
+            elif kind == "raise":
+                raise RuntimeError("hostile callback")
+            elif kind == "interrupt":
+                raise InjectedInterrupt("hostile callback")
+            elif kind == "exit":
+                raise InjectedExit(3)
+            elif kind == "clear_census":
+                del self.last_census[:]
+            elif kind == "clear_map":
+                if isinstance(self.last_map, dict):
+                    self.last_map.clear()
+            else:
+                self.trace.append((kind, self.reenter(kind, s, w)))
+
+        return run
+
+    def reenter(self, kind: str, s: Any, w: Any) -> Any:
+        """Call back into the pool or the stand-in; the outcome."""
+        try:
+            if kind == "read":
+                return self.norm(
+                    (s.loaded_size(), s.receipt()[:2], s.receipt()[3])
+                    if s is not None
+                    else self.pool.worker_charges()
+                )
+            if kind == "charges":
+                return self.norm(self.pool.worker_charges())
+            if kind == "echo" and s is not None:
+                return self.impl.apply_echo(s, s.size // 2, seq=None)
+            if kind == "report" and w is not None:
+                return self.pool.report(w, {"residency": w.census()})
+            if kind == "gone" and w is not None:
+                return self.pool.worker_gone(w)
+            if kind == "forget" and w is not None:
+                return self.pool.forget(w)
+            if kind == "unload" and s is not None:
+                return s.partially_unload(None, 1)
+            if kind == "boundary":
+                return self.norm(self.pool.boundary())
+            return "skip"
+        except Exception as exc:  # noqa: BLE001 -- recorded, compared
+            return ("raised", type(exc).__name__, mask(str(exc)))
+
+    # -- observation -----------------------------------------------------------
+
+    def observe(self) -> dict[str, Any]:
+        rows = []
+        for s in self.standins:
+            if s is None:
+                rows.append(None)
+                continue
+            loaded, seq, _age, source = s.receipt()
+            rows.append(
+                (
+                    s.loaded_size(),
+                    s.model_size(),
+                    (loaded, seq, source),
+                    s.stale,
+                    s.eviction_deferred,
+                    str(s.model.device),
+                    s.bad_replies,
+                    s.model_id,
+                    type(s.model_id) is str,
+                    s.worker_generation,
+                )
+            )
+        serials = self.serials()
+        pool = self.pool
+        return {
+            "standins": rows,
+            "alive": sorted(serials.values()),
+            "charges": {
+                repr(self.worker_index(w)): c
+                for w, c in pool.worker_charges().items()
+            },
+            "details": {
+                repr(self.worker_index(w)): d
+                for w, d in pool.charge_details().items()
+            },
+            "adopted": {
+                repr(self.worker_index(w)): sorted(
+                    serials.get(id(s), -1) for s in members
+                )
+                for w, members in pool.standins().items()
+            },
+            "graveyard": pool.graveyard_size(),
+            "keys": [self.worker_index(w) for w in pool._ledger.keys()],
+            "listed": [
+                self.norm(entry.model) for entry in self.mm.current_loaded_models
+            ],
+            "commands": [list(w.commands) for w in self.workers],
+            "card": sorted(self.mm.sim.card().allocations.items()),
+            "trace": list(self.trace),
+        }
+
+    def close(self) -> None:
+        for board in self.worker_boards.values():
+            with contextlib.suppress(Exception):
+                board.close()
+        for worker in list(self.workers):
+            with contextlib.suppress(Exception):
+                self.pool._close_board(worker)
+        self.mm.reset(total=CARD)
+
+
+# ---- strategies -------------------------------------------------------------------
+
+hostile_action = st.sampled_from(
+    ("none", "gc", "read", "charges", "raise", "clear_census", "clear_map")
+)
+id_spec = st.one_of(
+    st.sampled_from(PLAIN_IDS).map(lambda i: ("plain", i)),
+    st.tuples(
+        st.just("hostile"),
+        st.sampled_from(PLAIN_IDS),
+        hostile_action,
+        st.booleans(),
+    ),
+    st.sampled_from(
+        (("surrogate",), ("empty",), ("int",))
+    ),
+)
+byte_value = st.one_of(
+    st.integers(0, 1600),
+    st.integers(0, 1600),
+    st.sampled_from((-1, 2**63, True, None, 1.5, "7")),
+)
+seq_value = st.one_of(
+    st.none(), st.integers(0, 40), st.sampled_from((-1, True, 2**63))
+)
+amount = st.one_of(
+    st.integers(-5, 1700),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from(
+        (None, 1e32, True, "12", ("hostile", "value"), ("hostile", "interrupt"))
+    ),
+)
+worker_script = st.sampled_from(
+    (
+        ("ok",),
+        ("ok",),
+        ("short", 0),
+        ("short", 50),
+        ("refuse",),
+        ("refuse_lost",),
+        ("timeout",),
+        ("garbage", "missing"),
+        ("garbage", "str"),
+        ("garbage", "negative"),
+        ("garbage", "beyond"),
+        ("garbage", "not_dict"),
+        ("garbage", "null"),
+        ("old",),
+        ("die",),
+        ("die_after",),
+        ("interrupt",),
+        ("exit",),
+        ("reenter", "read"),
+        ("reenter", "echo"),
+        ("reenter", "report"),
+        ("reenter", "gone"),
+        ("reenter", "forget"),
+        ("reenter", "unload"),
+        ("reenter", "boundary"),
+        ("reenter", "gc"),
+    )
+)
+alive_script = st.sampled_from(("none", "none", "none", "raise", "interrupt"))
+entry_kind = st.sampled_from(("dict", "dict", "dict", "dictsub", "mapping"))
+census_entry = st.tuples(
+    st.integers(0, MAX_STANDINS),
+    st.sampled_from(
+        ("own", "own", "own", "unknown", "surrogate", "hostile", "int", "junk")
+    ),
+    entry_kind,
+    byte_value,
+    st.one_of(st.just("absent"), seq_value),
+    hostile_action,
+)
+map_kind = st.sampled_from(
+    ("dict", "dict", "defaultdict", "mapping", "getitem", "wrongkey")
+)
+
+
+# ---- the machine -------------------------------------------------------------------
+
+
+class Difference(AssertionError):
+    """The two implementations disagreed."""
+
+
+class DifferentialMachine(RuleBasedStateMachine):
+    """Drives the C implementation and REFERENCE with the same steps."""
+
+    C: Any = comfy_standin
+    REFERENCE: Any = reference
+    #: Known differences of listed defects kept out of random generation
+    #: (each has a strict xfail below); empty when the tree agrees.
+    KNOWN: frozenset[str] = frozenset()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._gc_was = gc.isenabled()
+        gc.disable()
+        self.c = World(self.C, "c")
+        self.r = World(self.REFERENCE, "ref")
+        self.step_no = 0
+        self.history: list[str] = []
+
+    def teardown(self) -> None:
+        self.c.close()
+        self.r.close()
+        if self._gc_was:
+            gc.enable()
+
+    # -- the referee ----------------------------------------------------------
+
+    def _run(self, world: World, fn: Callable[[World], Any]) -> Any:
+        CAPTURE.target = world.logs
+        try:
+            return ("ok", world.norm(fn(world)))
+        except INJECTED as exc:
+            return ("base", type(exc).__name__)
+        except Exception as exc:  # noqa: BLE001 -- compared
+            return ("raised", type(exc).__name__, mask(str(exc)))
+        finally:
+            CAPTURE.target = None
+
+    def both(self, what: str, fn: Callable[[World], Any], gc_after=False):
+        self.step_no += 1
+        self.history.append(what)
+        out_c = self._run(self.c, fn)
+        if gc_after:
+            gc.collect()
+        out_r = self._run(self.r, fn)
+        if gc_after:
+            gc.collect()
+        if out_c != out_r:
+            raise Difference(
+                f"step {self.step_no} {what}: C returned {out_c!r}, the "
+                f"reference {out_r!r}\nhistory: {self.history}"
+            )
+        self.compare(what)
+        return out_c
+
+    def compare(self, what: str) -> None:
+        oc, orf = self.c.observe(), self.r.observe()
+        for key in oc:
+            if oc[key] != orf[key]:
+                raise Difference(
+                    f"step {self.step_no} {what}: {key} differs:\n"
+                    f"  C:         {oc[key]!r}\n  reference: {orf[key]!r}\n"
+                    f"history: {self.history}"
+                )
+
+    # -- helpers run per world ---------------------------------------------------
+
+    @staticmethod
+    def make_id(world: World, spec: tuple) -> Any:
+        kind = spec[0]
+        if kind == "plain":
+            return spec[1]
+        if kind == "surrogate":
+            return SURROGATE_ID
+        if kind == "empty":
+            return ""
+        if kind == "int":
+            return 5
+        _, text, action, const = spec
+        hostile = HostileStr(text)
+        hostile.action = world.action(action)  # type: ignore[method-assign]
+        hostile.const_hash = const
+        return hostile
+
+    def standin(self, world: World, index: int) -> Any:
+        live = [s for s in world.standins if s is not None]
+        return live[index % len(live)] if live else None
+
+    def has_standins(self) -> bool:
+        return any(s is not None for s in self.c.standins)
+
+    # -- rules: workers and stand-ins ---------------------------------------------
+
+    @initialize()
+    def first_worker(self) -> None:
+        self.add_worker()
+
+    @precondition(lambda self: len(self.c.workers) < MAX_WORKERS)
+    @rule()
+    def add_worker(self) -> None:
+        def fn(w: World) -> int:
+            name = f"w{len(w.workers)}"
+            w.workers.append(
+                RefereeWorker(name, w.mm.sim, w.mm.CUDA0)
+            )
+            return len(w.workers) - 1
+
+        self.both("add_worker", fn)
+
+    @precondition(lambda self: len(self.c.standins) < MAX_STANDINS)
+    @rule(
+        worker=st.integers(0, MAX_WORKERS - 1),
+        generation=st.integers(0, 3),
+        spec=id_spec,
+        size=st.sampled_from(SIZES),
+        known=st.booleans(),
+        resident=st.integers(0, 1500),
+    )
+    def create_standin(self, worker, generation, spec, size, known, resident):
+        if spec[0] == "surrogate" and "surrogate_id" in self.KNOWN:
+            spec = ("plain", "a")
+
+        def fn(w: World) -> Any:
+            wk = w.workers[worker % len(w.workers)]
+            model_id = self.make_id(w, spec)
+            plain = str(model_id) if isinstance(model_id, str) else None
+            if known and plain and plain not in wk.models:
+                wk.add_model(plain, size, resident=min(resident, size))
+            s = w.impl.StandIn(
+                wk, generation, model_id, size, w.mm.CUDA0, w.mm.CPU,
+                pool=w.pool,
+            )
+            n = len(w.standins)
+            w.standins.append(s)
+            w.weak[n] = weakref.ref(s)
+            return n
+
+        self.both(f"create_standin({worker},{generation},{spec},{size})", fn)
+
+    @precondition(has_standins)
+    @rule(index=st.integers(0, MAX_STANDINS), collect=st.booleans())
+    def drop_standin(self, index, collect):
+        def fn(w: World) -> None:
+            live = [n for n, s in enumerate(w.standins) if s is not None]
+            w.standins[live[index % len(live)]] = None
+
+        self.both(f"drop_standin({index})", fn, gc_after=collect)
+
+    @rule()
+    def collect(self) -> None:
+        def fn(w: World) -> None:
+            gc.collect()
+
+        self.both("gc.collect", fn, gc_after=True)
+
+    @rule(worker=st.integers(0, MAX_WORKERS - 1))
+    def kill_worker(self, worker):
+        def fn(w: World) -> None:
+            w.workers[worker % len(w.workers)].kill()
+
+        self.both(f"kill({worker})", fn)
+
+    @rule(
+        worker=st.integers(0, MAX_WORKERS - 1),
+        op=st.sampled_from(("worker_gone", "forget", "begin", "end")),
+    )
+    def pool_worker_op(self, worker, op):
+        def fn(w: World) -> Any:
+            wk = w.workers[worker % len(w.workers)]
+            if op == "worker_gone":
+                return w.pool.worker_gone(wk)
+            if op == "forget":
+                return w.pool.forget(wk)
+            if op == "begin":
+                return w.pool.begin_call(wk)
+            return w.pool.end_call(wk)
+
+        self.both(f"{op}({worker})", fn)
+
+    @rule(worker=st.integers(0, MAX_WORKERS - 1), generation=st.integers(0, 5))
+    def restarted(self, worker, generation):
+        def fn(w: World) -> Any:
+            return w.pool.restarted(
+                w.workers[worker % len(w.workers)], generation
+            )
+
+        self.both(f"restarted({worker},{generation})", fn)
+
+    @rule(with_mm=st.booleans())
+    def boundary(self, with_mm):
+        self.both(
+            f"boundary(mm={with_mm})",
+            lambda w: w.pool.boundary(w.mm if with_mm else None),
+        )
+
+    @rule(base=st.integers(0, 3000), total=st.sampled_from((None, 0, 4000)))
+    def reserve(self, base, total):
+        self.both(
+            f"reserve({base},{total})",
+            lambda w: w.pool.reserve(None, base, total),
+        )
+
+    @rule(
+        worker=st.integers(0, MAX_WORKERS - 1),
+        used=st.integers(0, 3000),
+    )
+    def update_readings(self, worker, used):
+        def fn(w: World) -> Any:
+            wk = w.workers[worker % len(w.workers)]
+            probe = {"devices": [{"index": 0, "processes": {wk.pid: used}}]}
+            return w.pool.update_readings(probe, lambda x: x.pid)
+
+        self.both(f"update_readings({worker},{used})", fn)
+
+    # -- rules: receipts -----------------------------------------------------------
+
+    @precondition(has_standins)
+    @rule(
+        index=st.integers(0, MAX_STANDINS),
+        resident=byte_value,
+        seq=seq_value,
+        unmapped=st.booleans(),
+        in_flight=st.booleans(),
+    )
+    def apply_echo(self, index, resident, seq, unmapped, in_flight):
+        def fn(w: World) -> Any:
+            return w.impl.apply_echo(
+                self.standin(w, index),
+                resident,
+                seq=seq,
+                unmapped=unmapped,
+                in_flight=in_flight,
+            )
+
+        self.both(
+            f"apply_echo({index},{resident!r},{seq!r},{unmapped})", fn
+        )
+
+    @precondition(has_standins)
+    @rule(index=st.integers(0, MAX_STANDINS), value=byte_value)
+    def assign(self, index, value):
+        def fn(w: World) -> None:
+            self.standin(w, index).model.model_loaded_weight_memory = value
+
+        self.both(f"assign({index},{value!r})", fn)
+
+    @precondition(has_standins)
+    @rule(index=st.integers(0, MAX_STANDINS), value=byte_value)
+    def raise_peak(self, index, value):
+        self.both(
+            f"raise_peak({index},{value!r})",
+            lambda w: w.impl.raise_peak(self.standin(w, index), value),
+        )
+
+    def build_census(self, world: World, entries: list, collect_map: dict):
+        census: list[Any] = []
+        for index, id_kind, kind, resident, seq, action in entries:
+            if id_kind == "junk":
+                census.append(["not", "a", "mapping"])
+                continue
+            s = self.standin(world, index)
+            if id_kind == "own" and s is not None:
+                model_id: Any = s.model_id
+                collect_map[s.model_id] = s
+            elif id_kind == "surrogate":
+                model_id = SURROGATE_ID
+            elif id_kind == "hostile" and s is not None:
+                model_id = HostileStr(s.model_id)
+                model_id.action = world.action(action)  # type: ignore
+                collect_map[s.model_id] = s
+            elif id_kind == "int":
+                model_id = 7
+            else:
+                model_id = "zz"
+            data: dict[str, Any] = {"id": model_id, "resident": resident}
+            if seq != "absent":
+                data["seq"] = seq
+            if kind == "dictsub":
+                census.append(DictSub(data))
+            elif kind == "mapping":
+                census.append(PlainMapping(data, world.action(action)))
+            else:
+                census.append(data)
+        world.last_census = census
+        return census
+
+    def census_allowed(self, entries: list) -> list:
+        if "census_mapping" in self.KNOWN:
+            entries = [(*e[:2], "dict", *e[3:]) for e in entries]
+        if "surrogate_id" in self.KNOWN:
+            entries = [e for e in entries if e[1] != "surrogate"]
+        return entries
+
+    @rule(
+        entries=st.lists(census_entry, max_size=4),
+        kind=map_kind,
+        as_tuple=st.booleans(),
+        action=hostile_action,
+    )
+    def apply_residency(self, entries, kind, as_tuple, action):
+        entries = self.census_allowed(entries)
+
+        def fn(w: World) -> Any:
+            found: dict[str, Any] = {}
+            census = self.build_census(w, entries, found)
+            if as_tuple:
+                census = tuple(census)
+            if kind == "defaultdict":
+                mapping: Any = collections.defaultdict(lambda: None, found)
+            elif kind == "mapping":
+                mapping = PlainMapping(found, w.action(action))
+            elif kind == "getitem":
+                mapping = GetItemOnly(found)
+            elif kind == "wrongkey":
+                mapping = {f"x{k}": v for k, v in found.items()}
+            else:
+                mapping = dict(found)
+            w.last_map = mapping
+            result = w.impl.apply_residency(mapping, census)
+            if isinstance(mapping, dict):
+                return (result, sorted(mapping))
+            return result
+
+        self.both(f"apply_residency({entries},{kind})", fn, gc_after=True)
+
+    @rule(
+        worker=st.integers(0, MAX_WORKERS - 1),
+        entries=st.one_of(st.none(), st.lists(census_entry, max_size=3)),
+        held=st.one_of(st.none(), byte_value),
+        kind=st.sampled_from(("dict", "dict", "mapping", "defaultdict")),
+    )
+    def report(self, worker, entries, held, kind):
+        if entries is not None:
+            entries = self.census_allowed(entries)
+
+        def fn(w: World) -> Any:
+            wk = w.workers[worker % len(w.workers)]
+            data: dict[str, Any] = {}
+            if held is not None:
+                data["held"] = held
+            if entries is not None:
+                data["residency"] = self.build_census(w, entries, {})
+            if kind == "mapping":
+                return w.pool.report(wk, PlainMapping(data, w.action("none")))
+            if kind == "defaultdict":
+                return w.pool.report(
+                    wk, collections.defaultdict(lambda: None, data)
+                )
+            return w.pool.report(wk, data)
+
+        self.both(f"report({worker},{entries},{held!r},{kind})", fn, True)
+
+    # -- rules: commands ---------------------------------------------------------------
+
+    def arm(self, world: World, wk: RefereeWorker, s: Any, script: tuple):
+        kind = script[0]
+        if kind == "ok":
+            return
+        if kind == "short":
+            wk.script("short", freed=script[1])
+        elif kind == "refuse":
+            wk.script("refuse", message="worker busy")
+        elif kind == "refuse_lost":
+            wk.script("refuse", message="model not registered in worker")
+        elif kind in ("timeout", "die", "die_after", "old"):
+            wk.script(kind)
+        elif kind == "garbage":
+            wk.script("garbage", how=script[1], field=None)
+        elif kind == "interrupt":
+            wk.script("call", fn=world.action("interrupt"))
+        elif kind == "exit":
+            wk.script("call", fn=world.action("exit"))
+        elif kind == "reenter":
+            wk.script("call", fn=world.action(script[1], s, wk))
+
+    @staticmethod
+    def make_amount(value: Any) -> Any:
+        if isinstance(value, tuple):
+            if value[1] == "value":
+                return HostileAmount(ValueError("no float"))
+            return HostileAmount(InjectedInterrupt("__float__"))
+        return value
+
+    @precondition(has_standins)
+    @rule(
+        index=st.integers(0, MAX_STANDINS),
+        command=st.sampled_from(("load", "unload", "unload", "detach")),
+        script=worker_script,
+        alive=alive_script,
+        value=amount,
+    )
+    def command(self, index, command, script, alive, value):
+        def fn(w: World) -> Any:
+            s = self.standin(w, index)
+            wk = s.worker
+            self.arm(w, wk, s, script)
+            if alive != "none":
+                wk.alive_scripts.append(alive)
+            try:
+                if script[0] == "garbage":
+                    field = {"load": "loaded", "unload": "freed"}.get(
+                        command, "seq"
+                    )
+                    wk.scripts[-1].options["field"] = field
+                amt = self.make_amount(value)
+                if command == "load":
+                    return s.partially_load(w.mm.CUDA0, amt)
+                if command == "unload":
+                    return s.partially_unload(w.mm.CPU, amt)
+                return s.detach()
+            finally:
+                wk.scripts.clear()
+                wk.alive_scripts.clear()
+
+        self.both(
+            f"{command}({index},{script},{alive},{value!r})", fn, True
+        )
+
+    # -- rules: ComfyUI's list ------------------------------------------------------------
+
+    @precondition(has_standins)
+    @rule(index=st.integers(0, MAX_STANDINS))
+    def register(self, index):
+        self.both(
+            f"register({index})",
+            lambda w: w.impl.register(w.mm, self.standin(w, index)),
+        )
+
+    @rule(
+        required=st.integers(0, 2 * CARD),
+        worker=st.integers(0, MAX_WORKERS - 1),
+        script=worker_script,
+    )
+    def free_memory(self, required, worker, script):
+        def fn(w: World) -> Any:
+            wk = w.workers[worker % len(w.workers)]
+            self.arm(w, wk, None, script)
+            if script[0] == "garbage":
+                wk.scripts[-1].options["field"] = "freed"
+            try:
+                return w.mm.free_memory(required, w.mm.CUDA0)
+            finally:
+                wk.scripts.clear()
+
+        self.both(f"free_memory({required},{worker},{script})", fn, True)
+
+    @rule(op=st.sampled_from(("unload_all_models", "cleanup_models_gc")))
+    def mm_op(self, op):
+        self.both(op, lambda w: getattr(w.mm, op)(), gc_after=True)
+
+    # -- rules: the live residency board ---------------------------------------------------
+
+    @precondition(has_standins)
+    @rule(index=st.integers(0, MAX_STANDINS))
+    def attach_board(self, index):
+        def fn(w: World) -> Any:
+            s = self.standin(w, index)
+            wi = w.worker_index(s.worker)
+            board = w.pool.board_for(s.worker, 8, heartbeat_limit=3600.0)
+            slot = s.attach_board(board)
+            side = w.worker_boards.get(wi)
+            if side is None or side.closed or side.name != board.name:
+                if side is not None:
+                    side.close()
+                w.worker_boards[wi] = _core.Board.open(board.name)
+            return slot
+
+        self.both(f"attach_board({index})", fn)
+
+    @precondition(has_standins)
+    @rule(index=st.integers(0, MAX_STANDINS), value=st.integers(0, 1600))
+    def publish(self, index, value):
+        def fn(w: World) -> Any:
+            s = self.standin(w, index)
+            held = s.board
+            side = w.worker_boards.get(w.worker_index(s.worker))
+            if held is None or side is None or side.closed:
+                return "no board"
+            side.publish(held[1], value)
+            return "published"
+
+        self.both(f"publish({index},{value})", fn)
+
+
+TestDifferential = DifferentialMachine.TestCase
+TestDifferential.settings = SETTINGS
