@@ -214,6 +214,36 @@ def mask(text: str) -> str:
     return text
 
 
+def message_key(exc: BaseException) -> tuple[str, str] | None:
+    """What the contract fixes of a message (docs/semantics.md "Values"):
+    for a bad value, the field path before the first ": " and the repr
+    after "got "; the wording in between is free, and so are the messages
+    of other errors (only their type is compared)."""
+    text = mask(str(exc))
+    if "got " not in text:
+        return None
+    field = text.split(": ", 1)[0]
+    if "reply_for_model" in KNOWN_NOW:
+        # Unlisted drift (reported): C's reply errors say "reply from
+        # CMD for model 'ID'", the contract's path is "reply from CMD".
+        field = re.sub(r" for model '[^']*'$", "", field)
+    return field, text.rsplit("got ", 1)[1]
+
+
+def log_key(record: logging.LogRecord) -> str:
+    """A log line as far as the contract fixes it: the wording between
+    "expected" and "got" of a quoted message is free (as in
+    message_key)."""
+    text = re.sub(r"expected .*?(?=got )", "expected ... ", record.getMessage())
+    if "reply_for_model" in KNOWN_NOW:
+        text = re.sub(r"( from \w+) for model '[^']*'", r"\1", text)
+    return mask(text)
+
+
+#: The known differences the running machine tolerates (set per run).
+KNOWN_NOW: frozenset[str] = frozenset()
+
+
 class _Capture(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
@@ -221,7 +251,7 @@ class _Capture(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         if self.target is not None:
-            self.target.append((record.levelname, mask(record.getMessage())))
+            self.target.append((record.levelname, log_key(record)))
 
 
 CAPTURE = _Capture()
@@ -276,7 +306,7 @@ class World:
             return ("entry", self.norm(value.model))
         if isinstance(value, RefereeWorker):
             return ("worker", self.worker_index(value))
-        if isinstance(value, dict):
+        if isinstance(value, (dict, Mapping)):
             return sorted(
                 ((repr(self.norm(k)), self.norm(v)) for k, v in value.items()),
             )
@@ -333,11 +363,11 @@ class World:
                 return self.norm(self.pool.boundary())
             return "skip"
         except Exception as exc:  # noqa: BLE001 -- recorded, compared
-            return ("raised", type(exc).__name__, mask(str(exc)))
+            return ("raised", type(exc).__name__, message_key(exc))
 
     # -- observation -----------------------------------------------------------
 
-    def observe(self) -> dict[str, Any]:
+    def observe(self, known: frozenset[str] = frozenset()) -> dict:
         rows = []
         for s in self.standins:
             if s is None:
@@ -354,7 +384,7 @@ class World:
                     str(s.model.device),
                     s.bad_replies,
                     s.model_id,
-                    type(s.model_id) is str,
+                    "model_id_type" in known or type(s.model_id) is str,
                     s.worker_generation,
                 )
             )
@@ -385,6 +415,7 @@ class World:
             "commands": [list(w.commands) for w in self.workers],
             "card": sorted(self.mm.sim.card().allocations.items()),
             "trace": list(self.trace),
+            "logs": list(self.logs),
         }
 
     def close(self) -> None:
@@ -490,12 +521,19 @@ class DifferentialMachine(RuleBasedStateMachine):
     REFERENCE: Any = reference
     #: Known differences of listed defects kept out of random generation
     #: (each has a strict xfail below); empty when the tree agrees.
-    KNOWN: frozenset[str] = frozenset()
+    KNOWN: frozenset[str] = frozenset(
+        {"model_id_type", "reply_for_model", "load_bad_reply_log"}
+    )
 
     def __init__(self) -> None:
         super().__init__()
+        global KNOWN_NOW
+        KNOWN_NOW = self.KNOWN
         self._gc_was = gc.isenabled()
         gc.disable()
+        # Everything older than this machine is out of the collector's
+        # sight: a full collection then costs microseconds, not 100 ms.
+        gc.freeze()
         self.c = World(self.C, "c")
         self.r = World(self.REFERENCE, "ref")
         self.step_no = 0
@@ -504,6 +542,7 @@ class DifferentialMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         self.c.close()
         self.r.close()
+        gc.unfreeze()
         if self._gc_was:
             gc.enable()
 
@@ -516,13 +555,14 @@ class DifferentialMachine(RuleBasedStateMachine):
         except INJECTED as exc:
             return ("base", type(exc).__name__)
         except Exception as exc:  # noqa: BLE001 -- compared
-            return ("raised", type(exc).__name__, mask(str(exc)))
+            return ("raised", type(exc).__name__, message_key(exc))
         finally:
             CAPTURE.target = None
 
     def both(self, what: str, fn: Callable[[World], Any], gc_after=False):
         self.step_no += 1
         self.history.append(what)
+        self.c.logs, self.r.logs = [], []
         out_c = self._run(self.c, fn)
         if gc_after:
             gc.collect()
@@ -538,7 +578,11 @@ class DifferentialMachine(RuleBasedStateMachine):
         return out_c
 
     def compare(self, what: str) -> None:
-        oc, orf = self.c.observe(), self.r.observe()
+        oc, orf = self.c.observe(self.KNOWN), self.r.observe(self.KNOWN)
+        if "load_bad_reply_log" in self.KNOWN and what.startswith("load"):
+            # Issue 8 defect 11, open: C's partially_load does not log the
+            # bad reply it raises as EchoError; the reference does.
+            orf["logs"] = [x for x in orf["logs"] if "bad reply" not in x[1]]
         for key in oc:
             if oc[key] != orf[key]:
                 raise Difference(
@@ -575,9 +619,17 @@ class DifferentialMachine(RuleBasedStateMachine):
 
     # -- rules: workers and stand-ins ---------------------------------------------
 
-    @initialize()
-    def first_worker(self) -> None:
+    @initialize(
+        sizes=st.lists(st.sampled_from(SIZES[1:]), min_size=1, max_size=3),
+        resident=st.integers(0, 1500),
+    )
+    def first_workers(self, sizes, resident) -> None:
         self.add_worker()
+        self.add_worker()
+        for i, size in enumerate(sizes):
+            self.create_standin(
+                i % 2, 1, ("plain", PLAIN_IDS[i]), size, True, resident
+            )
 
     @precondition(lambda self: len(self.c.workers) < MAX_WORKERS)
     @rule()
@@ -603,6 +655,9 @@ class DifferentialMachine(RuleBasedStateMachine):
     def create_standin(self, worker, generation, spec, size, known, resident):
         if spec[0] == "surrogate" and "surrogate_id" in self.KNOWN:
             spec = ("plain", "a")
+        if spec[0] == "hostile" and "model_id_type" in self.KNOWN:
+            # C keeps the str subclass and calls its __hash__ later.
+            spec = (*spec[:2], "none", spec[3])
 
         def fn(w: World) -> Any:
             wk = w.workers[worker % len(w.workers)]
@@ -635,7 +690,7 @@ class DifferentialMachine(RuleBasedStateMachine):
         def fn(w: World) -> None:
             gc.collect()
 
-        self.both("gc.collect", fn, gc_after=True)
+        self.both("gc.collect", fn)
 
     @rule(worker=st.integers(0, MAX_WORKERS - 1))
     def kill_worker(self, worker):
@@ -868,11 +923,37 @@ class DifferentialMachine(RuleBasedStateMachine):
     @precondition(has_standins)
     @rule(
         index=st.integers(0, MAX_STANDINS),
-        command=st.sampled_from(("load", "unload", "unload", "detach")),
         script=worker_script,
         alive=alive_script,
         value=amount,
     )
+    def partially_load(self, index, script, alive, value):
+        self.command(index, "load", script, alive, value)
+
+    @precondition(has_standins)
+    @rule(
+        index=st.integers(0, MAX_STANDINS),
+        script=worker_script,
+        alive=alive_script,
+        value=amount,
+    )
+    def partially_unload(self, index, script, alive, value):
+        self.command(index, "unload", script, alive, value)
+
+    @precondition(has_standins)
+    @rule(index=st.integers(0, MAX_STANDINS), value=amount)
+    def partially_unload_plain(self, index, value):
+        self.command(index, "unload", ("ok",), "none", value)
+
+    @precondition(has_standins)
+    @rule(
+        index=st.integers(0, MAX_STANDINS),
+        script=worker_script,
+        alive=alive_script,
+    )
+    def detach(self, index, script, alive):
+        self.command(index, "detach", script, alive, None)
+
     def command(self, index, command, script, alive, value):
         def fn(w: World) -> Any:
             s = self.standin(w, index)
