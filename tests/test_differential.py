@@ -522,7 +522,12 @@ class DifferentialMachine(RuleBasedStateMachine):
     #: Known differences of listed defects kept out of random generation
     #: (each has a strict xfail below); empty when the tree agrees.
     KNOWN: frozenset[str] = frozenset(
-        {"model_id_type", "reply_for_model", "load_bad_reply_log"}
+        {
+            "model_id_type",
+            "reply_for_model",
+            "load_bad_reply_log",
+            "forgotten_gone_source",
+        }
     )
 
     def __init__(self) -> None:
@@ -579,6 +584,8 @@ class DifferentialMachine(RuleBasedStateMachine):
 
     def compare(self, what: str) -> None:
         oc, orf = self.c.observe(self.KNOWN), self.r.observe(self.KNOWN)
+        if "forgotten_gone_source" in self.KNOWN:
+            self.forgotten_gone_source(oc, orf)
         if "load_bad_reply_log" in self.KNOWN and what.startswith("load"):
             # Issue 8 defect 11, open: C's partially_load does not log the
             # bad reply it raises as EchoError; the reference does.
@@ -590,6 +597,22 @@ class DifferentialMachine(RuleBasedStateMachine):
                     f"  C:         {oc[key]!r}\n  reference: {orf[key]!r}\n"
                     f"history: {self.history}"
                 )
+
+    def forgotten_gone_source(self, oc: dict, orf: dict) -> None:
+        """Issue 8 defect 9, open: a stand-in whose books the pool forgot
+        and whose worker then died reads source "worker gone" in C; the
+        reference keeps the last source.  Only that case is masked."""
+        for n, s in enumerate(self.r.standins):
+            row_c, row_r = oc["standins"][n], orf["standins"][n]
+            if (
+                s is not None
+                and s._record.books._ledger is None  # forgotten books
+                and row_c is not None
+                and row_c[3]
+                and row_r[3]
+                and row_c[2][2] == "worker gone"
+            ):
+                orf["standins"][n] = (*row_r[:2], row_c[2], *row_r[3:])
 
     # -- helpers run per world ---------------------------------------------------
 
@@ -1049,3 +1072,243 @@ class DifferentialMachine(RuleBasedStateMachine):
 
 TestDifferential = DifferentialMachine.TestCase
 TestDifferential.settings = SETTINGS
+
+
+# ---- the referee can fail: drifts reintroduced into the reference -------------
+#
+# Each drift puts back, in the reference only, a difference that issue 8
+# found between the two implementations; the machine, with a fixed budget
+# and derandomized, must report a Difference in the area of the drift.
+
+META_EXAMPLES = int(os.environ.get("COMFY_STANDIN_META_EXAMPLES", "400"))
+
+
+def find_difference(machine: type[DifferentialMachine]) -> Difference | None:
+    try:
+        run_state_machine_as_test(
+            machine,
+            settings=settings(
+                max_examples=META_EXAMPLES,
+                stateful_step_count=STEPS,
+                deadline=None,
+                derandomize=True,
+                database=None,
+                phases=[Phase.generate],
+                report_multiple_bugs=False,
+                suppress_health_check=list(HealthCheck),
+            ),
+        )
+    except Difference as exc:
+        return exc
+    return None
+
+
+def drift_census_exact_dict(mp: pytest.MonkeyPatch) -> None:
+    """Defect 7: census entries had to be exact dicts (C)."""
+    snapshot = reference._census_snapshot
+
+    def exact_dicts(census: object, path: str = "census") -> Any:
+        if isinstance(census, (list, tuple)):
+            for index, entry in enumerate(census):
+                if type(entry) is not dict:
+                    raise reference.EchoError(
+                        f"{path}[{index}]: expected a dict, got {entry!r}"
+                    )
+        return snapshot(census, path)
+
+    mp.setattr(reference, "_census_snapshot", exact_dicts)
+
+
+def drift_surrogate_ids(mp: pytest.MonkeyPatch) -> None:
+    """Defect 7: lone-surrogate model ids were accepted (reference)."""
+    mp.setattr(reference, "_utf8_ok", lambda value: True)
+
+
+def drift_echo_source_from_board(mp: pytest.MonkeyPatch) -> None:
+    """Defect 7: apply_echo's source came from the board-aware value (C)."""
+
+    def apply_echo(
+        standin: Any,
+        resident: Any,
+        seq: Any = None,
+        unmapped: Any = False,
+        in_flight: Any = False,
+    ) -> bool:
+        if not isinstance(standin, reference.StandIn):
+            raise TypeError(f"standin: expected a StandIn, got {standin!r}")
+        unmapped, in_flight = bool(unmapped), bool(in_flight)
+        record = standin._record
+        resident = reference._echo_bytes("resident", resident, record.size)
+        seq = reference._echo_seq("seq", seq)
+        source = None
+        if not unmapped:
+            below = resident < standin._model._loaded()
+            source = "unload echo" if below else "load echo"
+        return record.echo(resident, seq, source, unmapped, in_flight)
+
+    mp.setattr(reference, "apply_echo", apply_echo)
+
+
+def drift_swallow_base_exceptions(mp: pytest.MonkeyPatch) -> None:
+    """Defect 3: Ctrl-C while waiting on a worker was swallowed and the
+    eviction reported as deferred (C)."""
+    unload = reference.StandIn.partially_unload
+
+    def swallowing(self: Any, *args: Any, **kwargs: Any) -> int:
+        try:
+            return unload(self, *args, **kwargs)
+        except BaseException:  # noqa: BLE001 -- the drift itself
+            self._record.set_deferred()
+            return 0
+
+    mp.setattr(reference.StandIn, "partially_unload", swallowing)
+
+
+def drift_forgotten_worker_never_dies(mp: pytest.MonkeyPatch) -> None:
+    """Defect 9: a forgotten worker's stand-in never learnt of its death
+    and reported the same bytes freed on every call (C)."""
+    gone_path = reference.StandIn._gone_path
+
+    def forgetful(self: Any) -> None:
+        if self._pool._ledger.find(self._worker) is None:
+            return  # the pool forgot the worker: nothing recorded
+        gone_path(self)
+
+    mp.setattr(reference.StandIn, "_gone_path", forgetful)
+
+
+DRIFTS = {
+    "census_exact_dict": (
+        drift_census_exact_dict,
+        ("apply_residency", "report"),
+    ),
+    "surrogate_ids": (
+        drift_surrogate_ids,
+        ("create_standin", "apply_residency", "report"),
+    ),
+    "echo_source_from_board": (
+        drift_echo_source_from_board,
+        ("apply_echo",),
+    ),
+    "swallow_base_exceptions": (
+        drift_swallow_base_exceptions,
+        ("unload", "free_memory", "unload_all_models"),
+    ),
+    "forgotten_worker_never_dies": (
+        drift_forgotten_worker_never_dies,
+        ("unload", "detach", "load", "free_memory", "unload_all_models"),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DRIFTS))
+def test_machine_finds_a_reintroduced_drift(name, monkeypatch):
+    drift, where = DRIFTS[name]
+    drift(monkeypatch)
+    found = find_difference(DifferentialMachine)
+    assert found is not None, f"the machine missed the drift {name}"
+    step = str(found).split(": ", 1)[0]
+    assert any(f" {op}" in step for op in where), str(found)
+
+
+# ---- known differences, each pinned by its shortest history -----------------
+#
+# DifferentialMachine.KNOWN masks exactly these cases so the rest of the
+# machine keeps running; each test below replays the case with its mask
+# lifted and must fail (strict), so a fix shows up as an XPASS to remove
+# the tag from KNOWN.
+
+
+def replay(steps: list[tuple[str, dict]], lifted: str) -> None:
+    """Runs `steps` (rule name, arguments) with the KNOWN tag `lifted`
+    unmasked."""
+    assert lifted in DifferentialMachine.KNOWN
+    machine = type(
+        "Unmasked",
+        (DifferentialMachine,),
+        {"KNOWN": DifferentialMachine.KNOWN - {lifted}},
+    )()
+    try:
+        for name, kwargs in steps:
+            getattr(machine, name)(**kwargs)
+    finally:
+        machine.teardown()
+
+
+def _standin(spec: tuple = ("plain", "a"), resident: int = 50) -> tuple:
+    return (
+        "create_standin",
+        {
+            "worker": 0,
+            "generation": 1,
+            "spec": spec,
+            "size": 100,
+            "known": True,
+            "resident": resident,
+        },
+    )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=Difference,
+    reason="not in issue 8 (reported): the C StandIn keeps a str-subclass "
+    "model_id as given; the reference stores an exact str copy",
+)
+def test_known_model_id_keeps_its_subclass_in_c():
+    replay(
+        [("add_worker", {}), _standin(("hostile", "a", "none", False))],
+        "model_id_type",
+    )
+
+
+BAD_LOAD_REPLY = (
+    "partially_load",
+    {
+        "index": 0,
+        "script": ("garbage", "not_dict"),
+        "alive": "none",
+        "value": None,
+    },
+)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=Difference,
+    reason="not in issue 8 (reported): C's reply errors name the field "
+    "\"reply from CMD for model 'ID'\", the contract \"reply from CMD\"",
+)
+def test_known_reply_error_names_the_model_in_c():
+    replay([("add_worker", {}), _standin(), BAD_LOAD_REPLY], "reply_for_model")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=Difference,
+    reason="issue 8 defect 11 (logs), open: C's partially_load raises "
+    "EchoError for a bad reply without the reference's 'bad reply' line",
+)
+def test_known_bad_load_reply_not_logged_in_c():
+    replay(
+        [("add_worker", {}), _standin(), BAD_LOAD_REPLY], "load_bad_reply_log"
+    )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=Difference,
+    reason="issue 8 defect 9, open: after pool.forget(w) and "
+    "pool.worker_gone(w) C's stand-in reads source 'worker gone', the "
+    "reference keeps 'registered'",
+)
+def test_known_forgotten_worker_gone_source():
+    replay(
+        [
+            ("add_worker", {}),
+            _standin(),
+            ("pool_worker_op", {"worker": 0, "op": "forget"}),
+            ("pool_worker_op", {"worker": 0, "op": "worker_gone"}),
+        ],
+        "forgotten_gone_source",
+    )
