@@ -86,7 +86,7 @@ int cs_decode_census_entry(cs_module_state *state, PyObject *entry,
  * the module was cleared (m_clear ran; its fields are NULL). */
 cs_module_state *cs_state_checked(PyTypeObject *type);
 
-/* A model id's UTF-8: 0 and *utf8/*len set (the buffer lives as long as
+/* A model id's UTF-8: 0 and *utf8, *len set (the buffer lives as long as
  * `id`), 1 when the id cannot be encoded (a lone surrogate; no exception
  * set), -1 with any other exception (MemoryError). */
 int cs_model_id_utf8(PyObject *id, const char **utf8, Py_ssize_t *len);

@@ -2049,11 +2049,56 @@ apply_echo(PyObject *module, PyObject *args, PyObject *kwargs)
     return PyBool_FromLong(status == CS_OK);
 }
 
-/* Reads the map once, through its items() (the only user code of the map
- * that runs), into a private dict {exact id: stand-in}.  Every value must
- * be a C stand-in filed under its own id, whether or not the census names
- * it: a wrong map is a caller's bug that would otherwise surface only on
- * the census that happens to name it.  Returns a new reference or NULL. */
+/* One (key, stand-in) of the map into `table`: the value must be a C
+ * stand-in filed under its own id.  Runs no Python but the reprs of an
+ * error message (on references owned here). */
+static int
+table_add(cs_module_state *state, PyObject *table, PyObject *key,
+          PyObject *value)
+{
+    int result = -1;
+
+    Py_INCREF(key);
+    Py_INCREF(value);
+    if (!PyObject_TypeCheck(value, state->standin_type)) {
+        PyErr_Format(state->echo_error,
+                     "standins[%R]: expected a comfy_standin.StandIn (C "
+                     "implementation), got %R",
+                     key, value);
+        goto done;
+    }
+    PyObject *model_id = ((StandInObject *)value)->model_id;
+    /* Compares the characters: no __eq__ of a str subclass runs. */
+    int same = PyUnicode_Check(key) && model_id != NULL
+                   ? PyUnicode_Compare(model_id, key)
+                   : 1;
+    if (same == -1 && PyErr_Occurred()) {
+        goto done;
+    }
+    if (same != 0) {
+        PyErr_Format(state->echo_error,
+                     "standins[%R]: the stand-in is for model %R", key,
+                     model_id ? model_id : Py_None);
+        goto done;
+    }
+    PyObject *exact = PyUnicode_FromObject(key);
+    if (exact == NULL) {
+        goto done;
+    }
+    result = PyDict_SetItem(table, exact, value);
+    Py_DECREF(exact);
+done:
+    Py_DECREF(key);
+    Py_DECREF(value);
+    return result;
+}
+
+/* Reads the map once into a private dict {exact id: stand-in}: an exact
+ * dict from its storage, any other Mapping through its items() (the only
+ * user code of the map that runs).  Every value must be a C stand-in
+ * filed under its own id, whether or not the census names it: a wrong
+ * map is a caller's bug that would otherwise surface only on the census
+ * that happens to name it.  Returns a new reference or NULL. */
 static PyObject *
 standins_table(cs_module_state *state, PyObject *standins)
 {
@@ -2071,17 +2116,29 @@ standins_table(cs_module_state *state, PyObject *standins)
         }
         return NULL;
     }
-    items = PyMapping_Items(standins);
-    if (items == NULL) {
-        return NULL;
-    }
-    pairs = PySequence_Tuple(items); /* ours: nobody can change it */
-    Py_DECREF(items);
-    if (pairs == NULL) {
-        return NULL;
-    }
     table = PyDict_New();
     if (table == NULL) {
+        return NULL;
+    }
+    if (PyDict_CheckExact(standins)) {
+        /* table_add owns the pair it is given; PyDict_Next stays in
+         * bounds even if a finalizer changed the dict meanwhile. */
+        PyObject *key, *value;
+        Py_ssize_t pos = 0;
+        while (PyDict_Next(standins, &pos, &key, &value)) {
+            if (table_add(state, table, key, value) < 0) {
+                goto error;
+            }
+        }
+        return table;
+    }
+    items = PyMapping_Items(standins);
+    if (items == NULL) {
+        goto error;
+    }
+    pairs = PySequence_Tuple(items); /* ours: nobody can change it */
+    Py_CLEAR(items);
+    if (pairs == NULL) {
         goto error;
     }
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(pairs); i++) {
@@ -2093,44 +2150,16 @@ standins_table(cs_module_state *state, PyObject *standins)
                          pair);
             goto error;
         }
-        PyObject *key = PyTuple_GET_ITEM(pair, 0);
-        PyObject *value = PyTuple_GET_ITEM(pair, 1);
-        if (!PyObject_TypeCheck(value, state->standin_type)) {
-            PyErr_Format(state->echo_error,
-                         "standins[%R]: expected a comfy_standin.StandIn (C "
-                         "implementation), got %R",
-                         key, value);
-            goto error;
-        }
-        PyObject *model_id = ((StandInObject *)value)->model_id;
-        /* Compares the characters: no __eq__ of a str subclass runs. */
-        int same = PyUnicode_Check(key) && model_id != NULL
-                       ? PyUnicode_Compare(model_id, key)
-                       : 1;
-        if (same == -1 && PyErr_Occurred()) {
-            goto error;
-        }
-        if (same != 0) {
-            PyErr_Format(state->echo_error,
-                         "standins[%R]: the stand-in is for model %R", key,
-                         model_id ? model_id : Py_None);
-            goto error;
-        }
-        PyObject *exact = PyUnicode_FromObject(key);
-        if (exact == NULL) {
-            goto error;
-        }
-        int r = PyDict_SetItem(table, exact, value);
-        Py_DECREF(exact);
-        if (r < 0) {
+        if (table_add(state, table, PyTuple_GET_ITEM(pair, 0),
+                      PyTuple_GET_ITEM(pair, 1)) < 0) {
             goto error;
         }
     }
     Py_DECREF(pairs);
     return table;
 error:
-    Py_XDECREF(table);
-    Py_DECREF(pairs);
+    Py_XDECREF(pairs);
+    Py_DECREF(table);
     return NULL;
 }
 

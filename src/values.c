@@ -404,9 +404,9 @@ cs_census_snapshot_take(cs_module_state *state, PyObject *census,
         return -1;
     }
     n = PyTuple_GET_SIZE(items);
-    values = PyMem_Calloc((size_t)n * FIELD_COUNT + 1, sizeof(*values));
+    values = PyMem_Calloc((size_t)n * FIELD_COUNT + 1, sizeof(PyObject *));
     out->entries = PyMem_Calloc((size_t)n + 1, sizeof(*out->entries));
-    out->ids = PyMem_Calloc((size_t)n + 1, sizeof(*out->ids));
+    out->ids = PyMem_Calloc((size_t)n + 1, sizeof(PyObject *));
     if (values == NULL || out->entries == NULL || out->ids == NULL) {
         PyErr_NoMemory();
         goto done;

@@ -331,6 +331,15 @@ class ModelRecord:
         with self.books._lock:
             self._deferred = True
 
+    def gone(self) -> None:
+        """This model's process died, whether or not its books still hold
+        it in their table (a forgotten worker's do not): receipt 0 /
+        "worker gone" (seq kept), peak 0, not deferred.  Idempotent."""
+        with self.books._lock:
+            loaded, _, _, source = self._receipt
+            if source != "worker gone" or loaded or self._peak:
+                self._write_locked(0, None, "worker gone", 0)
+
 
 class WorkerBooks:
     """One worker's books: generation, liveness, calls in flight, its last
@@ -432,7 +441,9 @@ class WorkerBooks:
             return record
 
     def find(self, model_id: str) -> ModelRecord | None:
-        return self._table.get(model_id)
+        if not _is_str(model_id) or not _utf8_ok(model_id):
+            return None
+        return self._table.get(_exact_str(model_id))
 
     def _bump_locked(self, generation: int) -> None:
         for record in list(self._table.values()):
@@ -769,10 +780,10 @@ def apply_echo(
     Always written (a reply is the newest word; ``seq=None`` keeps the
     receipt's seq).  Returns False, writing nothing, for a stale stand-in
     or a gone worker."""
+    unmapped = bool(unmapped)  # the caller's __bool__ runs first, as in C
+    in_flight = bool(in_flight)
     if not isinstance(standin, StandIn):
         _bad_type("standin", f"a StandIn of {__name__}", standin)
-    unmapped = bool(unmapped)
-    in_flight = bool(in_flight)
     record = standin._record
     resident = _echo_bytes("resident", resident, record.size)
     seq = _echo_seq("seq", seq)
@@ -1292,8 +1303,10 @@ class StandIn:
         """For the pool: the worker's process died (``Pool.worker_gone``,
         also after ``Pool.forget``); this stand-in reads 0 and is stale
         from now on.  No call back into the pool; idempotent."""
-        if not self._record.stale:  # never a newer generation's books
-            self._record.books.gone()
+        record = self._record
+        if not record.stale:  # never a newer generation's books
+            record.books.gone()
+            record.gone()
 
     def _gone_error(self) -> WorkerGoneError:
         record = self._record
@@ -1312,9 +1325,10 @@ class StandIn:
             "comfy_standin: the worker of model %r is gone",
             record.model_id,
         )
-        # The model's own books first: they hold whatever the pool does,
-        # even when the pool forgot the worker already.
+        # The model's own record and books first: they hold whatever the
+        # pool does, even when the pool forgot the worker already.
         record.books.gone()
+        record.gone()
         try:
             self._pool.worker_gone(self._worker)
         except Exception as exc:  # noqa: BLE001 -- receipts zeroed anyway

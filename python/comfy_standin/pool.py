@@ -350,7 +350,9 @@ class Pool:
         with self._lock:
             slot = self._adopted.pop(id(worker), None)
             if slot is not None and len(slot[1]) > 0:
-                held = self._forgotten.setdefault(id(worker), weakref.WeakSet())
+                held = self._forgotten.setdefault(
+                    id(worker), weakref.WeakSet()
+                )
                 for standin in slot[1]:
                     held.add(standin)
         self._close_board(worker)
