@@ -766,13 +766,22 @@ class DifferentialMachine(RuleBasedStateMachine):
     def boundary(self, with_mm):
         self.both(
             f"boundary(mm={with_mm})",
-            # The restored stand-ins come in the order of a WeakSet
-            # (addresses): the set is the contract, not the order.
-            lambda w: sorted(
-                repr(w.norm(s))
-                for s in w.pool.boundary(w.mm if with_mm else None)
-            ),
+            lambda w: self.boundary_in_order(w, with_mm),
         )
+
+    @staticmethod
+    def boundary_in_order(w: World, with_mm: bool) -> list:
+        """pool.boundary(); the stand-ins it restores come in the order of
+        a WeakSet (by address), and so do the entries it puts at the head
+        of ComfyUI's list: that order is put in serial order here, the set
+        is the contract."""
+        restored = w.pool.boundary(w.mm if with_mm else None)
+        if restored:
+            head = w.mm.current_loaded_models[: len(restored)]
+            assert {id(e.model) for e in head} == {id(s) for s in restored}
+            head.sort(key=lambda e: repr(w.norm(e.model)))
+            w.mm.current_loaded_models[: len(restored)] = head
+        return sorted(repr(w.norm(s)) for s in restored)
 
     @rule(base=st.integers(0, 3000), total=st.sampled_from((None, 0, 4000)))
     def reserve(self, base, total):
