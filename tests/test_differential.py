@@ -1100,10 +1100,18 @@ class DifferentialMachine(RuleBasedStateMachine):
         board = w.pool.board_for(s.worker, 8, heartbeat_limit=3600.0)
         slot = s.attach_board(board)
         side = w.worker_boards.get(wi)
-        if side is None or side.closed or side.name != board.name:
+        hosts = w.__dict__.setdefault("board_hosts", {})
+        if side is None or side.closed or hosts.get(wi) is not board:
             if side is not None:
                 side.close()
-            w.worker_boards[wi] = _core.Board.open(board.name)
+            # Board v2: the worker side opens the host's descriptor (no
+            # name on Linux) and binds the slot to the host's tag.
+            side = _core.Board.open(
+                board.fd if board.fd is not None else board.name
+            )
+            w.worker_boards[wi] = side
+            hosts[wi] = board
+        side.bind(slot, board.tag(slot))
         return slot
 
     @precondition(has_standins)
