@@ -193,7 +193,7 @@ class Registry:
         try:
             value = method(*args)
         except Exception:  # noqa: BLE001 - a holder never breaks ComfyUI
-            self.failures += 1
+            self._failed()
             log.warning(
                 "comfy_standin: memory holder %r raised in %s; counted as "
                 "0", holder, name, exc_info=True,
@@ -201,13 +201,17 @@ class Registry:
             return 0
         count = _byte_count(value)
         if count is None:
-            self.failures += 1
+            self._failed()
             log.warning(
                 "comfy_standin: memory holder %r answered %s with %r, not "
                 "a byte count; counted as 0", holder, name, value,
             )
             return 0
         return count
+
+    def _failed(self) -> None:
+        with self._lock:
+            self.failures += 1
 
     def _asking(self) -> bool:
         return bool(getattr(self._local, "depth", 0))
