@@ -747,6 +747,10 @@ def test_pool_holder_counts_and_skips_busy_workers(impl, pool):
     assert holder.release_memory("cpu", 10 * GiB) == 1 * GiB
     assert busy.commands == []
     pool.end_call(busy)
+    # comfy-env's own in-flight count is honoured too
+    busy._calls_in_flight = 1
+    assert holder.release_memory(CUDA0, 4 * GiB) == 0
+    assert busy.commands == []
 
 
 def test_pool_holder_partial_then_full(impl, pool):

@@ -339,6 +339,8 @@ class PoolHolder:
       worker frees less than asked, as ComfyUI escalates a short
       ``partially_unload`` to ``detach``; ``full_release`` at once when
       everything it holds is asked), "cpu" by ``release_pins(size=...)``.
+      A worker is in a call when the pool's books say so (``Pool.call``)
+      or comfy-env's own count (``_calls_in_flight``) does.
       Each command goes only to a worker that advertises it
       (``supports_partial_release`` / ``supports_full_release`` /
       ``supports_release_pins``, as comfy-env's workers do), through
@@ -415,6 +417,14 @@ class PoolHolder:
                     continue
             out.append((worker, books, books.charge()))
         return out
+
+    @staticmethod
+    def _busy(worker: Any, books: Any) -> bool:
+        """In a call by the pool's books, or by comfy-env's own count."""
+        if books.in_flight:
+            return True
+        count = getattr(worker, "_calls_in_flight", 0)
+        return isinstance(count, int) and count > 0
 
     @staticmethod
     def _held(charge: dict[str, Any]) -> int:
@@ -497,7 +507,7 @@ class PoolHolder:
         else by the drop of the worker's own figure (`figure`: "held" or
         "pinned") from `before`.  None when the worker gave no answer
         (busy, dead before the ask, the ask failed)."""
-        if books.in_flight:  # a call started since we looked: never wait
+        if self._busy(worker, books):  # a call started since we looked
             return None
         try:
             reply = self._send(worker, command, **params)
@@ -537,7 +547,7 @@ class PoolHolder:
         candidates = [
             (self._held(charge), worker, books)
             for worker, books, charge in self._workers(device)
-            if not books.in_flight
+            if not self._busy(worker, books)
         ]
         candidates.sort(key=lambda c: -c[0])
         freed = 0
@@ -572,7 +582,7 @@ class PoolHolder:
         candidates = [
             (_pinned_of(books), worker, books)
             for worker, books, _ in self._workers("cpu")
-            if not books.in_flight
+            if not self._busy(worker, books)
             and getattr(worker, "supports_release_pins", False)
         ]
         candidates.sort(key=lambda c: -c[0])
