@@ -325,3 +325,14 @@ def test_publisher_missing_in_the_pack_env(host, monkeypatch, caplog):
     assert s.board is None and worker.is_alive()
     host.call("touch")
     assert s.receipt()[3] == "census"
+
+
+def test_boards_can_be_turned_off(host, monkeypatch, caplog):
+    monkeypatch.setenv("COMFY_STANDIN_NO_BOARD", "1")
+    with caplog.at_level(logging.WARNING, logger="comfy_standin"):
+        adapter.install()
+        host.call("load", model_id="o", nbytes=1 * MiB)
+    host.current()
+    assert caplog.records == []
+    assert standin_of(host.mm, "o").board is None
+    assert host.call("publisher") == [False, False, None]

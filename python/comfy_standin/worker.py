@@ -43,6 +43,7 @@ import atexit
 import os
 import sys
 import threading
+import types
 from typing import Any
 
 __all__ = ["ENV_VAR", "bind", "publisher_state"]
@@ -119,7 +120,7 @@ def _find_shapes() -> tuple[Any, Any, Any, dict[Any, Any]] | str:
     bump_code = getattr(bump, "__code__", None)
     if bump_code is None or bump_code.co_argcount != 1:
         return "_bump_seq does not take one model id"
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     try:
         while frame is not None:
             if (frame.f_code.co_name == "main"

@@ -44,7 +44,9 @@ What it swaps, all reversibly (``uninstall()``):
   ``call_module("comfy_standin.worker", "bind")`` (comfy-env's own command
   channel); the worker then publishes every residency change its
   bookkeeping tracks plus a sampler's, and the host drops its descriptor.
-  ``SubprocessWorker.shutdown`` closes the board.  On any mismatch (another
+  ``SubprocessWorker.shutdown`` closes the board.
+  ``COMFY_STANDIN_NO_BOARD=1`` in ComfyUI's environment turns boards off.
+  On any mismatch (another
   comfy-env version, a changed internal, comfy_standin missing from the
   pack's environment) one log line says so and that worker stays on
   receipts.
@@ -347,6 +349,10 @@ def _install_boards() -> None:
     """Wrap comfy-env's worker spawn and shutdown, when this comfy-env is
     one the board wiring was checked against; otherwise say why once and
     leave every worker on receipts."""
+    if os.environ.get("COMFY_STANDIN_NO_BOARD", "") not in ("", "0"):
+        log.info("comfy_standin: live boards turned off "
+                 "(COMFY_STANDIN_NO_BOARD); stand-ins use receipts")
+        return
     if not sys.platform.startswith("linux"):
         log.info("comfy_standin: no live boards here (sealed descriptors "
                  "are Linux only); stand-ins use receipts")
