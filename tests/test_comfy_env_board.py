@@ -333,6 +333,31 @@ def test_boards_can_be_turned_off(host, monkeypatch, caplog):
         adapter.install()
         host.call("load", model_id="o", nbytes=1 * MiB)
     host.current()
-    assert caplog.records == []
+    assert not [r for r in caplog.records
+                if "receipts only" in r.getMessage()]
     assert standin_of(host.mm, "o").board is None
     assert host.call("publisher") == [False, False, None]
+
+
+def test_a_respawn_in_the_same_worker_gets_a_new_board(host):
+    """comfy-env restarts a dead process inside the same SubprocessWorker
+    (``_ensure_started``, e.g. from a command): the old board is closed,
+    the new process gets its own."""
+    adapter.install()
+    host.call("load", model_id="a", nbytes=1 * MiB)
+    worker, _ = host.current()
+    s = standin_of(host.mm, "a")
+    board, _slot = s.board
+    pid = worker._process.pid
+    os.kill(pid, signal.SIGKILL)
+    worker._process.wait(timeout=60)
+    worker.send_command("list_models")  # respawns in place
+    worker2, _ = host.current()
+    assert worker2 is worker and worker._process.pid != pid
+    assert board.closed and s.receipt()[3] != "board"
+    host.call("load", model_id="b", nbytes=1 * MiB)
+    s2 = standin_of(host.mm, "b")
+    board2, slot2 = s2.board
+    assert board2 is not board
+    assert board2.expected_owner == board2.owner_pid == worker._process.pid
+    wait_for(lambda: board2.status(slot2) == "valid", "the new reading")
