@@ -32,6 +32,25 @@ What it swaps, all reversibly (``uninstall()``):
   asks idle workers to release from a thread), as comfy-env's patcher
   does in its ``partially_unload``.
 
+- Live residency boards (docs/board.md), on Linux with a comfy-env
+  version the board was checked against (``SUPPORTED_COMFY_ENV``):
+  ``SubprocessWorker._ensure_started`` and ``workers.subprocess.
+  popen_in_own_group`` (its only spawn of a worker process) are wrapped so
+  each worker process gets a fresh board from the default pool, handed to
+  it with ``pass_fds`` and named in its environment (``COMFY_STANDIN_BOARD
+  =<fd>:<host pid>``), ``expected_owner`` set to the process.  At each
+  node boundary the worker's new stand-ins ``attach_board`` it and the
+  host sends their (model id -> slot, tag) bindings with one
+  ``call_module("comfy_standin.worker", "bind")`` (comfy-env's own command
+  channel); the worker then publishes every residency change its
+  bookkeeping tracks plus a sampler's, and the host drops its descriptor.
+  ``SubprocessWorker.shutdown`` closes the board.
+  ``COMFY_STANDIN_NO_BOARD=1`` in ComfyUI's environment turns boards off.
+  On any mismatch (another
+  comfy-env version, a changed internal, comfy_standin missing from the
+  pack's environment) one log line says so and that worker stays on
+  receipts.
+
 comfy-env reads ``_residency_peak``, ``_residency_seq``,
 ``_worker_generation`` and friends off its stand-ins; ``StandIn`` answers
 them read-only from the C ledger, so comfy-env's pool arithmetic runs
@@ -41,7 +60,12 @@ unchanged.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import logging
+import os
+import sys
+import threading
+import weakref
 from typing import Any
 
 import comfy_standin as cs
@@ -55,8 +79,21 @@ _SYNC_MODULE = "comfy_env.state_sync"
 _SYNC_NAMES = ("apply_echo", "apply_residency", "apply_peak_raise")
 _POOL_MODULE = "comfy_env.isolation.pool"
 _POOL_NAMES = ("_insert_loaded_model", "_register_new_patchers")
+_SPAWN_MODULE = "comfy_env.isolation.workers.subprocess"
+_WORKER_CLASS = _SPAWN_MODULE + ":SubprocessWorker"
+_WORKER_MODULE = "comfy_standin.worker"
+
+#: comfy-env versions whose internals the board wiring was checked against
+#: (the worker's ``main()`` closures, ``call_module``, the spawn call).
+SUPPORTED_COMFY_ENV = ("0.4.46",)
+#: Slots per worker board, the host's heartbeat limit (seconds) and the
+#: worker's sampler period (seconds).
+BOARD_SLOTS = 64
+HEARTBEAT_LIMIT = 5.0
+SAMPLE_PERIOD = 0.05
 
 # (module, attribute) -> the original object, while installed.
+# "module:Class" names a class attribute.
 _originals: dict[tuple[str, str], Any] = {}
 
 
@@ -105,6 +142,7 @@ def install() -> bool:
     if pool.on_pressure is None:
         pool.on_pressure = _forward_pressure
     _originals.update(originals)
+    _install_boards()
     log.info("comfy_standin: installed into comfy-env")
     return True
 
@@ -112,8 +150,10 @@ def install() -> bool:
 def uninstall() -> None:
     """Put comfy-env's own objects back.  Idempotent."""
     while _originals:
-        (module_name, name), original = _originals.popitem()
-        setattr(importlib.import_module(module_name), name, original)
+        (target, name), original = _originals.popitem()
+        setattr(_resolve(target), name, original)
+    for worker in list(_boards):
+        _board_done(worker)
     pool = cs.default_pool()
     if pool.on_pressure is _forward_pressure:
         pool.on_pressure = None
@@ -246,6 +286,11 @@ def _wrap_register_new_patchers(original: Any) -> Any:
                     )
             except Exception:
                 log.exception("comfy_standin: boundary failed (ignored)")
+            try:
+                _sync_board(env_dir, worker)
+            except Exception:
+                log.exception("comfy_standin: board binding failed "
+                              "(ignored)")
 
     _register_new_patchers.__wrapped__ = original  # type: ignore[attr-defined]
     return _register_new_patchers
@@ -259,3 +304,280 @@ def _note(log_fn: Any, message: str) -> None:
         except Exception:
             pass
     log.warning("%s", message)
+
+
+# ---- live residency boards (docs/board.md) ---------------------------------
+
+
+class _BoardState:
+    """The host's side of one worker process's board."""
+
+    __slots__ = ("board", "pid", "sent", "off")
+
+    def __init__(self, board: Any, pid: int) -> None:
+        self.board = board
+        self.pid = pid  # the spawned process (the board's expected owner)
+        self.sent: dict[str, tuple[int, int]] = {}  # bindings the worker has
+        self.off = False
+
+
+# worker -> its current process's board (weakly: comfy-env owns workers).
+_boards: weakref.WeakKeyDictionary[Any, _BoardState] = (
+    weakref.WeakKeyDictionary()
+)
+_boards_lock = threading.Lock()
+# The worker being started on this thread (set by _ensure_started).
+_spawning = threading.local()
+# One log line per kind of mismatch, per process.
+_warned: set[str] = set()
+
+
+def _warn_once(kind: str, message: str) -> None:
+    if kind in _warned:
+        return
+    _warned.add(kind)
+    log.warning("%s", message)
+
+
+def _resolve(target: str) -> Any:
+    module_name, _, class_name = target.partition(":")
+    obj = importlib.import_module(module_name)
+    return getattr(obj, class_name) if class_name else obj
+
+
+def _install_boards() -> None:
+    """Wrap comfy-env's worker spawn and shutdown, when this comfy-env is
+    one the board wiring was checked against; otherwise say why once and
+    leave every worker on receipts."""
+    if os.environ.get("COMFY_STANDIN_NO_BOARD", "") not in ("", "0"):
+        log.info("comfy_standin: live boards turned off "
+                 "(COMFY_STANDIN_NO_BOARD); stand-ins use receipts")
+        return
+    if not sys.platform.startswith("linux"):
+        log.info("comfy_standin: no live boards here (sealed descriptors "
+                 "are Linux only); stand-ins use receipts")
+        return
+    try:
+        version = importlib.metadata.version("comfy-env")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    if version not in SUPPORTED_COMFY_ENV:
+        _warn_once("version", (
+            f"comfy_standin: comfy-env {version} is not a version the live "
+            f"board was checked against ({', '.join(SUPPORTED_COMFY_ENV)}): "
+            f"no boards, stand-ins use receipts only"))
+        return
+    try:
+        spawn = importlib.import_module(_SPAWN_MODULE)
+        worker_cls = spawn.SubprocessWorker
+        pool_module = importlib.import_module(_POOL_MODULE)
+        missing = [
+            name for name, ok in (
+                ("popen_in_own_group", callable(
+                    getattr(spawn, "popen_in_own_group", None))),
+                ("SubprocessWorker._ensure_started", callable(
+                    getattr(worker_cls, "_ensure_started", None))),
+                ("SubprocessWorker.shutdown", callable(
+                    getattr(worker_cls, "shutdown", None))),
+                ("SubprocessWorker.call_module", callable(
+                    getattr(worker_cls, "call_module", None))),
+                ("pool._WORKER_PATCHERS", isinstance(
+                    getattr(pool_module, "_WORKER_PATCHERS", None), dict)),
+            ) if not ok
+        ]
+    except (ImportError, AttributeError) as exc:
+        missing = [str(exc)]
+    if missing:
+        _warn_once("host-shape", (
+            f"comfy_standin: comfy-env {version} lacks what the live board "
+            f"needs ({', '.join(missing)}): no boards, stand-ins use "
+            f"receipts only"))
+        return
+    wrapped = {
+        (_SPAWN_MODULE, "popen_in_own_group"): _wrap_popen,
+        (_WORKER_CLASS, "_ensure_started"): _wrap_ensure_started,
+        (_WORKER_CLASS, "shutdown"): _wrap_shutdown,
+    }
+    for (target, name), wrap in wrapped.items():
+        owner = _resolve(target)
+        original = getattr(owner, name)
+        _originals[(target, name)] = original
+        setattr(owner, name, wrap(original))
+
+
+def _wrap_ensure_started(original: Any) -> Any:
+    def _ensure_started(self: Any) -> Any:
+        previous = getattr(_spawning, "worker", None)
+        _spawning.worker = self
+        try:
+            return original(self)
+        finally:
+            _spawning.worker = previous
+
+    _ensure_started.__wrapped__ = original  # type: ignore[attr-defined]
+    return _ensure_started
+
+
+def _wrap_popen(original: Any) -> Any:
+    from ..worker import ENV_VAR
+
+    def popen_in_own_group(cmd: Any, **kw: Any) -> Any:
+        worker = getattr(_spawning, "worker", None)
+        board = _new_board(worker) if worker is not None else None
+        env = kw.get("env")
+        if board is not None:
+            env = dict(os.environ if env is None else env)
+            env[ENV_VAR] = f"{board.fd}:{os.getpid()}"
+            kw["env"] = env
+            kw["pass_fds"] = tuple(kw.get("pass_fds", ())) + (board.fd,)
+        elif ENV_VAR in (os.environ if env is None else env):
+            env = dict(os.environ if env is None else env)
+            del env[ENV_VAR]  # never hand on a board this spawn lacks
+            kw["env"] = env
+        try:
+            proc = original(cmd, **kw)
+        except BaseException:
+            if board is not None:
+                _board_done(worker)
+            raise
+        if board is not None:
+            try:
+                board.expected_owner = proc.pid
+                with _boards_lock:
+                    _boards[worker] = _BoardState(board, proc.pid)
+            except Exception:
+                log.exception("comfy_standin: board not handed on "
+                              "(ignored)")
+                _board_done(worker)
+        return proc
+
+    popen_in_own_group.__wrapped__ = original  # type: ignore[attr-defined]
+    return popen_in_own_group
+
+
+def _wrap_shutdown(original: Any) -> Any:
+    def shutdown(self: Any) -> Any:
+        try:
+            return original(self)
+        finally:
+            _board_done(self)
+
+    shutdown.__wrapped__ = original  # type: ignore[attr-defined]
+    return shutdown
+
+
+def _new_board(worker: Any) -> Any:
+    """A fresh board for the process `worker` is about to start (the old
+    process's, if any, is closed: a new process gets a new board)."""
+    _board_done(worker)
+    try:
+        return cs.default_pool().board_for(
+            worker, slots=BOARD_SLOTS, heartbeat_limit=HEARTBEAT_LIMIT
+        )
+    except Exception as exc:  # no memfd, no seals: receipts only
+        _warn_once("create", f"comfy_standin: no live board ({exc}); "
+                             f"stand-ins use receipts only")
+        return None
+
+
+def _board_done(worker: Any) -> None:
+    """Forget and close `worker`'s board; its stand-ins use receipts."""
+    with _boards_lock:
+        state = _boards.pop(worker, None)
+    pool = cs.default_pool()
+    pool._close_board(worker)  # the pool owns the board
+    if state is not None and not state.board.closed:
+        state.board.close()
+
+
+def _board_off(worker: Any, state: _BoardState, patchers: dict[str, Any],
+               kind: str, reason: str) -> None:
+    _warn_once(kind, f"comfy_standin: worker {getattr(worker, 'name', '?')} "
+                     f"does not publish a live board ({reason}); its "
+                     f"stand-ins use receipts only")
+    state.off = True
+    for s in patchers.values():
+        attached = s.board if _is_ours(s) else None
+        if attached is not None and attached[0] is state.board:
+            s.detach_board()
+    _board_done(worker)
+
+
+def _sync_board(env_dir: Any, worker: Any) -> None:
+    """At comfy-env's node boundary: attach the worker's new stand-ins to
+    its board and send the worker their bindings (one call_module)."""
+    with _boards_lock:
+        state = _boards.get(worker)
+    if state is None or state.off or state.board.closed:
+        return
+    board = state.board
+    process = getattr(worker, "_process", None)
+    if getattr(process, "pid", None) != state.pid or not worker.is_alive():
+        return  # another process now: its own board, its own bindings
+    if board.poll_owner():
+        return  # exited: the pool's boundary marks it gone
+    patchers = dict(importlib.import_module(_POOL_MODULE)
+                    ._WORKER_PATCHERS.get(str(env_dir), {}))
+    for mid in [m for m in state.sent if m not in patchers]:
+        slot = board.find(mid)  # the host no longer tracks it
+        if slot is not None:
+            board.release(slot)
+        del state.sent[mid]
+    pending: dict[str, list[int]] = {}
+    for mid, s in patchers.items():
+        if not _is_ours(s) or s.worker is not worker or s.stale:
+            continue
+        attached = s.board
+        if attached is None or attached[0] is not board:
+            try:
+                slot = s.attach_board(board)
+            except (TypeError, ValueError) as exc:  # out of slots
+                log.debug("comfy_standin: %r not on the board: %s", mid, exc)
+                continue
+        else:
+            slot = attached[1]
+        binding = (slot, board.tag(slot))
+        if state.sent.get(mid) != binding:
+            pending[mid] = list(binding)
+    if not pending:
+        return
+    lock = getattr(worker, "_lock", None)
+    if lock is not None and not lock.acquire(timeout=0.25):
+        return  # another thread is in the worker: the next boundary
+    try:
+        process = getattr(worker, "_process", None)
+        if getattr(process, "pid", None) != state.pid \
+                or not worker.is_alive():
+            return
+        reply = worker.call_module(
+            module=_WORKER_MODULE, func="bind", timeout=60.0,
+            bindings=pending, period=SAMPLE_PERIOD,
+        )
+    except Exception as exc:
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        if type(exc).__name__ != "WorkerError":  # the worker died or hung
+            log.debug("comfy_standin: binding not sent: %s", first)
+            state.off = True
+            _board_done(worker)
+            return
+        _board_off(worker, state, patchers, "worker-import", (
+            f"{_WORKER_MODULE}.bind failed in the worker: {first}; "
+            f"comfy-standin must be installed in the pack's environment"))
+        return
+    finally:
+        if lock is not None:
+            lock.release()
+    if not isinstance(reply, dict) or not reply.get("ok"):
+        reason = reply.get("reason") if isinstance(reply, dict) else reply
+        _board_off(worker, state, patchers, f"worker:{reason}", str(reason))
+        return
+    pid = reply.get("pid")
+    if isinstance(pid, int) and pid != board.expected_owner:
+        board.expected_owner = pid  # a launcher in between (pixi run)
+    if not board.attached or board.owner_pid != pid:
+        _board_off(worker, state, patchers, "owner",
+                   "the worker opened another board than the host made")
+        return
+    state.sent.update({m: (b[0], b[1]) for m, b in pending.items()})
+    if board.linked:
+        board.unlink()  # the worker has it mapped: no descriptor left here
