@@ -50,6 +50,14 @@ for unit in "${core[@]}"; do
   objects+=("$object")
 done
 
+# Fake libraries a harness loads at run time (tests/fuzz/lib_*.c), built
+# next to the binaries as lib_*.so.
+for unit in "$here"/lib_*.c; do
+  "$cc" -std=c11 -g -O1 -shared -fPIC -fvisibility=hidden \
+    -Wall -Wextra -Werror -Wno-unused-parameter -I"$here" \
+    "$unit" -o "$build/$(basename "$unit" .c).so"
+done
+
 failed=0
 summary=()
 for source in "${harnesses[@]}"; do
