@@ -135,8 +135,8 @@ static const char *const status_messages[] = {
     [CS_BOARD_ERR_MAGIC] = "not a comfy-standin board (wrong magic)",
     [CS_BOARD_ERR_VERSION] = "a board of another layout version",
     [CS_BOARD_ERR_SIZE] =
-        "board size is inconsistent (slot size, slot count or segment "
-        "size)",
+        ("board size is inconsistent (slot size, slot count or segment "
+         "size)"),
     [CS_BOARD_ERR_OWNED] = "the board is already open in another worker",
     [CS_BOARD_ERR_RANGE] = "slot or value out of range",
     [CS_BOARD_ERR_ROLE] = "not allowed on this side of the board",
