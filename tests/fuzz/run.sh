@@ -102,7 +102,8 @@ for source in "${harnesses[@]}"; do
     failed=1
     summary+=("$name: FAILED after ${execs:-?} executions")
   else
-    summary+=("$name: ${execs:-?} executions in ${seconds}s, no crash (corpus $corpus_size inputs)")
+    line="$name: ${execs:-?} executions in ${seconds}s, no crash"
+    summary+=("$line (corpus $corpus_size inputs)")
   fi
 done
 
