@@ -40,6 +40,12 @@ typedef struct {
     PyObject *str_freed;
     PyObject *str_seq;
     PyObject *str_id;
+    PyObject *str_get;
+    PyObject *mapping_abc; /* collections.abc.Mapping */
+    /* Set once the exec hook completed; cleared by m_clear.  Checked by
+     * cs_state_checked() so no object outliving its module's state hands
+     * out a cleared (NULL) field. */
+    int ready;
 } cs_module_state;
 
 /* The module state of the module that defined `type`'s module (heap types
@@ -68,11 +74,41 @@ int cs_value_error(PyObject *exc, int code, const char *field,
                    PyObject *value, uint64_t max);
 
 /* Decodes census[index] (a dict with 'id', 'resident', optional 'seq' and
- * 'device').  Sets *id (borrowed str), *resident, *has_seq, *seq; or
+ * 'device').  Unused: *id is BORROWED from the entry and dies with it,
+ * and looking keys up may run Python; use cs_census_snapshot_take.
+ * Sets *id (borrowed str), *resident, *has_seq, *seq; or
  * raises EchoError naming the field and returns -1. */
 int cs_decode_census_entry(cs_module_state *state, PyObject *entry,
                            Py_ssize_t index, PyObject **id,
                            uint64_t *resident, int *has_seq, int64_t *seq);
+
+/* The module state of `type`'s module, or NULL with RuntimeError when
+ * the module was cleared (m_clear ran; its fields are NULL). */
+cs_module_state *cs_state_checked(PyTypeObject *type);
+
+/* A model id's UTF-8: 0 and *utf8, *len set (the buffer lives as long as
+ * `id`), 1 when the id cannot be encoded (a lone surrogate; no exception
+ * set), -1 with any other exception (MemoryError). */
+int cs_model_id_utf8(PyObject *id, const char **utf8, Py_ssize_t *len);
+
+/* A census read into C memory before anything is looked up or applied
+ * (docs/semantics.md, "Census entry").  ids[i] is an exact str (owned)
+ * equal to entries[i].id (its UTF-8, owned by ids[i]). */
+typedef struct {
+    Py_ssize_t n;
+    struct cs_census_entry *entries;
+    PyObject **ids;
+} cs_census_snapshot;
+
+/* Reads `census` (a list or tuple of mappings) whole, then checks it
+ * whole: the form of every entry (EchoError naming the first bad field)
+ * and duplicate ids.  User code (a Mapping entry's get(), a dict entry's
+ * str-subclass keys) runs only in the read pass, on owned references.
+ * Exceptions raised by that code propagate unchanged.  Returns 0, or -1
+ * with the snapshot released. */
+int cs_census_snapshot_take(cs_module_state *state, PyObject *census,
+                            cs_census_snapshot *out);
+void cs_census_snapshot_release(cs_census_snapshot *snapshot);
 
 /* Checks a census container: a list or tuple.  Returns a new reference to
  * a sequence-fast object or NULL with `echo_error` raised. */

@@ -103,6 +103,10 @@ struct cs_ledger {
     size_t capacity;
     uint64_t published;
     bool has_published;
+    /* A release of a worker forgotten since the last reserve: its mark
+     * must outlive the worker's place on the books (a dead worker's death
+     * is a release even when boundary() forgets it first). */
+    bool released;
 };
 
 /* Objects alive, process-wide: what the leak tests compare. */
@@ -304,6 +308,8 @@ model_mark_gone_locked(cs_model *m)
     int64_t seq = atomic_load_explicit(&m->rc_seq, memory_order_relaxed);
     receipt_write_locked(m, 0, seq, CS_SOURCE_WORKER_GONE);
     atomic_store_explicit(&m->peak, 0, memory_order_relaxed);
+    /* Nothing is left to evict: no eviction is deferred any more. */
+    atomic_store_explicit(&m->deferred, false, memory_order_relaxed);
     atomic_store_explicit(&m->stale, true, memory_order_release);
 }
 
@@ -703,6 +709,17 @@ cs_worker_gone(cs_worker *worker)
     }
     atomic_store_explicit(&worker->alive, false, memory_order_release);
     worker_clear_report_locked(worker);
+    cs_mutex_unlock(&worker->lock);
+}
+
+void
+cs_model_gone(cs_model *model)
+{
+    cs_worker *worker = model->worker;
+    cs_mutex_lock(&worker->lock);
+    if (!atomic_load_explicit(&model->stale, memory_order_relaxed)) {
+        model_mark_gone_locked(model);
+    }
     cs_mutex_unlock(&worker->lock);
 }
 
@@ -1175,6 +1192,10 @@ cs_ledger_forget_worker(cs_ledger *ledger, cs_worker *worker)
                     (ledger->count - i - 1) * sizeof(cs_worker *));
             ledger->count--;
             worker->on_books = false;
+            if (atomic_exchange_explicit(&worker->released, false,
+                                         memory_order_relaxed)) {
+                ledger->released = true;
+            }
             found = true;
             break;
         }
@@ -1231,8 +1252,9 @@ cs_ledger_reserve(cs_ledger *ledger, uint64_t base, uint64_t total_bytes,
         /* Device-wide free memory already lacks every worker byte. */
         return base;
     }
-    bool released = false;
     cs_mutex_lock(&ledger->lock);
+    bool released = ledger->released;
+    ledger->released = false;
     uint64_t target =
         add_saturating(base, ledger_total_charge_locked(ledger, &released));
     uint64_t cap = total_bytes / 4 * 3 + (total_bytes % 4) * 3 / 4;

@@ -25,10 +25,22 @@ typedef struct {
     uint64_t floor;    /* the ledger's floor; immutable */
 } BooksObject;
 
+/* The module state, or NULL with RuntimeError once the module was
+ * cleared. */
 static inline cs_module_state *
 state_of(PyObject *self)
 {
-    return (cs_module_state *)PyType_GetModuleState(Py_TYPE(self));
+    return cs_state_checked(Py_TYPE(self));
+}
+
+static PyObject *
+cleared_error(const char *what)
+{
+    PyErr_Format(PyExc_RuntimeError,
+                 "%s was cleared by the garbage collector (it was part of "
+                 "an unreachable cycle) and can no longer be used",
+                 what);
+    return NULL;
 }
 
 /* ---- WorkerBooks ----------------------------------------------------- */
@@ -118,6 +130,9 @@ books_get_reading(BooksObject *self, void *closure)
 static PyObject *
 books_get_key(BooksObject *self, void *closure)
 {
+    if (self->key == NULL) {
+        return cleared_error("WorkerBooks");
+    }
     return Py_NewRef(self->key);
 }
 
@@ -185,10 +200,13 @@ books_set_report(BooksObject *self, PyObject *args, PyObject *kwargs)
         }
         int code = cs_value_check(objects[i], CS_VALUE_MAX, &values[i]);
         if (code != 0) {
-            return cs_value_error(state_of((PyObject *)self)->echo_error,
-                                  code, keywords[i], objects[i],
-                                  CS_VALUE_MAX),
-                   NULL;
+            cs_module_state *state = state_of((PyObject *)self);
+            return state == NULL
+                       ? NULL
+                       : (cs_value_error(state->echo_error, code,
+                                         keywords[i], objects[i],
+                                         CS_VALUE_MAX),
+                          NULL);
         }
         pointers[i] = &values[i];
     }
@@ -214,96 +232,51 @@ static PyObject *
 books_apply_census(BooksObject *self, PyObject *census)
 {
     cs_module_state *state = state_of((PyObject *)self);
-    PyObject *fast = NULL, *result = NULL, *seen = NULL;
-    cs_census_entry *entries = NULL;
+    cs_census_snapshot snapshot;
     size_t applied = 0, bad = 0;
-    Py_ssize_t n;
+    PyObject *result = NULL;
 
-    fast = cs_census_fast(state->echo_error, census);
-    if (fast == NULL) {
+    if (state == NULL) {
         return NULL;
     }
-    n = PySequence_Fast_GET_SIZE(fast);
-    entries = PyMem_Calloc(n ? (size_t)n : 1, sizeof(*entries));
-    if (entries == NULL) {
-        PyErr_NoMemory();
-        goto error;
+    /* Everything user-defined (mapping entries, str-subclass keys) runs
+     * here; what follows works on C memory and exact strs only. */
+    if (cs_census_snapshot_take(state, census, &snapshot) < 0) {
+        return NULL;
     }
-    seen = PySet_New(NULL);
-    if (seen == NULL) {
-        goto error;
-    }
-    /* Entry by entry, in order, so the error names the first bad entry
-     * (as the reference does); the core validates again under its lock. */
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *id;
-        int has_seq;
-        Py_ssize_t len;
-        if (cs_decode_census_entry(state,
-                                   PySequence_Fast_GET_ITEM(fast, i), i, &id,
-                                   &entries[i].resident, &has_seq,
-                                   &entries[i].seq) < 0) {
-            goto error;
-        }
-        /* Borrowed UTF-8 buffer, alive as long as `fast` holds the entry
-         * and the entry holds the id. */
-        entries[i].id = PyUnicode_AsUTF8AndSize(id, &len);
-        if (entries[i].id == NULL) {
-            PyErr_Clear();
-            PyErr_Format(state->echo_error,
-                         "census[%zd]['id']: not encodable as UTF-8: %R", i,
-                         id);
-            goto error;
-        }
-        entries[i].id_len = (size_t)len;
-        entries[i].has_seq = has_seq != 0;
-        cs_model *known =
-            cs_worker_find_model(self->worker, entries[i].id, (size_t)len);
+    for (Py_ssize_t i = 0; i < snapshot.n; i++) {
+        cs_census_entry *e = &snapshot.entries[i];
+        cs_model *known = cs_worker_find_model(self->worker, e->id,
+                                               e->id_len);
         cs_model_decref(known);
         if (known == NULL) {
             PyErr_Format(state->echo_error,
                          "census[%zd]['id']: unknown model id %R (no "
                          "stand-in is registered for it on this worker)",
-                         i, id);
-            goto error;
-        }
-        int dup = PySet_Contains(seen, id);
-        if (dup != 0) {
-            if (dup > 0) {
-                PyErr_Format(state->echo_error,
-                             "census[%zd]['id']: duplicate model id %R", i,
-                             id);
-            }
-            goto error;
-        }
-        if (PySet_Add(seen, id) < 0) {
-            goto error;
+                         i, snapshot.ids[i]);
+            goto done;
         }
     }
-    cs_status status =
-        cs_worker_apply_census(self->worker, entries, (size_t)n, &applied,
-                               &bad);
+    cs_status status = cs_worker_apply_census(
+        self->worker, snapshot.entries, (size_t)snapshot.n, &applied, &bad);
     if (status == CS_ERR_UNKNOWN_ID || status == CS_ERR_DUPLICATE_ID) {
-        PyObject *entry = PySequence_Fast_GET_ITEM(fast, (Py_ssize_t)bad);
+        /* A model left the table since the check (another thread). */
         PyErr_Format(state->echo_error,
                      status == CS_ERR_UNKNOWN_ID
                          ? "census[%zd]['id']: unknown model id %R (no "
                            "stand-in is registered for it on this worker)"
                          : "census[%zd]['id']: duplicate model id %R",
-                     (Py_ssize_t)bad,
-                     PyDict_GetItemWithError(entry, state->str_id));
-        goto error;
+                     (Py_ssize_t)bad, snapshot.ids[bad]);
+        goto done;
     }
     if (status != CS_OK) {
         PyErr_Format(state->echo_error, "census[%zd]: %s", (Py_ssize_t)bad,
                      cs_status_message(status));
-        goto error;
+        goto done;
     }
     result = PyLong_FromSize_t(applied);
-error:
-    PyMem_Free(entries);
-    Py_XDECREF(seen);
-    Py_XDECREF(fast);
+done:
+    cs_census_snapshot_release(&snapshot);
     return result;
 }
 
@@ -500,7 +473,8 @@ books_register(BooksObject *self, PyObject *args)
     cs_model *model = NULL;
     int code;
 
-    if (!PyArg_ParseTuple(args, "OOO:register", &id_obj, &size_obj,
+    if (state == NULL ||
+        !PyArg_ParseTuple(args, "OOO:register", &id_obj, &size_obj,
                           &generation_obj)) {
         return NULL;
     }
@@ -542,11 +516,16 @@ static PyObject *
 books_find(BooksObject *self, PyObject *id_obj)
 {
     Py_ssize_t id_len;
+    const char *id;
     if (!PyUnicode_Check(id_obj)) {
         Py_RETURN_NONE;
     }
-    const char *id = PyUnicode_AsUTF8AndSize(id_obj, &id_len);
-    if (id == NULL) {
+    switch (cs_model_id_utf8(id_obj, &id, &id_len)) {
+    case 0:
+        break;
+    case 1:
+        Py_RETURN_NONE; /* no model has an id without a UTF-8 form */
+    default:
         return NULL;
     }
     cs_model *model = cs_worker_find_model(self->worker, id, (size_t)id_len);
@@ -612,6 +591,9 @@ static PyMethodDef books_methods[] = {
 static PyObject *
 books_repr(BooksObject *self)
 {
+    if (self->key == NULL) {
+        return PyUnicode_FromString("<WorkerBooks (cleared)>");
+    }
     return PyUnicode_FromFormat(
         "<WorkerBooks of %R: generation %llu, %s, %u in flight>", self->key,
         (unsigned long long)cs_worker_generation(self->worker),
@@ -706,6 +688,9 @@ ledger_dealloc(LedgerObject *self)
 static PyObject *
 ledger_find_books(LedgerObject *self, PyObject *key)
 {
+    if (self->books == NULL) {
+        return cleared_error("Ledger");
+    }
     PyObject *id = PyLong_FromVoidPtr(key);
     if (id == NULL) {
         return NULL;
@@ -720,6 +705,11 @@ cs_ledger_books_for(cs_module_state *state, PyObject *ledger, PyObject *key,
                     uint64_t generation)
 {
     LedgerObject *self = (LedgerObject *)ledger;
+    /* Callers may hold an unchecked state: check it here. */
+    state = cs_state_checked(Py_TYPE(ledger));
+    if (state == NULL) {
+        return NULL;
+    }
     PyObject *books = ledger_find_books(self, key);
     if (books != NULL) {
         BooksObject *b = (BooksObject *)books;
@@ -767,8 +757,11 @@ ledger_worker(LedgerObject *self, PyObject *args)
                               CS_VALUE_MAX),
                NULL;
     }
-    return cs_ledger_books_for(state_of((PyObject *)self), (PyObject *)self,
-                               key, generation);
+    cs_module_state *state = state_of((PyObject *)self);
+    if (state == NULL) {
+        return NULL;
+    }
+    return cs_ledger_books_for(state, (PyObject *)self, key, generation);
 }
 
 static PyObject *
@@ -787,6 +780,9 @@ ledger_find(LedgerObject *self, PyObject *key)
 static PyObject *
 ledger_forget(LedgerObject *self, PyObject *key)
 {
+    if (self->books == NULL) {
+        return cleared_error("Ledger");
+    }
     PyObject *id = PyLong_FromVoidPtr(key);
     if (id == NULL) {
         return NULL;
@@ -813,15 +809,23 @@ ledger_forget(LedgerObject *self, PyObject *key)
 static PyObject *
 ledger_keys(LedgerObject *self, PyObject *unused)
 {
-    PyObject *keys = PyList_New(0);
-    PyObject *id, *books;
+    PyObject *keys, *id, *books;
     Py_ssize_t pos = 0;
 
+    if (self->books == NULL) {
+        return cleared_error("Ledger");
+    }
+    keys = PyList_New(0);
     if (keys == NULL) {
         return NULL;
     }
     while (PyDict_Next(self->books, &pos, &id, &books)) {
-        if (PyList_Append(keys, ((BooksObject *)books)->key) < 0) {
+        PyObject *key = ((BooksObject *)books)->key;
+        if (key == NULL) {
+            Py_DECREF(keys);
+            return cleared_error("WorkerBooks");
+        }
+        if (PyList_Append(keys, key) < 0) {
             Py_DECREF(keys);
             return NULL;
         }

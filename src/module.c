@@ -20,6 +20,7 @@ cs_state_traverse(cs_module_state *state, visitproc visit, void *arg)
     Py_VISIT(state->board_type);
     Py_VISIT(state->echo_error);
     Py_VISIT(state->worker_gone_error);
+    Py_VISIT(state->mapping_abc);
     return 0;
 }
 
@@ -46,6 +47,9 @@ cs_state_clear(cs_module_state *state)
     Py_CLEAR(state->str_freed);
     Py_CLEAR(state->str_seq);
     Py_CLEAR(state->str_id);
+    Py_CLEAR(state->str_get);
+    Py_CLEAR(state->mapping_abc);
+    state->ready = 0;
 }
 
 static int
@@ -78,6 +82,18 @@ add_exception(PyObject *module, PyObject **slot, const char *name,
     /* The short name after the last dot. */
     const char *attr = strrchr(name, '.') + 1;
     return PyModule_AddObjectRef(module, attr, *slot);
+}
+
+static int
+add_u64_constant(PyObject *module, const char *name, uint64_t value)
+{
+    PyObject *number = PyLong_FromUnsignedLongLong(value);
+    if (number == NULL) {
+        return -1;
+    }
+    int r = PyModule_AddObjectRef(module, name, number);
+    Py_DECREF(number);
+    return r;
 }
 
 static int
@@ -115,6 +131,7 @@ core_exec(PyObject *module)
         {&state->str_freed, "freed"},
         {&state->str_seq, "seq"},
         {&state->str_id, "id"},
+        {&state->str_get, "get"},
     };
     for (size_t i = 0; i < sizeof(strings) / sizeof(strings[0]); i++) {
         *strings[i].slot = PyUnicode_InternFromString(strings[i].text);
@@ -122,12 +139,21 @@ core_exec(PyObject *module)
             return -1;
         }
     }
+    PyObject *abc = PyImport_ImportModule("collections.abc");
+    if (abc == NULL) {
+        return -1;
+    }
+    state->mapping_abc = PyObject_GetAttrString(abc, "Mapping");
+    Py_DECREF(abc);
+    if (state->mapping_abc == NULL) {
+        return -1;
+    }
+    /* PyModule_AddIntConstant takes a C long: 32 bits on LLP64 (Windows),
+     * which would make VALUE_MAX -1. */
     if (PyModule_AddIntConstant(module, "ABI_VERSION",
                                 CS_LEDGER_ABI_VERSION) < 0 ||
-        PyModule_AddIntConstant(module, "VALUE_MAX",
-                                (long long)CS_VALUE_MAX) < 0 ||
-        PyModule_AddIntConstant(module, "DEFAULT_FLOOR",
-                                (long long)CS_DEFAULT_FLOOR) < 0) {
+        add_u64_constant(module, "VALUE_MAX", CS_VALUE_MAX) < 0 ||
+        add_u64_constant(module, "DEFAULT_FLOOR", CS_DEFAULT_FLOOR) < 0) {
         return -1;
     }
     if (cs_ledger_binding_exec(module, state) < 0 ||
@@ -136,6 +162,7 @@ core_exec(PyObject *module)
         cs_board_binding_exec(module, state) < 0) {
         return -1;
     }
+    state->ready = 1;
     return 0;
 }
 

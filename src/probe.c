@@ -11,7 +11,16 @@
  * which runs exactly once under the once-guard; every reader goes through
  * probe_ensure_initialized() first, so the guard's happens-before makes
  * the whole struct visible and it is read-only from then on.  Per-call
- * data lives on the caller's stack or in the caller's result.
+ * data lives on the caller's stack, in the caller's result, or in a heap
+ * buffer the call frees.
+ *
+ * The environment is read only in cs_probe_options_from_environment():
+ * the loader works from the options it is handed.
+ *
+ * Driver structs are never trusted by declaration alone: each answer is
+ * written into a sentinel-filled buffer larger than the struct, and how
+ * far the driver wrote is checked against the layout (the process list's
+ * entry size is measured that way on every call; see read_processes).
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE /* dladdr(), RTLD_NOLOAD */
@@ -26,6 +35,7 @@
 
 #ifdef _WIN32
 #define WIN32_LEAN_AND_MEAN
+#include <errno.h>
 #include <windows.h>
 #else
 #include <dlfcn.h>
@@ -85,26 +95,32 @@ typedef void *cs_nvml_device;  /* nvmlDevice_t */
 #define CS_NVML_ERROR_INSUFFICIENT_SIZE 7
 #define CS_NVML_VALUE_NOT_AVAILABLE (~0ULL)
 
+/* nvmlMemory_t (v1): three 8-byte fields, 24 bytes, no version field.
+ * The _v2 call (nvmlMemory_v2_t, with a version field) is not used: its
+ * extra "reserved" figure is not needed, and v1's free figure is the same
+ * device-wide one.  The answer is still measured (read_memory). */
 typedef struct {
     unsigned long long total;
     unsigned long long free;
     unsigned long long used;
-} cs_nvml_memory;              /* nvmlMemory_t (v1) */
+} cs_nvml_memory;
 
-/* nvmlProcessInfo_v1_t: what the unsuffixed
- * nvmlDeviceGetComputeRunningProcesses fills. */
-typedef struct {
-    unsigned int pid;
-    unsigned long long used_gpu_memory;
-} cs_nvml_process_v1;
-
-/* nvmlProcessInfo_v2_t, also the layout the _v3 entry point fills. */
-typedef struct {
-    unsigned int pid;
-    unsigned long long used_gpu_memory;
-    unsigned int gpu_instance_id;
-    unsigned int compute_instance_id;
-} cs_nvml_process_v2;
+/* The process list's entries.  Every layout in the field starts the same
+ * way -- pid (4 bytes), padding, usedGpuMemory (8 bytes at offset 8) --
+ * and differs in what follows and so in its size, which no entry point
+ * reliably implies:
+ *   16 bytes  nvmlProcessInfo_v1_t (also seen from _v3 on 550.127)
+ *   24 bytes  nvmlProcessInfo_v2_t: + gpuInstanceId, computeInstanceId
+ *   32 bytes  R535.54-era _v3: + usedGpuCcProtectedMemory (8 bytes)
+ * read_processes measures which one the driver wrote. */
+#define CS_NVML_PROCESS_PID 0
+#define CS_NVML_PROCESS_USED 8
+#define CS_NVML_PROCESS_GPU_INSTANCE 16
+#define CS_NVML_PROCESS_COMPUTE_INSTANCE 20
+#define CS_NVML_PROCESS_CC_PROTECTED 24
+#define CS_NVML_PROCESS_MAX_SIZE 32
+/* gpuInstanceId / computeInstanceId without MIG. */
+#define CS_NVML_NO_INSTANCE 0xFFFFFFFFu
 
 typedef cs_nvml_return (*cs_nvml_init_fn)(void);
 typedef cs_nvml_return (*cs_nvml_get_count_fn)(unsigned int *count);
@@ -146,7 +162,6 @@ typedef struct {
     cs_nvml_get_string_fn device_get_uuid;
     cs_nvml_get_memory_fn device_get_memory_info;
     cs_nvml_get_processes_fn device_get_processes;
-    size_t process_entry_size; /* of what device_get_processes fills */
     const char *processes_symbol;
     cs_nvml_int_out_fn system_get_cuda_driver_version;
     cs_nvml_error_string_fn error_string;
@@ -278,6 +293,37 @@ uuid_equal(const char *a, const char *b)
     }
 }
 
+/* Driver answers go into buffers filled with a sentinel first.  Two
+ * fill bytes: an answer that is ambiguous under the first (a field that
+ * happens to equal it) is measured again under the second.  Neither is
+ * 0x00 or 0xFF, the bytes real fields mostly end with. */
+static const unsigned char sentinel_bytes[2] = {0xA5, 0x5A};
+
+/* How many leading bytes of `buffer` the driver wrote: up to the last one
+ * that differs from the fill.  Never more than it wrote; less only when
+ * the last bytes it wrote equal the fill. */
+static size_t
+written_extent(const unsigned char *buffer, size_t size,
+               unsigned char sentinel)
+{
+    /* Eight bytes a step over the untouched tail (most of the buffer),
+     * then byte by byte. */
+    uint64_t fill;
+    memset(&fill, sentinel, sizeof(fill));
+    while (size >= sizeof(fill)) {
+        uint64_t word;
+        memcpy(&word, buffer + size - sizeof(fill), sizeof(word));
+        if (word != fill) {
+            break;
+        }
+        size -= sizeof(fill);
+    }
+    while (size > 0 && buffer[size - 1] == sentinel) {
+        size--;
+    }
+    return size;
+}
+
 static void
 cuda_describe(cs_cu_result result, const char *call, char *buffer,
               size_t size)
@@ -308,11 +354,19 @@ nvml_describe(cs_nvml_return result, const char *call, char *buffer,
                    result);
 }
 
-static bool
-environment_flag(const char *name)
+/* The override path `options` gives for `variable` ("" none), or NULL
+ * with the reason in `error` when it did not fit. */
+static const char *
+option_path(const char *path, bool too_long, const char *variable,
+            char *error, size_t error_size)
 {
-    const char *value = getenv(name);
-    return value != NULL && value[0] != '\0' && strcmp(value, "0") != 0;
+    if (too_long) {
+        message_format(error, error_size,
+                       "%s is longer than %d bytes: not loaded", variable,
+                       CS_PROBE_PATH_SIZE - 1);
+        return NULL;
+    }
+    return path;
 }
 
 /* ---- platform layer: open a library, find a symbol ------------------ */
@@ -373,23 +427,21 @@ library_open_one(const wchar_t *name, bool is_path, bool *preloaded,
     return handle;
 }
 
+/* `override_path` is UTF-8 ("" none): the options carry what _wgetenv_s
+ * read, so non-ASCII paths stay intact. */
 static library_handle
-library_open(const char *override_variable, const char *default_name,
+library_open(const char *override_path, const char *default_name,
              bool *preloaded, char *error, size_t error_size)
 {
     const wchar_t *override = NULL;
     wchar_t override_name[CS_PROBE_PATH_SIZE];
-    size_t count = 0;
-    if (override_variable != NULL) {
-        /* _wgetenv_s keeps non-ASCII paths intact. */
-        wchar_t variable[64];
-        if (MultiByteToWideChar(CP_UTF8, 0, override_variable, -1, variable,
-                                64) != 0
-            && _wgetenv_s(&count, override_name, CS_PROBE_PATH_SIZE,
-                          variable) == 0
-            && count > 1) {
-            override = override_name;
+    if (override_path[0] != '\0') {
+        if (MultiByteToWideChar(CP_UTF8, 0, override_path, -1,
+                                override_name, CS_PROBE_PATH_SIZE) == 0) {
+            windows_error_text(GetLastError(), error, error_size);
+            return NULL;
         }
+        override = override_name;
     }
     if (override != NULL) {
         return library_open_one(override, true, preloaded, error,
@@ -406,6 +458,8 @@ library_open(const char *override_variable, const char *default_name,
         if (handle != NULL) {
             return handle;
         }
+        /* The one environment read outside the options: the OS's own
+         * call, which holds the process environment lock. */
         length = ExpandEnvironmentStringsW(
             L"%ProgramFiles%\\NVIDIA Corporation\\NVSMI\\nvml.dll", nvsmi,
             CS_PROBE_PATH_SIZE);
@@ -456,12 +510,11 @@ library_path(library_handle handle, void *symbol, char *buffer, size_t size)
  * The handle is never dlclose()d: function pointers into it live as long
  * as the process. */
 static library_handle
-library_open(const char *override_variable, const char *default_name,
+library_open(const char *override_path, const char *default_name,
              bool *preloaded, char *error, size_t error_size)
 {
-    const char *override = getenv(override_variable);
-    const char *name = (override != NULL && override[0] != '\0')
-                           ? override : default_name;
+    const char *name = override_path[0] != '\0' ? override_path
+                                                : default_name;
     void *handle = dlopen(name, RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
     if (handle != NULL) {
         *preloaded = true;
@@ -527,13 +580,18 @@ cuda_resolve(library_handle handle, const char *base_name,
     cuda_resolve((handle), (base), (export), &(target), sizeof(target))
 
 static void
-cuda_load(void)
+cuda_load(const cs_probe_options *options)
 {
     cs_probe_library *library = &probe_state.cuda_library;
     cuda_functions *cuda = &probe_state.cuda;
-    library_handle handle = library_open(
-        "COMFY_STANDIN_LIBCUDA", CS_LIBCUDA_DEFAULT, &library->preloaded,
+    const char *path = option_path(
+        options->libcuda, options->libcuda_too_long, "COMFY_STANDIN_LIBCUDA",
         library->error, sizeof(library->error));
+    library_handle handle =
+        path == NULL ? NULL
+                     : library_open(path, CS_LIBCUDA_DEFAULT,
+                                    &library->preloaded, library->error,
+                                    sizeof(library->error));
     const char *missing = NULL;
     cs_cu_result result;
 
@@ -610,13 +668,18 @@ error:
 /* ---- NVML ----------------------------------------------------------- */
 
 static void
-nvml_load(void)
+nvml_load(const cs_probe_options *options)
 {
     cs_probe_library *library = &probe_state.nvml_library;
     nvml_functions *nvml = &probe_state.nvml;
-    library_handle handle = library_open(
-        "COMFY_STANDIN_LIBNVML", CS_LIBNVML_DEFAULT, &library->preloaded,
+    const char *path = option_path(
+        options->libnvml, options->libnvml_too_long, "COMFY_STANDIN_LIBNVML",
         library->error, sizeof(library->error));
+    library_handle handle =
+        path == NULL ? NULL
+                     : library_open(path, CS_LIBNVML_DEFAULT,
+                                    &library->preloaded, library->error,
+                                    sizeof(library->error));
     const char *missing = NULL;
     const char *init_name = "nvmlInit_v2";
     cs_nvml_return result;
@@ -659,22 +722,20 @@ nvml_load(void)
                          nvml->device_get_memory_info);
     (void)LIBRARY_SYMBOL(handle, "nvmlSystemGetCudaDriverVersion",
                          nvml->system_get_cuda_driver_version);
-    /* Newest layout first; _v3 and _v2 fill nvmlProcessInfo_v2_t, the
-     * unversioned one the two-field v1 struct. */
+    /* Newest entry point first.  Which layout it writes is not taken
+     * from its name: drivers differ (see CS_NVML_PROCESS_*), so each
+     * answer is measured. */
     if (LIBRARY_SYMBOL(handle, "nvmlDeviceGetComputeRunningProcesses_v3",
                        nvml->device_get_processes)) {
-        nvml->process_entry_size = sizeof(cs_nvml_process_v2);
         nvml->processes_symbol = "nvmlDeviceGetComputeRunningProcesses_v3";
     }
     else if (LIBRARY_SYMBOL(handle,
                             "nvmlDeviceGetComputeRunningProcesses_v2",
                             nvml->device_get_processes)) {
-        nvml->process_entry_size = sizeof(cs_nvml_process_v2);
         nvml->processes_symbol = "nvmlDeviceGetComputeRunningProcesses_v2";
     }
     else if (LIBRARY_SYMBOL(handle, "nvmlDeviceGetComputeRunningProcesses",
                             nvml->device_get_processes)) {
-        nvml->process_entry_size = sizeof(cs_nvml_process_v1);
         nvml->processes_symbol = "nvmlDeviceGetComputeRunningProcesses";
     }
 
@@ -768,10 +829,24 @@ cuda_enumerate(void)
             }
         }
         if (cuda->device_get_uuid != NULL) {
-            cs_cu_uuid uuid;
-            result = cuda->device_get_uuid(&uuid, device->cuda_device);
-            if (result == CS_CUDA_SUCCESS) {
-                uuid_format(&uuid, device->uuid, sizeof(device->uuid));
+            /* CUuuid is 16 bytes; room beyond it shows a driver that
+             * wrote more. */
+            union {
+                cs_cu_uuid uuid;
+                unsigned char bytes[32];
+            } answer;
+            memset(answer.bytes, sentinel_bytes[0], sizeof(answer.bytes));
+            result = cuda->device_get_uuid(&answer.uuid, device->cuda_device);
+            if (result == CS_CUDA_SUCCESS
+                && written_extent(answer.bytes, sizeof(answer.bytes),
+                                  sentinel_bytes[0])
+                       > sizeof(cs_cu_uuid)) {
+                message_set_first(device->error, sizeof(device->error),
+                                  "cuDeviceGetUuid: the driver wrote beyond "
+                                  "the 16 bytes of CUuuid");
+            }
+            else if (result == CS_CUDA_SUCCESS) {
+                uuid_format(&answer.uuid, device->uuid, sizeof(device->uuid));
             }
             else {
                 cuda_describe(result, "cuDeviceGetUuid", message,
@@ -881,18 +956,18 @@ nvml_enumerate(void)
 }
 
 static void
-probe_initialize(void)
+probe_initialize(const cs_probe_options *options)
 {
     memset(&probe_state, 0, sizeof(probe_state));
-    if (environment_flag("COMFY_STANDIN_PROBE_DISABLE")) {
+    if (options->disable) {
         text_copy(probe_state.cuda_library.error,
                   sizeof(probe_state.cuda_library.error), "disabled");
         text_copy(probe_state.nvml_library.error,
                   sizeof(probe_state.nvml_library.error), "disabled");
         return;
     }
-    cuda_load();
-    nvml_load();
+    cuda_load(options);
+    nvml_load(options);
     if (probe_state.cuda_library.loaded) {
         cuda_enumerate();
     }
@@ -908,111 +983,417 @@ static BOOL CALLBACK
 probe_initialize_once(PINIT_ONCE once, PVOID parameter, PVOID *context)
 {
     (void)once;
-    (void)parameter;
     (void)context;
-    probe_initialize();
+    probe_initialize((const cs_probe_options *)parameter);
     return TRUE;
 }
 
 static void
-probe_ensure_initialized(void)
+probe_ensure_initialized(const cs_probe_options *options)
 {
-    (void)InitOnceExecuteOnce(&probe_once, probe_initialize_once, NULL,
-                              NULL);
+    (void)InitOnceExecuteOnce(&probe_once, probe_initialize_once,
+                              (PVOID)options, NULL);
 }
 #else
 static pthread_once_t probe_once = PTHREAD_ONCE_INIT;
+/* pthread_once's routine takes no argument: the thread that runs it finds
+ * its own caller's options here. */
+static _Thread_local const cs_probe_options *probe_pending_options;
 
 static void
-probe_ensure_initialized(void)
+probe_initialize_pending(void)
 {
+    probe_initialize(probe_pending_options);
+}
+
+static void
+probe_ensure_initialized(const cs_probe_options *options)
+{
+    probe_pending_options = options;
     /* Only fails for an invalid once object; nothing to do about it. */
-    (void)pthread_once(&probe_once, probe_initialize);
+    (void)pthread_once(&probe_once, probe_initialize_pending);
+    probe_pending_options = NULL;
 }
 #endif
 
 /* ---- per call ------------------------------------------------------- */
 
-/* Fills the process list with the usual protocol: call with a buffer,
- * and on INSUFFICIENT_SIZE (count now holds the need) grow and retry.
- * Processes can start between two calls, so the buffer gets headroom and
- * the loop a bound. */
+/* ---- the process list: measured, never assumed ---------------------- */
+
+enum {
+    PROCESS_FIRST_CAPACITY = 64,
+    /* Far beyond any real machine; a count above it is a broken answer,
+     * and bounds the allocation (2 MiB). */
+    PROCESS_MAX_CAPACITY = 1 << 16,
+    /* Calls per read: growing the buffer while processes start, and one
+     * second measurement with the other sentinel. */
+    PROCESS_ATTEMPTS = 6,
+    /* Slack past the last entry the driver was allowed: a driver that
+     * writes beyond what it was given lands here, is seen, and is
+     * refused (it cannot be stopped, only caught). */
+    PROCESS_GUARD_BYTES = 512,
+    /* gpuInstanceId / computeInstanceId under MIG are small indices. */
+    PROCESS_INSTANCE_LIMIT = 4096,
+};
+
+static const size_t process_entry_sizes[3] = {16, 24, 32};
+
+typedef struct {
+    uint32_t pid;
+    uint32_t gpu_instance;
+    uint32_t compute_instance;
+} process_key;
+
+static int
+process_key_compare(const void *a, const void *b)
+{
+    const process_key *x = a, *y = b;
+    if (x->pid != y->pid) {
+        return x->pid < y->pid ? -1 : 1;
+    }
+    if (x->gpu_instance != y->gpu_instance) {
+        return x->gpu_instance < y->gpu_instance ? -1 : 1;
+    }
+    if (x->compute_instance != y->compute_instance) {
+        return x->compute_instance < y->compute_instance ? -1 : 1;
+    }
+    return 0;
+}
+
+static uint32_t
+load_u32(const unsigned char *at)
+{
+    uint32_t value;
+    memcpy(&value, at, sizeof(value));
+    return value;
+}
+
+static uint64_t
+load_u64(const unsigned char *at)
+{
+    uint64_t value;
+    memcpy(&value, at, sizeof(value));
+    return value;
+}
+
+static bool
+plausible_bytes(uint64_t value, uint64_t bound)
+{
+    return value == CS_NVML_VALUE_NOT_AVAILABLE || value <= bound;
+}
+
+/* Decides the entry size of an answer of `count` entries written into
+ * `buffer` (`size` bytes, filled with `sentinel` before the call), and
+ * checks every entry is plausible under it.  Returns the size, or 0 with
+ * the reason in `reason`.  `bound`: the most bytes a process can hold. */
+static size_t
+process_entry_size(const unsigned char *buffer, size_t size,
+                   unsigned int count, unsigned char sentinel,
+                   uint64_t bound, char *reason, size_t reason_size)
+{
+    size_t extent = written_extent(buffer, size, sentinel);
+    size_t stride = 0;
+    process_key *keys = NULL;
+
+    if (count == 0) {
+        if (extent != 0) {
+            message_format(reason, reason_size,
+                           "the driver wrote %zu bytes for 0 processes",
+                           extent);
+        }
+        return 0;
+    }
+    /* Every field of every layout ends the entry, and its last byte is
+     * the top byte of a count or an id (0x00 or 0xFF in any real
+     * answer): the driver's extent is exactly count * size.  One entry
+     * measures as well as many. */
+    for (size_t i = 0; i < sizeof(process_entry_sizes)
+                               / sizeof(process_entry_sizes[0]); i++) {
+        if (extent == (size_t)count * process_entry_sizes[i]) {
+            stride = process_entry_sizes[i];
+        }
+    }
+    if (stride == 0) {
+        message_format(reason, reason_size,
+                       "unknown process entry layout: the driver wrote %zu "
+                       "bytes for %u processes (entries of 16, 24 or 32 "
+                       "bytes expected)",
+                       extent, count);
+        return 0;
+    }
+    keys = malloc((size_t)count * sizeof(*keys));
+    if (keys == NULL) {
+        message_format(reason, reason_size,
+                       "out of memory checking the process list");
+        return 0;
+    }
+    for (unsigned int i = 0; i < count; i++) {
+        const unsigned char *entry = buffer + (size_t)i * stride;
+        uint32_t pid = load_u32(entry + CS_NVML_PROCESS_PID);
+        uint64_t used = load_u64(entry + CS_NVML_PROCESS_USED);
+        const char *wrong = NULL;
+        keys[i].pid = pid;
+        keys[i].gpu_instance = CS_NVML_NO_INSTANCE;
+        keys[i].compute_instance = CS_NVML_NO_INSTANCE;
+        if (entry[stride - 1] == sentinel) {
+            wrong = "is not written to its end";
+        }
+        else if (pid == 0 || pid > (uint32_t)INT32_MAX) {
+            wrong = "has an impossible pid";
+        }
+        else if (!plausible_bytes(used, bound)) {
+            wrong = "uses more memory than the device has";
+        }
+        if (wrong == NULL && stride >= 24) {
+            keys[i].gpu_instance =
+                load_u32(entry + CS_NVML_PROCESS_GPU_INSTANCE);
+            keys[i].compute_instance =
+                load_u32(entry + CS_NVML_PROCESS_COMPUTE_INSTANCE);
+            if ((keys[i].gpu_instance != CS_NVML_NO_INSTANCE
+                 && keys[i].gpu_instance >= PROCESS_INSTANCE_LIMIT)
+                || (keys[i].compute_instance != CS_NVML_NO_INSTANCE
+                    && keys[i].compute_instance >= PROCESS_INSTANCE_LIMIT)) {
+                wrong = "has an impossible MIG instance id";
+            }
+        }
+        if (wrong == NULL && stride >= 32
+            && !plausible_bytes(
+                load_u64(entry + CS_NVML_PROCESS_CC_PROTECTED), bound)) {
+            wrong = "has more protected memory than the device has";
+        }
+        if (wrong != NULL) {
+            message_format(reason, reason_size,
+                           "process entry %u of %u %s under the "
+                           "%zu-byte layout the driver's answer measures",
+                           i, count, wrong, stride);
+            free(keys);
+            return 0;
+        }
+    }
+    /* A pid twice on one device happens only under MIG, in different
+     * instances; the same pid in the same instance twice is a misread. */
+    qsort(keys, count, sizeof(*keys), process_key_compare);
+    for (unsigned int i = 1; i < count; i++) {
+        if (process_key_compare(&keys[i - 1], &keys[i]) == 0) {
+            message_format(reason, reason_size,
+                           "pid %u listed twice under the %zu-byte layout "
+                           "the driver's answer measures",
+                           keys[i].pid, stride);
+            free(keys);
+            return 0;
+        }
+    }
+    free(keys);
+    return stride;
+}
+
+/* Copies the checked entries into the result, in the driver's order; a
+ * pid listed in several MIG instances is summed. */
+static void
+process_store(const unsigned char *buffer, unsigned int count,
+              size_t stride, cs_probe_device *device)
+{
+    device->has_processes = true;
+    device->process_count = 0;
+    device->process_entry_size = (uint32_t)stride;
+    for (unsigned int i = 0; i < count; i++) {
+        const unsigned char *entry = buffer + (size_t)i * stride;
+        uint32_t pid = load_u32(entry + CS_NVML_PROCESS_PID);
+        uint64_t used = load_u64(entry + CS_NVML_PROCESS_USED);
+        uint64_t bytes = used == CS_NVML_VALUE_NOT_AVAILABLE
+                             ? CS_PROBE_USED_UNKNOWN
+                             : used;
+        cs_probe_process *process = NULL;
+        for (size_t j = 0; j < device->process_count; j++) {
+            if (device->processes[j].pid == pid) {
+                process = &device->processes[j];
+                break;
+            }
+        }
+        if (process != NULL) {
+            if (process->used_bytes == CS_PROBE_USED_UNKNOWN
+                || bytes == CS_PROBE_USED_UNKNOWN) {
+                process->used_bytes = CS_PROBE_USED_UNKNOWN;
+            }
+            else {
+                process->used_bytes =
+                    bytes > CS_PROBE_USED_UNKNOWN - 1 - process->used_bytes
+                        ? CS_PROBE_USED_UNKNOWN - 1
+                        : process->used_bytes + bytes;
+            }
+            continue;
+        }
+        if (device->process_count == CS_PROBE_MAX_PROCESSES) {
+            device->processes_truncated = true;
+            continue;
+        }
+        process = &device->processes[device->process_count++];
+        process->pid = pid;
+        process->used_bytes = bytes;
+    }
+}
+
+/* Reads the process list with NVML's protocol (call with a capacity; on
+ * INSUFFICIENT_SIZE, count holds the need: grow and call again), into a
+ * heap buffer that leaves room for the largest known entry and a guard
+ * zone, filled with a sentinel before every call.  The entry size is
+ * measured from each answer (process_entry_size); an answer that fits no
+ * layout is measured once more under the other sentinel, then refused.
+ * A refused or unreadable list leaves has_processes false and says why
+ * in processes_error (and device->error, if it is the first failure). */
 static void
 read_processes(const device_static *source, cs_probe_device *device)
 {
-    enum { STACK_ENTRIES = 64, ATTEMPTS = 4 };
     const nvml_functions *nvml = &probe_state.nvml;
-    cs_nvml_process_v2 stack_buffer[STACK_ENTRIES];
-    unsigned char *buffer = (unsigned char *)stack_buffer;
-    unsigned char *heap_buffer = NULL;
-    unsigned int capacity = STACK_ENTRIES;
-    size_t stride = nvml->process_entry_size;
-    char message[CS_PROBE_MESSAGE_SIZE];
-    cs_nvml_return result = CS_NVML_ERROR_INSUFFICIENT_SIZE;
-    unsigned int count = 0;
+    unsigned char *buffer = NULL;
+    unsigned int capacity = PROCESS_FIRST_CAPACITY;
+    size_t allocated = 0;
+    unsigned int failed_measures = 0;
+    uint64_t bound = device->has_total ? device->total_bytes
+                                       : (uint64_t)1 << 50;
+    char *reason = device->processes_error;
+    size_t reason_size = sizeof(device->processes_error);
 
+    reason[0] = '\0';
     if (nvml->device_get_processes == NULL) {
-        message_set_first(device->error, sizeof(device->error),
-                          "symbol nvmlDeviceGetComputeRunningProcesses "
-                          "not found");
-        return;
-    }
-    for (int attempt = 0; attempt < ATTEMPTS; attempt++) {
-        count = capacity;
-        result = nvml->device_get_processes(source->nvml_device, &count,
-                                            buffer);
-        if (result != CS_NVML_ERROR_INSUFFICIENT_SIZE) {
-            break;
-        }
-        if (count < capacity || count > UINT32_MAX / 2) {
-            /* A library that asks for less than it had is broken. */
-            break;
-        }
-        capacity = count + count / 2 + 8;
-        unsigned char *grown = realloc(heap_buffer, (size_t)capacity
-                                                        * stride);
-        if (grown == NULL) {
-            message_set_first(device->error, sizeof(device->error),
-                              "out of memory reading the process list");
-            goto done;
-        }
-        heap_buffer = grown;
-        buffer = heap_buffer;
-    }
-    if (result != CS_NVML_SUCCESS) {
-        nvml_describe(result, nvml->processes_symbol, message,
-                      sizeof(message));
-        message_set_first(device->error, sizeof(device->error), message);
+        message_format(reason, reason_size,
+                       "symbol nvmlDeviceGetComputeRunningProcesses "
+                       "not found");
         goto done;
     }
-    if (count > capacity) {
-        count = capacity; /* never trust a count beyond the buffer */
-    }
-    device->has_processes = true;
-    device->process_count = 0;
-    for (unsigned int i = 0; i < count; i++) {
-        unsigned int pid;
-        unsigned long long used;
-        const unsigned char *entry = buffer + (size_t)i * stride;
-        /* Both layouts start with pid then usedGpuMemory at the same
-         * offsets; memcpy reads them without aliasing the stack array. */
-        memcpy(&pid, entry + offsetof(cs_nvml_process_v1, pid), sizeof(pid));
-        memcpy(&used, entry + offsetof(cs_nvml_process_v1, used_gpu_memory),
-               sizeof(used));
-        if (device->process_count == CS_PROBE_MAX_PROCESSES) {
-            device->processes_truncated = true;
-            break;
+    for (int attempt = 0; attempt < PROCESS_ATTEMPTS; attempt++) {
+        size_t needed = (size_t)capacity * CS_NVML_PROCESS_MAX_SIZE
+                        + PROCESS_GUARD_BYTES;
+        unsigned char sentinel = sentinel_bytes[failed_measures & 1];
+        unsigned int count = capacity;
+        cs_nvml_return result;
+        size_t stride;
+
+        if (needed > allocated) {
+            unsigned char *grown = realloc(buffer, needed);
+            if (grown == NULL) {
+                message_format(reason, reason_size,
+                               "out of memory reading the process list");
+                goto done;
+            }
+            buffer = grown;
+            allocated = needed;
         }
-        cs_probe_process *process =
-            &device->processes[device->process_count++];
-        process->pid = pid;
-        process->used_bytes = used == CS_NVML_VALUE_NOT_AVAILABLE
-                                  ? CS_PROBE_USED_UNKNOWN
-                                  : (uint64_t)used;
+        memset(buffer, sentinel, allocated);
+        result = nvml->device_get_processes(source->nvml_device, &count,
+                                            buffer);
+        if (result == CS_NVML_ERROR_INSUFFICIENT_SIZE) {
+            if (count <= capacity) {
+                message_format(reason, reason_size,
+                               "%s: asked for %u entries when given %u",
+                               nvml->processes_symbol, count, capacity);
+                goto done;
+            }
+            if (count > PROCESS_MAX_CAPACITY) {
+                message_format(reason, reason_size,
+                               "%s: reports %u processes, more than %d",
+                               nvml->processes_symbol, count,
+                               PROCESS_MAX_CAPACITY);
+                goto done;
+            }
+            /* Headroom for processes starting before the next call. */
+            capacity = count + count / 2 + 8;
+            if (capacity > PROCESS_MAX_CAPACITY) {
+                capacity = PROCESS_MAX_CAPACITY;
+            }
+            continue;
+        }
+        if (result != CS_NVML_SUCCESS) {
+            nvml_describe(result, nvml->processes_symbol, reason,
+                          reason_size);
+            goto done;
+        }
+        if (count > capacity) {
+            message_format(reason, reason_size,
+                           "%s: reports %u processes written into room "
+                           "for %u",
+                           nvml->processes_symbol, count, capacity);
+            goto done;
+        }
+        reason[0] = '\0';
+        stride = process_entry_size(buffer, allocated, count, sentinel,
+                                    bound, reason, reason_size);
+        if (reason[0] == '\0') {
+            process_store(buffer, count, stride, device);
+            goto done;
+        }
+        if (++failed_measures == 2) {
+            goto done;
+        }
     }
+    message_format(reason, reason_size,
+                   "%s: the list changed on each of %d calls",
+                   nvml->processes_symbol, PROCESS_ATTEMPTS);
 
 done:
-    free(heap_buffer);
+    free(buffer);
+    if (!device->has_processes) {
+        if (reason[0] == '\0') {
+            text_copy(reason, reason_size, "the process list was not read");
+        }
+        message_set_first(device->error, sizeof(device->error), reason);
+    }
+}
+
+/* nvmlDeviceGetMemoryInfo into a sentinel-filled buffer larger than
+ * nvmlMemory_t: the driver must have written exactly its 24 bytes, and
+ * the figures must agree with each other. */
+static void
+read_memory(const device_static *source, cs_probe_device *device)
+{
+    const nvml_functions *nvml = &probe_state.nvml;
+    union {
+        cs_nvml_memory memory;
+        unsigned char bytes[64];
+    } answer;
+    char message[CS_PROBE_MESSAGE_SIZE];
+    cs_nvml_return result;
+    size_t extent;
+
+    if (nvml->device_get_memory_info == NULL) {
+        message_set_first(device->error, sizeof(device->error),
+                          "symbol nvmlDeviceGetMemoryInfo not found");
+        return;
+    }
+    memset(answer.bytes, sentinel_bytes[0], sizeof(answer.bytes));
+    result = nvml->device_get_memory_info(source->nvml_device,
+                                          &answer.memory);
+    if (result != CS_NVML_SUCCESS) {
+        nvml_describe(result, "nvmlDeviceGetMemoryInfo", message,
+                      sizeof(message));
+        message_set_first(device->error, sizeof(device->error), message);
+        return;
+    }
+    extent = written_extent(answer.bytes, sizeof(answer.bytes),
+                            sentinel_bytes[0]);
+    if (extent != sizeof(cs_nvml_memory)) {
+        message_format(message, sizeof(message),
+                       "nvmlDeviceGetMemoryInfo: the driver wrote %zu bytes, "
+                       "not the %zu of nvmlMemory_t",
+                       extent, sizeof(cs_nvml_memory));
+        message_set_first(device->error, sizeof(device->error), message);
+        return;
+    }
+    if (answer.memory.total == 0 || answer.memory.free > answer.memory.total
+        || answer.memory.used > answer.memory.total) {
+        message_format(message, sizeof(message),
+                       "nvmlDeviceGetMemoryInfo: inconsistent figures "
+                       "(total %llu, free %llu, used %llu)",
+                       answer.memory.total, answer.memory.free,
+                       answer.memory.used);
+        message_set_first(device->error, sizeof(device->error), message);
+        return;
+    }
+    device->has_total = true;
+    device->total_bytes = answer.memory.total;
+    device->has_free = true;
+    device->free_bytes = answer.memory.free;
+    device->source = CS_PROBE_SOURCE_NVML;
 }
 
 static void
@@ -1034,30 +1415,14 @@ read_device(const device_static *source, cs_probe_device *device,
         device->source = CS_PROBE_SOURCE_CUDA;
     }
     if (source->nvml_index >= 0) {
-        const nvml_functions *nvml = &probe_state.nvml;
-        if (nvml->device_get_memory_info == NULL) {
-            message_set_first(device->error, sizeof(device->error),
-                              "symbol nvmlDeviceGetMemoryInfo not found");
-        }
-        else {
-            cs_nvml_memory memory;
-            cs_nvml_return result =
-                nvml->device_get_memory_info(source->nvml_device, &memory);
-            if (result == CS_NVML_SUCCESS) {
-                device->has_total = true;
-                device->total_bytes = memory.total;
-                device->has_free = true;
-                device->free_bytes = memory.free;
-                device->source = CS_PROBE_SOURCE_NVML;
-            }
-            else {
-                nvml_describe(result, "nvmlDeviceGetMemoryInfo", message,
-                              sizeof(message));
-                message_set_first(device->error, sizeof(device->error),
-                                  message);
-            }
-        }
+        read_memory(source, device);
         read_processes(source, device);
+    }
+    else {
+        text_copy(device->processes_error, sizeof(device->processes_error),
+                  probe_state.nvml_library.loaded
+                      ? "no NVML device matched"
+                      : "NVML not loaded");
     }
     /* The driver's free figure needs a context; only one the calling
      * thread already has is used, and only for its own device. */
@@ -1083,13 +1448,14 @@ read_device(const device_static *source, cs_probe_device *device,
 }
 
 void
-cs_probe_run(cs_probe_result *out)
+cs_probe_run_with(const cs_probe_options *options, cs_probe_result *out)
 {
+    static const cs_probe_options no_options;
     uint64_t start = monotonic_ns();
     bool context_known = false;
     cs_cu_device context_device = 0;
 
-    probe_ensure_initialized();
+    probe_ensure_initialized(options != NULL ? options : &no_options);
     memset(out, 0, sizeof(*out));
     out->cuda = probe_state.cuda_library;
     out->nvml = probe_state.nvml_library;
@@ -1119,6 +1485,73 @@ cs_probe_run(cs_probe_result *out)
     }
     out->device_count = probe_state.device_count;
     out->elapsed_ns = monotonic_ns() - start;
+}
+
+#ifdef _WIN32
+/* _wgetenv_s then UTF-8: non-ASCII paths stay intact. */
+static bool
+environment_read(const char *name, char *buffer, size_t size)
+{
+    wchar_t variable[64];
+    wchar_t value[CS_PROBE_PATH_SIZE];
+    size_t count = 0;
+    buffer[0] = '\0';
+    if (MultiByteToWideChar(CP_UTF8, 0, name, -1, variable, 64) == 0) {
+        return true;
+    }
+    errno_t status = _wgetenv_s(&count, value, CS_PROBE_PATH_SIZE, variable);
+    if (status == ERANGE || (status == 0 && count > CS_PROBE_PATH_SIZE)) {
+        return false;
+    }
+    if (status != 0 || count <= 1) {
+        return true;
+    }
+    if (WideCharToMultiByte(CP_UTF8, 0, value, -1, buffer, (int)size, NULL,
+                            NULL) == 0) {
+        buffer[0] = '\0';
+        return false;
+    }
+    return true;
+}
+#else
+static bool
+environment_read(const char *name, char *buffer, size_t size)
+{
+    const char *value = getenv(name);
+    size_t length = value != NULL ? strlen(value) : 0;
+    buffer[0] = '\0';
+    if (length >= size) {
+        return false;
+    }
+    if (length > 0) {
+        memcpy(buffer, value, length + 1);
+    }
+    return true;
+}
+#endif
+
+void
+cs_probe_options_from_environment(cs_probe_options *out)
+{
+    char flag[8];
+    bool flag_fits;
+    memset(out, 0, sizeof(*out));
+    out->libcuda_too_long = !environment_read(
+        "COMFY_STANDIN_LIBCUDA", out->libcuda, sizeof(out->libcuda));
+    out->libnvml_too_long = !environment_read(
+        "COMFY_STANDIN_LIBNVML", out->libnvml, sizeof(out->libnvml));
+    flag_fits = environment_read("COMFY_STANDIN_PROBE_DISABLE", flag,
+                                 sizeof(flag));
+    /* Set, non-empty and not "0" (a long value is set and not "0"). */
+    out->disable = !flag_fits || (flag[0] != '\0' && strcmp(flag, "0") != 0);
+}
+
+void
+cs_probe_run(cs_probe_result *out)
+{
+    cs_probe_options options;
+    cs_probe_options_from_environment(&options);
+    cs_probe_run_with(&options, out);
 }
 
 const char *

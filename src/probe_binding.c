@@ -2,6 +2,11 @@
  * probe_binding.c -- `comfy_standin._core.probe()`: runs the C probe
  * (src/probe.c) with the GIL released and turns its result into a dict.
  *
+ * The environment (the library overrides) is read here, with the GIL
+ * held, and handed to the core as a copy: os.environ writes from other
+ * threads run under the GIL, and getenv() racing setenv() is undefined
+ * (a crash on older glibc).  The core never reads it behind our back.
+ *
  * The probe keeps no Python state: the module state is not touched, and
  * the function is safe under free-threading (the core is thread-safe and
  * each call builds fresh objects).
@@ -129,6 +134,13 @@ device_to_dict(const cs_probe_device *device)
         || dict_set_new(dict, "processes", processes_to_dict(device)) < 0
         || dict_set_new(dict, "processes_truncated",
                         PyBool_FromLong(device->processes_truncated)) < 0
+        || dict_set_new(dict, "processes_error",
+                        text_or_none(device->processes_error)) < 0
+        || dict_set_new(dict, "process_entry_size",
+                        device->process_entry_size != 0
+                            ? PyLong_FromUnsignedLong(
+                                  device->process_entry_size)
+                            : Py_NewRef(Py_None)) < 0
         || dict_set_new(dict, "source",
                         device->source == CS_PROBE_SOURCE_NONE
                             ? Py_NewRef(Py_None)
@@ -193,6 +205,7 @@ PyDoc_STRVAR(probe_doc,
 "'driver_version', 'preloaded'}), 'devices' (a list of {'index',\n"
 "'nvml_index', 'name', 'uuid', 'total', 'free', 'processes' ({pid:\n"
 "used bytes or None}, or None when unreadable), 'processes_truncated',\n"
+"'processes_error' (why 'processes' is None), 'process_entry_size',\n"
 "'source' ('nvml', 'cuda' or None), 'error'}), 'devices_truncated' and\n"
 "'elapsed_ns'.  Never raises (bar MemoryError) and never creates a CUDA\n"
 "context.  See docs/probe.md.");
@@ -200,16 +213,19 @@ PyDoc_STRVAR(probe_doc,
 static PyObject *
 probe_probe(PyObject *module, PyObject *Py_UNUSED(ignored))
 {
-    /* About 40 KiB: too much for small thread stacks. */
+    /* About 45 KiB: too much for small thread stacks. */
     cs_probe_result *result = PyMem_RawMalloc(sizeof(*result));
+    cs_probe_options options;
     PyObject *dict;
     if (result == NULL) {
         return PyErr_NoMemory();
     }
+    /* With the GIL held: no os.environ write can run meanwhile. */
+    cs_probe_options_from_environment(&options);
     /* The first call dlopens and runs cuInit/nvmlInit (hundreds of ms);
      * later calls are driver ioctls.  Neither needs the GIL. */
     Py_BEGIN_ALLOW_THREADS
-    cs_probe_run(result);
+    cs_probe_run_with(&options, result);
     Py_END_ALLOW_THREADS
     dict = result_to_dict(result);
     PyMem_RawFree(result);

@@ -109,11 +109,29 @@ contract_getattro(PyObject *self, PyObject *name)
 
 /* ---- sentinel --------------------------------------------------------- */
 
+/* A GC type: model_id may be a str subclass whose attributes lead back to
+ * the stand-in that owns this sentinel. */
+static int
+sentinel_traverse(SentinelObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->model_id);
+    return 0;
+}
+
+static int
+sentinel_clear(SentinelObject *self)
+{
+    Py_CLEAR(self->model_id);
+    return 0;
+}
+
 static void
 sentinel_dealloc(SentinelObject *self)
 {
     PyTypeObject *tp = Py_TYPE(self);
-    Py_CLEAR(self->model_id);
+    PyObject_GC_UnTrack(self);
+    sentinel_clear(self);
     tp->tp_free(self);
     Py_DECREF(tp);
 }
@@ -121,25 +139,44 @@ sentinel_dealloc(SentinelObject *self)
 static PyObject *
 sentinel_repr(SentinelObject *self)
 {
+    if (self->model_id == NULL) {
+        return PyUnicode_FromString("<comfy_standin private clone_base_uuid "
+                                    "(cleared; never equals a uuid)>");
+    }
     return PyUnicode_FromFormat("<comfy_standin private clone_base_uuid of "
                                 "model %R (never equals a uuid)>",
                                 self->model_id);
 }
 
+static PyObject *refuse_pickle(PyObject *self, PyObject *unused);
+
+/* Refused at dump for every protocol (0 and 1 would otherwise reduce it
+ * through copyreg and fail only on load). */
+static PyMethodDef sentinel_methods[] = {
+    {"__reduce_ex__", refuse_pickle, METH_O,
+     "__reduce_ex__($self, protocol, /)\n--\n\nRaises TypeError."},
+    {"__reduce__", (PyCFunction)refuse_pickle, METH_NOARGS,
+     "__reduce__($self, /)\n--\n\nRaises TypeError."},
+    {NULL},
+};
+
 static PyType_Slot sentinel_slots[] = {
     {Py_tp_doc, "A stand-in's clone_base_uuid: equal only to itself, so "
                 "unload_model_and_clones and the MultiGPU reuse loop never "
                 "match it with a host model or another stand-in."},
+    {Py_tp_traverse, sentinel_traverse},
+    {Py_tp_clear, sentinel_clear},
     {Py_tp_dealloc, sentinel_dealloc},
     {Py_tp_repr, sentinel_repr},
+    {Py_tp_methods, sentinel_methods},
     {0, NULL},
 };
 
 static PyType_Spec sentinel_spec = {
     .name = "comfy_standin._core.CloneBaseSentinel",
     .basicsize = sizeof(SentinelObject),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE |
-             Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC |
+             Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
     .slots = sentinel_slots,
 };
 
@@ -197,8 +234,9 @@ module_device(ModuleObject *m)
         cs_model_write_count(m->record) == m->device_assigned_at) {
         return Py_NewRef(m->device_assigned);
     }
-    return Py_NewRef(module_loaded(m) > 0 ? m->load_device
-                                          : m->offload_device);
+    PyObject *device = module_loaded(m) > 0 ? m->load_device
+                                            : m->offload_device;
+    return Py_NewRef(device != NULL ? device : Py_None); /* (GC cleared) */
 }
 
 static int
@@ -317,8 +355,6 @@ static PyGetSetDef module_getset[] = {
     {NULL},
 };
 
-static PyObject *refuse_pickle(PyObject *self, PyObject *unused);
-
 static PyMethodDef module_methods[] = {
     {"__reduce_ex__", refuse_pickle, METH_O,
      "__reduce_ex__($self, protocol, /)\n--\n\nRaises TypeError."},
@@ -371,9 +407,12 @@ check_worker(PyObject *worker, cs_module_state *state)
     PyObject *names[2] = {state->str_send_command, state->str_is_alive};
     for (int i = 0; i < 2; i++) {
         PyObject *method = PyObject_GetAttr(worker, names[i]);
+        if (method == NULL && !PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            return -1; /* the worker's own error, KeyboardInterrupt too */
+        }
         if (method == NULL || !PyCallable_Check(method)) {
             Py_XDECREF(method);
-            PyErr_Clear();
+            PyErr_Clear(); /* an AttributeError, or nothing */
             PyErr_Format(PyExc_TypeError,
                          "worker: expected an object with send_command() "
                          "and is_alive() (comfy-env's SubprocessWorker), "
@@ -404,6 +443,10 @@ resolve_pool(PyObject *pool, cs_module_state *state, PyObject **ledger)
         Py_INCREF(pool);
     }
     *ledger = PyObject_GetAttrString(pool, "_ledger");
+    if (*ledger == NULL && !PyErr_ExceptionMatches(PyExc_Exception)) {
+        Py_DECREF(pool);
+        return NULL; /* KeyboardInterrupt and the like propagate */
+    }
     if (*ledger == NULL || !PyObject_TypeCheck(*ledger, state->ledger_type)) {
         Py_XDECREF(*ledger);
         *ledger = NULL;
@@ -509,11 +552,12 @@ standin_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     module->weakreflist = NULL;
     PyObject_GC_Track(module);
 
-    sentinel = PyObject_New(SentinelObject, state->sentinel_type);
+    sentinel = PyObject_GC_New(SentinelObject, state->sentinel_type);
     if (sentinel == NULL) {
         goto error;
     }
     sentinel->model_id = Py_NewRef(model_id);
+    PyObject_GC_Track(sentinel);
 
     self = (StandInObject *)type->tp_alloc(type, 0);
     if (self == NULL) {
@@ -568,9 +612,14 @@ standin_traverse(StandInObject *self, visitproc visit, void *arg)
     Py_VISIT(self->pool);
     Py_VISIT(self->books);
     Py_VISIT(self->sentinel);
+    Py_VISIT(self->model_id);
+    Py_VISIT(self->kind);
     return 0;
 }
 
+/* model_id and kind are kept: every message and accessor reads them, and a
+ * cycle through them also runs through the other party (a str subclass's
+ * __dict__ or slots), whose own clear breaks it. */
 static int
 standin_clear(StandInObject *self)
 {
@@ -749,45 +798,118 @@ standin_add_patches(StandInObject *self, PyObject *args, PyObject *kwargs)
 
 /* ---- StandIn: talking to the worker ------------------------------------ */
 
-/* The byte count to ask for: `cap` unless `value` names a positive amount
- * below it, rounded up (ComfyUI passes 1e32 for "everything"; 0 means the
- * same). */
-static uint64_t
-requested_bytes(PyObject *value, uint64_t cap)
+/* The byte count to ask for, in *out: `cap` unless `value` names a
+ * positive amount below it, rounded up (ComfyUI passes 1e32 for
+ * "everything"; 0 means the same).  An amount that cannot be read (its
+ * __float__ raises an Exception) also means `cap`.  Returns 0, or -1 with a
+ * BaseException pending (KeyboardInterrupt in __float__ propagates). */
+static int
+requested_bytes(PyObject *value, uint64_t cap, uint64_t *out)
 {
     double d;
+    *out = cap;
     if (value == NULL || value == Py_None) {
-        return cap;
+        return 0;
     }
     if (PyBool_Check(value) || PyUnicode_Check(value) ||
         PyBytes_Check(value)) {
-        return cap;
+        return 0;
     }
     if (PyLong_Check(value)) {
         int overflow = 0;
         long long v = PyLong_AsLongLongAndOverflow(value, &overflow);
         if (v == -1 && PyErr_Occurred()) {
+            if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+                return -1;
+            }
             PyErr_Clear();
-            return cap;
+            return 0;
         }
-        if (overflow != 0 || v <= 0 || (uint64_t)v >= cap) {
-            return cap;
+        if (overflow == 0 && v > 0 && (uint64_t)v < cap) {
+            *out = (uint64_t)v;
         }
-        return (uint64_t)v;
+        return 0;
     }
     d = PyFloat_AsDouble(value);
     if (d == -1.0 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+            return -1;
+        }
         PyErr_Clear();
-        return cap;
+        return 0;
     }
     if (!(d > 0.0) || isinf(d) || d >= (double)cap) {
-        return cap; /* NaN fails d > 0 */
+        return 0; /* NaN fails d > 0 */
     }
     /* Rounded up: ComfyUI keeps an entry only when freed >= the float it
      * asked for (load_models_gpu's targets are floats), so the truncated
      * figure would always fall short and escalate to a full detach. */
     uint64_t v = (uint64_t)ceil(d);
-    return v < cap ? v : cap;
+    *out = v < cap ? v : cap;
+    return 0;
+}
+
+/* ---- StandIn: exceptions on the command paths ---------------------------
+ *
+ * Only Exception is ever swallowed (and logged with its type and message);
+ * KeyboardInterrupt, SystemExit, GeneratorExit and any other BaseException
+ * propagate.  No Python runs while an exception is pending: it is fetched
+ * first and restored or chained afterwards. */
+
+/* "TimeoutError: worker busy" ("TimeoutError" alone for an empty message)
+ * for an exception instance.  NULL with a BaseException pending only when
+ * its __str__ raised one; an Exception there reads "<str() failed>". */
+static PyObject *
+describe_exception(PyObject *exc)
+{
+    const char *name = Py_TYPE(exc)->tp_name;
+    const char *dot = strrchr(name, '.');
+    name = dot ? dot + 1 : name;
+    PyObject *text = PyObject_Str(exc);
+    if (text == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+            return NULL;
+        }
+        PyErr_Clear();
+        return PyUnicode_FromFormat("%s: <str() failed>", name);
+    }
+    PyObject *r = PyUnicode_GetLength(text) > 0
+                      ? PyUnicode_FromFormat("%s: %U", name, text)
+                      : PyUnicode_FromString(name);
+    Py_DECREF(text);
+    return r;
+}
+
+/* Takes the pending exception off: an Exception is cleared and its
+ * description returned (never NULL for it: a description that cannot be
+ * built reads "exception").  Any other BaseException stays pending and
+ * NULL is returned, for the caller to propagate. */
+static PyObject *
+take_cause(void)
+{
+    PyObject *type, *value, *traceback;
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+        return NULL;
+    }
+    PyErr_Fetch(&type, &value, &traceback);
+    PyErr_NormalizeException(&type, &value, &traceback);
+    Py_XDECREF(traceback);
+    PyObject *text = value != NULL ? describe_exception(value) : NULL;
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    if (text == NULL) {
+        if (PyErr_Occurred() &&
+            !PyErr_ExceptionMatches(PyExc_Exception)) {
+            return NULL;
+        }
+        PyErr_Clear();
+        text = PyUnicode_FromString("exception");
+        if (text == NULL) {
+            PyErr_Clear();
+            text = Py_NewRef(Py_None);
+        }
+    }
+    return text;
 }
 
 /* worker.is_alive(): 1, 0, or -1 with an exception. */
@@ -806,36 +928,47 @@ worker_is_alive(StandInObject *self)
     return alive;
 }
 
-/* On eviction paths: an is_alive() that raises counts as alive, so the
- * send decides; bytes are never reported freed without evidence. */
+/* An is_alive() that raises an Exception counts as alive (logged), on
+ * every path: the send decides, and bytes are never reported freed without
+ * evidence.  1, 0, or -1 with a BaseException pending. */
 static int
 worker_is_alive_quiet(StandInObject *self)
 {
     int alive = worker_is_alive(self);
-    if (alive < 0) {
-        cs_log_warning("model %R: worker.is_alive() raised; assuming alive",
-                       self->model_id);
-        PyErr_Clear();
-        return 1;
+    if (alive >= 0) {
+        return alive;
     }
-    return alive;
+    PyObject *cause = take_cause();
+    if (cause == NULL) {
+        return -1;
+    }
+    cs_log_warning("comfy_standin: is_alive() of the worker of model %R "
+                   "raised %S; treating it as alive",
+                   self->model_id, cause);
+    Py_DECREF(cause);
+    return 1;
 }
 
 /* After a send raised: whether the worker still lives.  The send's
  * exception is set aside while is_alive() runs (no Python call may run
- * with an exception pending); it is dropped when the worker is dead and
- * left pending when it lives, for the caller to read and clear. */
+ * with an exception pending).  0: dead, the send's exception dropped.
+ * 1: alive, the send's exception (an Exception) pending again, for the
+ * caller to read and clear.  -1: a BaseException pending (the send's own,
+ * untouched, or is_alive()'s), to propagate. */
 static int
 send_failed_worker_alive(StandInObject *self)
 {
     PyObject *type, *value, *traceback;
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+        return -1;
+    }
     PyErr_Fetch(&type, &value, &traceback);
     int alive = worker_is_alive_quiet(self);
-    if (!alive) {
+    if (alive != 1) {
         Py_XDECREF(type);
         Py_XDECREF(value);
         Py_XDECREF(traceback);
-        return 0;
+        return alive;
     }
     PyErr_Restore(type, value, traceback);
     return 1;
@@ -868,87 +1001,164 @@ done:
     return r;
 }
 
-/* The worker is gone: its VRAM went with the process.  The receipt is
- * zeroed in the core first (so it holds whatever the pool does), then the
- * pool is told so it can keep the stand-ins alive until the boundary. */
-static void
+/* The worker is gone: its VRAM went with the process.  This model's
+ * receipt is zeroed in the core first (its own record too, so a stand-in
+ * of a worker the pool already forgot learns the death as well), then the
+ * pool is told so it can keep the stand-ins alive until the boundary.
+ * Returns 0, or -1 with a BaseException from pool.worker_gone() pending
+ * (the receipts are zeroed all the same). */
+static int
 standin_worker_gone(StandInObject *self)
 {
-    if (cs_model_stale(self->record) &&
-        cs_worker_generation(cs_model_worker(self->record)) !=
-            self->generation) {
-        return; /* a restarted worker's new generation is alive */
+    if (cs_model_stale(self->record)) {
+        return 0; /* never touch the worker's newer generation */
     }
+    cs_log_warning("comfy_standin: the worker of model %R is gone",
+                   self->model_id);
     cs_worker_gone(cs_model_worker(self->record));
+    cs_model_gone(self->record);
+    if (self->pool == NULL) {
+        return 0; /* cleared by the GC */
+    }
     PyObject *r =
         PyObject_CallMethod(self->pool, "worker_gone", "O", self->worker);
     if (r == NULL) {
-        cs_log_warning("model %R: pool.worker_gone() raised; receipts "
-                       "zeroed anyway",
-                       self->model_id);
-        PyErr_Clear();
+        PyObject *cause = take_cause();
+        if (cause == NULL) {
+            return -1;
+        }
+        cs_log_warning("comfy_standin: pool.worker_gone() for model %R "
+                       "raised %S; receipts zeroed anyway",
+                       self->model_id, cause);
+        Py_DECREF(cause);
+        return 0;
     }
-    Py_XDECREF(r);
+    Py_DECREF(r);
+    return 0;
 }
 
-static void
+/* Tells on_pressure of a shortfall.  0, or -1 with a BaseException from
+ * the callback pending (an Exception is logged and ignored). */
+static int
 standin_pressure(StandInObject *self, uint64_t shortfall)
 {
+    if (self->pool == NULL) {
+        return 0;
+    }
     PyObject *callback = PyObject_GetAttrString(self->pool, "on_pressure");
     if (callback == NULL) {
-        PyErr_Clear();
-        return;
+        if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+            return -1;
+        }
+        PyErr_Clear(); /* no usable callback: nobody to tell */
+        return 0;
     }
+    int result = 0;
     if (callback != Py_None) {
         PyObject *r = PyObject_CallFunction(callback, "K",
                                             (unsigned long long)shortfall);
         if (r == NULL) {
-            cs_log_warning("model %R: on_pressure(%llu) raised; ignored",
-                           self->model_id, (unsigned long long)shortfall);
-            PyErr_Clear();
+            PyObject *cause = take_cause();
+            if (cause == NULL) {
+                result = -1;
+            }
+            else {
+                cs_log_warning("comfy_standin: on_pressure(%llu) raised %S "
+                               "(ignored)",
+                               (unsigned long long)shortfall, cause);
+                Py_DECREF(cause);
+            }
         }
         Py_XDECREF(r);
     }
     Py_DECREF(callback);
+    return result;
+}
+
+/* reply[key], read as a plain dict (a dict subclass's overrides are not
+ * called): a new reference, Py_None when absent, NULL with an exception.
+ * The lookup may run __eq__ of a str-subclass key stored in the reply: an
+ * Exception it raises becomes EchoError (chained); a BaseException
+ * propagates unchanged. */
+static PyObject *
+reply_value(cs_module_state *state, PyObject *reply, PyObject *key,
+            const char *command)
+{
+    PyObject *value = PyDict_GetItemWithError(reply, key);
+    if (value != NULL) {
+        return Py_NewRef(value);
+    }
+    if (!PyErr_Occurred()) {
+        return Py_NewRef(Py_None);
+    }
+    if (PyErr_ExceptionMatches(PyExc_Exception)) {
+        PyObject *type, *cause, *traceback;
+        PyErr_Fetch(&type, &cause, &traceback);
+        PyErr_NormalizeException(&type, &cause, &traceback);
+        if (traceback != NULL && cause != NULL) {
+            PyException_SetTraceback(cause, traceback);
+        }
+        Py_XDECREF(type);
+        Py_XDECREF(traceback);
+        PyErr_Format(state->echo_error,
+                     "reply[%R] from %s: looking it up raised %R", key,
+                     command, cause);
+        if (cause != NULL) {
+            PyObject *t, *v, *tb;
+            PyErr_Fetch(&t, &v, &tb);
+            PyErr_NormalizeException(&t, &v, &tb);
+            PyException_SetCause(v, Py_NewRef(cause));
+            PyException_SetContext(v, cause); /* steals */
+            PyErr_Restore(t, v, tb);
+        }
+    }
+    return NULL;
 }
 
 /* Reads reply[key] as a byte count in [0, max].  Returns 1 when present,
- * 0 when absent (or None), -1 with EchoError set when bad. */
+ * 0 when absent (or None), -1 with EchoError (or a BaseException) set. */
 static int
-reply_bytes(StandInObject *self, PyObject *reply, PyObject *key,
+reply_bytes(cs_module_state *state, PyObject *reply, PyObject *key,
             const char *command, uint64_t max, uint64_t *out)
 {
     char field[96];
-    PyObject *value = PyDict_GetItemWithError(reply, key);
-    if (value == NULL && PyErr_Occurred()) {
-        PyErr_Clear(); /* an exact str key cannot fail; be safe anyway */
+    PyObject *value = reply_value(state, reply, key, command);
+    if (value == NULL) {
+        return -1;
     }
-    if (value == NULL || value == Py_None) {
+    if (value == Py_None) {
+        Py_DECREF(value);
         return 0;
     }
+    /* An int (subclass or not) is read from its digits: no __index__. */
     int code = cs_value_check(value, max, out);
     if (code != 0) {
         PyOS_snprintf(field, sizeof(field), "reply['%s'] from %s",
                       PyUnicode_AsUTF8(key), command);
-        cs_value_error(state_of((PyObject *)self)->echo_error, code, field,
-                       value, max);
+        cs_value_error(state->echo_error, code, field, value, max);
+        Py_DECREF(value);
         return -1;
     }
+    Py_DECREF(value);
     return 1;
 }
 
 /* Decodes a reply: a dict, `required` present, `other` and `seq` optional.
- * Returns 0, or -1 with EchoError set (nothing applied). */
+ * Returns 0, or -1 with EchoError set (nothing applied); a BaseException
+ * raised while reading it propagates. */
 static int
 decode_reply(StandInObject *self, PyObject *reply, const char *command,
              PyObject *required, uint64_t *required_value,
              PyObject *other, uint64_t *other_value, int *has_other,
              int64_t *seq)
 {
-    cs_module_state *state = state_of((PyObject *)self);
+    cs_module_state *state = cs_state_checked(Py_TYPE(self));
     uint64_t v;
     int r;
 
+    if (state == NULL) {
+        return -1;
+    }
     if (!PyDict_Check(reply)) {
         PyErr_Format(state->echo_error,
                      "reply from %s for model %R: expected a dict, got %R",
@@ -956,7 +1166,7 @@ decode_reply(StandInObject *self, PyObject *reply, const char *command,
         return -1;
     }
     if (required != NULL) {
-        r = reply_bytes(self, reply, required, command, self->size,
+        r = reply_bytes(state, reply, required, command, self->size,
                         required_value);
         if (r < 0) {
             return -1;
@@ -969,14 +1179,14 @@ decode_reply(StandInObject *self, PyObject *reply, const char *command,
         }
     }
     if (other != NULL) {
-        r = reply_bytes(self, reply, other, command, self->size,
+        r = reply_bytes(state, reply, other, command, self->size,
                         other_value);
         if (r < 0) {
             return -1;
         }
         *has_other = r;
     }
-    r = reply_bytes(self, reply, state->str_seq, command, CS_VALUE_MAX, &v);
+    r = reply_bytes(state, reply, state->str_seq, command, CS_VALUE_MAX, &v);
     if (r < 0) {
         return -1;
     }
@@ -984,36 +1194,11 @@ decode_reply(StandInObject *self, PyObject *reply, const char *command,
     return 0;
 }
 
-/* Replaces the pending exception with `exc(message)` whose __cause__ is
- * the original. */
-static void
-raise_from(PyObject *exc, PyObject *message)
-{
-    PyObject *type, *value, *traceback;
-    PyErr_Fetch(&type, &value, &traceback);
-    PyErr_NormalizeException(&type, &value, &traceback);
-    if (traceback != NULL && value != NULL) {
-        PyException_SetTraceback(value, traceback);
-    }
-    PyObject *error = PyObject_CallOneArg(exc, message);
-    if (error == NULL) {
-        Py_XDECREF(type);
-        Py_XDECREF(value);
-        Py_XDECREF(traceback);
-        return;
-    }
-    if (value != NULL) {
-        PyException_SetCause(error, Py_NewRef(value));
-        PyException_SetContext(error, value); /* steals */
-    }
-    Py_XDECREF(type);
-    Py_XDECREF(traceback);
-    PyErr_SetObject(exc, error);
-    Py_DECREF(error);
-}
-
+/* Raises WorkerGoneError for this model, with `cause` (an exception
+ * instance, or NULL) as its __cause__.  Nothing may be pending on entry:
+ * the message runs Python (%R of the id).  Returns NULL. */
 static PyObject *
-gone_error(StandInObject *self, int chain)
+gone_error(StandInObject *self, PyObject *cause)
 {
     cs_module_state *state = state_of((PyObject *)self);
     PyObject *message = PyUnicode_FromFormat(
@@ -1023,13 +1208,17 @@ gone_error(StandInObject *self, int chain)
     if (message == NULL) {
         return NULL;
     }
-    if (chain) {
-        raise_from(state->worker_gone_error, message);
-    }
-    else {
-        PyErr_SetObject(state->worker_gone_error, message);
-    }
+    PyObject *error = PyObject_CallOneArg(state->worker_gone_error, message);
     Py_DECREF(message);
+    if (error == NULL) {
+        return NULL;
+    }
+    if (cause != NULL) {
+        PyException_SetCause(error, Py_NewRef(cause)); /* steals */
+        PyException_SetContext(error, Py_NewRef(cause)); /* steals */
+    }
+    PyErr_SetObject((PyObject *)Py_TYPE(error), error);
+    Py_DECREF(error);
     return NULL;
 }
 
@@ -1041,7 +1230,7 @@ standin_partially_load(StandInObject *self, PyObject *args, PyObject *kwargs)
     PyObject *device_to, *extra = NULL, *force = NULL;
     PyObject *want_obj = NULL, *device_str = NULL, *reply = NULL;
     PyObject *result = NULL;
-    uint64_t loaded = 0, resident = 0;
+    uint64_t loaded = 0, resident = 0, want;
     int has_resident = 0;
     int64_t seq;
 
@@ -1051,21 +1240,28 @@ standin_partially_load(StandInObject *self, PyObject *args, PyObject *kwargs)
     }
     if (cs_model_stale(self->record) || self->worker == NULL) {
         /* (worker NULL: cleared by the GC, never to be used again) */
-        return gone_error(self, 0);
+        return gone_error(self, NULL);
     }
-    int alive = worker_is_alive(self);
+    /* An is_alive() that raises an Exception counts as alive here too
+     * (docs/semantics.md): the send decides. */
+    int alive = worker_is_alive_quiet(self);
     if (alive < 0) {
         return NULL;
     }
     if (!alive) {
-        standin_worker_gone(self);
-        return gone_error(self, 0);
+        if (standin_worker_gone(self) < 0) {
+            return NULL;
+        }
+        return gone_error(self, NULL);
     }
     if (self->size == 0) {
         return PyLong_FromLong(0);
     }
     uint64_t before = standin_loaded(self);
-    want_obj = PyLong_FromUnsignedLongLong(requested_bytes(extra, self->size));
+    if (requested_bytes(extra, self->size, &want) < 0) {
+        return NULL;
+    }
+    want_obj = PyLong_FromUnsignedLongLong(want);
     device_str = PyObject_Str(device_to);
     if (want_obj == NULL || device_str == NULL) {
         goto done;
@@ -1076,20 +1272,27 @@ standin_partially_load(StandInObject *self, PyObject *args, PyObject *kwargs)
     if (reply == NULL) {
         /* Loading is not eviction: failures propagate.  A transport that
          * died is told apart so the caller gets the actionable error, with
-         * the transport's exception as its cause.  No Python runs while an
-         * exception is pending, so it is set aside meanwhile. */
+         * the transport's exception as its cause. */
         PyObject *type, *value, *traceback;
+        if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+            goto done; /* KeyboardInterrupt and the like, as they are */
+        }
         PyErr_Fetch(&type, &value, &traceback);
-        alive = worker_is_alive(self);
-        if (alive < 0) {
-            PyErr_Clear();
+        PyErr_NormalizeException(&type, &value, &traceback);
+        if (value != NULL && traceback != NULL) {
+            PyException_SetTraceback(value, traceback);
         }
-        if (alive == 0) {
-            standin_worker_gone(self);
+        alive = worker_is_alive_quiet(self);
+        if (alive == 1) {
+            PyErr_Restore(type, value, traceback);
         }
-        PyErr_Restore(type, value, traceback);
-        if (alive == 0) {
-            gone_error(self, 1);
+        else if (alive == 0 && standin_worker_gone(self) == 0) {
+            gone_error(self, value);
+        }
+        if (alive != 1) {
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(traceback);
         }
         goto done;
     }
@@ -1117,14 +1320,53 @@ done:
     return result;
 }
 
-/* partially_unload's body.  Returns the bytes freed; may leave an
- * exception set only for failures of this process (MemoryError), which the
- * caller turns into "freed 0". */
+/* Logs `command` of the model deferred because of the pending Exception
+ * (cleared) and marks the receipt so.  -1 when what is pending is a
+ * BaseException (left pending, nothing marked). */
+static int
+defer_eviction(StandInObject *self, const char *command)
+{
+    PyObject *cause = take_cause();
+    if (cause == NULL) {
+        return -1;
+    }
+    cs_log_warning("comfy_standin: %s of model %R deferred: %S", command,
+                   self->model_id, cause);
+    Py_DECREF(cause);
+    cs_model_set_eviction_deferred(self->record, true);
+    return 0;
+}
+
+/* A reply that did not decode (EchoError pending): counted, logged, and
+ * the eviction deferred.  -1 when a BaseException is pending instead. */
+static int
+bad_eviction_reply(StandInObject *self, const char *command)
+{
+    PyObject *cause = take_cause();
+    if (cause == NULL) {
+        return -1;
+    }
+    self->bad_replies++;
+    cs_log_warning("comfy_standin: bad reply for model %R: %S",
+                   self->model_id, cause);
+    cs_log_warning("comfy_standin: %s of model %R deferred: %S", command,
+                   self->model_id, cause);
+    Py_DECREF(cause);
+    cs_model_set_eviction_deferred(self->record, true);
+    return 0;
+}
+
+/* partially_unload's body.  Returns the bytes freed.  May leave an
+ * exception pending: an Exception for failures of this process
+ * (MemoryError), which the caller turns into "freed 0", or a
+ * BaseException raised by the worker, the pool or the amount, which
+ * propagates.  A BaseException out of send_command leaves everything as it
+ * was (receipt, eviction_deferred, no on_pressure call): no answer came. */
 static uint64_t
 unload_body(StandInObject *self, PyObject *memory_to_free)
 {
     PyObject *want_obj = NULL, *reply = NULL;
-    uint64_t freed = 0, resident = 0, result = 0;
+    uint64_t freed = 0, resident = 0, want;
     int has_resident = 0;
     int64_t seq;
 
@@ -1135,9 +1377,17 @@ unload_body(StandInObject *self, PyObject *memory_to_free)
     if (before == 0) {
         return 0;
     }
-    uint64_t want = requested_bytes(memory_to_free, before);
-    if (!worker_is_alive_quiet(self)) {
-        standin_worker_gone(self);
+    if (requested_bytes(memory_to_free, before, &want) < 0) {
+        return 0;
+    }
+    int alive = worker_is_alive_quiet(self);
+    if (alive < 0) {
+        return 0;
+    }
+    if (!alive) {
+        /* Its bytes went with the process: freed once, and the record is
+         * stale from now on, so no later call reports them again. */
+        (void)standin_worker_gone(self);
         return before;
     }
     want_obj = PyLong_FromUnsignedLongLong(want);
@@ -1149,24 +1399,27 @@ unload_body(StandInObject *self, PyObject *memory_to_free)
                          want_obj, NULL, NULL);
     Py_DECREF(want_obj);
     if (reply == NULL) {
-        if (!send_failed_worker_alive(self)) {
-            standin_worker_gone(self);
+        alive = send_failed_worker_alive(self);
+        if (alive < 0) {
+            return 0;
+        }
+        if (alive == 0) {
+            (void)standin_worker_gone(self);
             return before;
         }
-        cs_log_warning("model %R: model_partial_unload failed on a live "
-                       "worker; receipt kept, eviction deferred",
-                       self->model_id);
-        PyErr_Clear();
+        if (defer_eviction(self, "model_partial_unload") < 0) {
+            return 0;
+        }
         goto deferred;
     }
     cs_module_state *state = state_of((PyObject *)self);
     if (decode_reply(self, reply, "model_partial_unload", state->str_freed,
                      &freed, state->str_resident, &resident, &has_resident,
                      &seq) < 0) {
-        self->bad_replies++;
-        cs_log_warning("model %R: bad reply ignored", self->model_id);
-        PyErr_Clear();
         Py_DECREF(reply);
+        if (bad_eviction_reply(self, "model_partial_unload") < 0) {
+            return 0;
+        }
         goto deferred;
     }
     Py_DECREF(reply);
@@ -1175,15 +1428,13 @@ unload_body(StandInObject *self, PyObject *memory_to_free)
     }
     (void)cs_model_apply_echo(self->record, resident, seq,
                               CS_SOURCE_UNLOAD_ECHO, false, -1);
-    result = freed;
     if (freed < want) {
-        standin_pressure(self, want - freed);
+        (void)standin_pressure(self, want - freed);
     }
-    return result;
+    return freed;
 
 deferred:
-    cs_model_set_eviction_deferred(self->record, true);
-    standin_pressure(self, want);
+    (void)standin_pressure(self, want);
     return 0;
 }
 
@@ -1194,56 +1445,44 @@ standin_partially_unload(StandInObject *self, PyObject *args,
     static char *keywords[] = {"device_to", "memory_to_free",
                                "force_patch_weights", NULL};
     PyObject *device_to = NULL, *memory = NULL, *force = NULL;
+    PyObject *cause;
 
-    /* Never raises: it runs inside ComfyUI's free_memory loop, where an
-     * exception poisons every later load.  Even bad arguments answer 0. */
+    /* Never raises an Exception: it runs inside ComfyUI's free_memory
+     * loop, where one poisons every later load.  Even bad arguments answer
+     * 0 (docs/semantics.md); a BaseException propagates. */
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|OOO:partially_unload",
                                      keywords, &device_to, &memory,
                                      &force)) {
-        cs_log_warning("model %R: partially_unload called with bad "
-                       "arguments; freed nothing",
-                       self->model_id);
-        PyErr_Clear();
+        cause = take_cause();
+        if (cause == NULL) {
+            return NULL;
+        }
+        cs_log_warning("comfy_standin: partially_unload of model %R called "
+                       "with bad arguments: %S; freed nothing",
+                       self->model_id, cause);
+        Py_DECREF(cause);
         return PyLong_FromLong(0);
     }
     uint64_t freed = unload_body(self, memory);
     if (PyErr_Occurred()) {
-        cs_log_warning("model %R: partially_unload failed in the host; "
-                       "freed nothing",
-                       self->model_id);
-        PyErr_Clear();
+        cause = take_cause();
+        if (cause == NULL) {
+            return NULL;
+        }
+        cs_log_warning("comfy_standin: partially_unload of model %R failed "
+                       "in the host: %S; freed nothing",
+                       self->model_id, cause);
+        Py_DECREF(cause);
         freed = 0;
     }
     return PyLong_FromUnsignedLongLong(freed);
 }
 
-/* Whether the pending exception's text says "not registered".  Leaves
- * the exception pending. */
-static int
-error_says_not_registered(void)
-{
-    PyObject *type, *value, *traceback, *text = NULL, *needle = NULL;
-    Py_ssize_t at = -1;
-
-    PyErr_Fetch(&type, &value, &traceback);
-    if (value != NULL) {
-        text = PyObject_Str(value);
-    }
-    needle = PyUnicode_FromString("not registered");
-    if (text != NULL && needle != NULL) {
-        at = PyUnicode_Find(text, needle, 0, PY_SSIZE_T_MAX, 1);
-    }
-    Py_XDECREF(text);
-    Py_XDECREF(needle);
-    PyErr_Clear();
-    PyErr_Restore(type, value, traceback);
-    return at >= 0;
-}
-
+/* detach's body.  May leave an exception pending, as unload_body. */
 static void
 detach_body(StandInObject *self)
 {
-    PyObject *device_str = NULL, *reply = NULL;
+    PyObject *device_str = NULL, *reply = NULL, *offload;
     uint64_t unused;
     int has_unused;
     int64_t seq;
@@ -1252,11 +1491,16 @@ detach_body(StandInObject *self)
         standin_loaded(self) == 0) {
         return; /* already off the card (or cleared): no round trip */
     }
-    if (!worker_is_alive_quiet(self)) {
-        standin_worker_gone(self);
+    int alive = worker_is_alive_quiet(self);
+    if (alive < 0) {
         return;
     }
-    device_str = PyObject_Str(standin_module(self)->offload_device);
+    if (!alive) {
+        (void)standin_worker_gone(self);
+        return;
+    }
+    offload = standin_module(self)->offload_device;
+    device_str = PyObject_Str(offload != NULL ? offload : Py_None);
     if (device_str == NULL) {
         return;
     }
@@ -1265,33 +1509,47 @@ detach_body(StandInObject *self)
                          NULL, NULL);
     Py_DECREF(device_str);
     if (reply == NULL) {
-        if (!send_failed_worker_alive(self)) {
-            standin_worker_gone(self);
+        alive = send_failed_worker_alive(self);
+        if (alive < 0) {
             return;
         }
-        if (error_says_not_registered()) {
+        if (alive == 0) {
+            (void)standin_worker_gone(self);
+            return;
+        }
+        PyObject *cause = take_cause();
+        if (cause == NULL) {
+            return;
+        }
+        PyObject *needle = PyUnicode_FromString("not registered");
+        int lost = needle != NULL && PyUnicode_Check(cause)
+                       ? PyUnicode_Contains(cause, needle)
+                       : 0;
+        Py_XDECREF(needle);
+        if (lost < 0) {
+            PyErr_Clear(); /* two str: only MemoryError; not "lost" */
+            lost = 0;
+        }
+        if (lost) {
             /* comfy-env answers "not registered" after a restart nobody
              * told us about: the model, and its bytes, went with the old
              * process. */
-            PyErr_Clear();
             (void)cs_model_apply_echo(self->record, 0, CS_SEQ_NONE,
                                       CS_SOURCE_WORKER_GONE, true, 0);
-            return;
         }
-        cs_log_warning("model %R: model_to_device failed on a live "
-                       "worker; receipt kept, eviction deferred",
-                       self->model_id);
-        PyErr_Clear();
-        cs_model_set_eviction_deferred(self->record, true);
+        else {
+            cs_log_warning("comfy_standin: model_to_device of model %R "
+                           "deferred: %S",
+                           self->model_id, cause);
+            cs_model_set_eviction_deferred(self->record, true);
+        }
+        Py_DECREF(cause);
         return;
     }
     if (decode_reply(self, reply, "model_to_device", NULL, &unused, NULL,
                      &unused, &has_unused, &seq) < 0) {
-        self->bad_replies++;
-        cs_log_warning("model %R: bad reply ignored", self->model_id);
-        PyErr_Clear();
         Py_DECREF(reply);
-        cs_model_set_eviction_deferred(self->record, true);
+        (void)bad_eviction_reply(self, "model_to_device");
         return;
     }
     Py_DECREF(reply);
@@ -1299,18 +1557,38 @@ detach_body(StandInObject *self)
                               true, -1);
 }
 
+/* The pool says the worker's process died (Pool.worker_gone, also after
+ * Pool.forget): recorded in this stand-in's own model record and worker
+ * books.  No call back into the pool, no log; idempotent. */
+static PyObject *
+standin_mark_worker_gone(StandInObject *self, PyObject *unused)
+{
+    if (!cs_model_stale(self->record)) {
+        cs_worker_gone(cs_model_worker(self->record));
+        cs_model_gone(self->record);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *
 standin_detach(StandInObject *self, PyObject *args, PyObject *kwargs)
 {
-    /* Never raises (runs inside free_memory); returns the inner module. */
+    /* Never raises an Exception (runs inside free_memory); its arguments
+     * (unpatch_all, unpatch_weights) mean nothing for a worker-held model
+     * and are ignored, whatever they are.  Returns the inner module. */
     if (self->module == NULL) {
         Py_RETURN_NONE;
     }
     detach_body(self);
     if (PyErr_Occurred()) {
-        cs_log_warning("model %R: detach failed in the host; receipt kept",
-                       self->model_id);
-        PyErr_Clear();
+        PyObject *cause = take_cause();
+        if (cause == NULL) {
+            return NULL;
+        }
+        cs_log_warning("comfy_standin: detach of model %R failed in the "
+                       "host: %S; receipt kept",
+                       self->model_id, cause);
+        Py_DECREF(cause);
     }
     return Py_NewRef(self->module);
 }
@@ -1424,14 +1702,14 @@ static PyObject *
 standin_get_load_device(StandInObject *self, void *closure)
 {
     ModuleObject *m = standin_module(self);
-    return m ? Py_NewRef(m->load_device) : Py_NewRef(Py_None);
+    return Py_NewRef(m && m->load_device ? m->load_device : Py_None);
 }
 
 static PyObject *
 standin_get_offload_device(StandInObject *self, void *closure)
 {
     ModuleObject *m = standin_module(self);
-    return m ? Py_NewRef(m->offload_device) : Py_NewRef(Py_None);
+    return Py_NewRef(m && m->offload_device ? m->offload_device : Py_None);
 }
 
 static PyObject *
@@ -1634,13 +1912,17 @@ static PyMethodDef standin_methods[] = {
     {"partially_unload",
      (PyCFunction)(void (*)(void))standin_partially_unload,
      METH_VARARGS | METH_KEYWORDS,
-     "partially_unload($self, /, device_to, memory_to_free=0, "
+     "partially_unload($self, /, device_to=None, memory_to_free=0, "
      "force_patch_weights=False)\n--\n\nAsks the worker to free; returns "
-     "exactly the bytes freed.  Never raises."},
+     "exactly the bytes freed.  Never raises an Exception (bad arguments "
+     "free nothing); a BaseException propagates."},
     {"detach", (PyCFunction)(void (*)(void))standin_detach,
      METH_VARARGS | METH_KEYWORDS,
      "detach($self, /, unpatch_all=True)\n--\n\nFull offload; idempotent; "
-     "never raises; returns model."},
+     "ignores its arguments; never raises an Exception; returns model."},
+    {"_worker_gone", (PyCFunction)standin_mark_worker_gone, METH_NOARGS,
+     "_worker_gone($self, /)\n--\n\nFor the pool: the worker's process "
+     "died; this stand-in reads 0 and is stale from now on."},
     {"clone", (PyCFunction)(void (*)(void))standin_clone,
      METH_VARARGS | METH_KEYWORDS,
      "clone($self, /, *args, **kwargs)\n--\n\nRaises NotImplementedError."},
@@ -1683,10 +1965,28 @@ static PyType_Spec standin_spec = {
 
 /* ---- state sync: apply_echo, apply_residency ---------------------------- */
 
+/* The module state for the sync functions, or NULL with RuntimeError
+ * once the module was cleared. */
+static cs_module_state *
+sync_state(PyObject *module)
+{
+    cs_module_state *state = cs_state_of_module(module);
+    if (state == NULL || !state->ready) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "comfy_standin._core: the module was cleared; its "
+                        "functions can no longer be used");
+        return NULL;
+    }
+    return state;
+}
+
 static StandInObject *
 as_standin(PyObject *module, PyObject *object, const char *what)
 {
-    cs_module_state *state = cs_state_of_module(module);
+    cs_module_state *state = sync_state(module);
+    if (state == NULL) {
+        return NULL;
+    }
     if (!PyObject_TypeCheck(object, state->standin_type)) {
         PyErr_Format(PyExc_TypeError,
                      "%s: expected a comfy_standin.StandIn (C "
@@ -1702,13 +2002,14 @@ apply_echo(PyObject *module, PyObject *args, PyObject *kwargs)
 {
     static char *keywords[] = {"standin", "resident", "seq", "unmapped",
                                "in_flight", NULL};
-    cs_module_state *state = cs_state_of_module(module);
     PyObject *object, *resident_obj, *seq_obj = Py_None;
     int unmapped = 0, in_flight = 0;
     uint64_t resident, seq_value;
     int64_t seq = CS_SEQ_NONE;
     int code;
 
+    /* "p" runs __bool__ of the flags: user code, before anything is read
+     * from the stand-in.  The arguments are owned by the call. */
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|Opp:apply_echo",
                                      keywords, &object, &resident_obj,
                                      &seq_obj, &unmapped, &in_flight)) {
@@ -1718,6 +2019,7 @@ apply_echo(PyObject *module, PyObject *args, PyObject *kwargs)
     if (s == NULL) {
         return NULL;
     }
+    cs_module_state *state = cs_state_of_module(module);
     code = cs_value_check(resident_obj, s->size, &resident);
     if (code != 0) {
         return cs_value_error(state->echo_error, code, "resident",
@@ -1733,11 +2035,13 @@ apply_echo(PyObject *module, PyObject *args, PyObject *kwargs)
         }
         seq = (int64_t)seq_value;
     }
+    /* The source compares with the receipt the echo replaces, never with
+     * a board reading (docs/semantics.md, "Receipts"). */
     cs_source source = CS_SOURCE_LOAD_ECHO;
     if (unmapped) {
         source = CS_SOURCE_DETACH_ECHO;
     }
-    else if (resident < standin_loaded(s)) {
+    else if (resident < cs_model_loaded(s->record)) {
         source = CS_SOURCE_UNLOAD_ECHO;
     }
     cs_status status = cs_model_apply_echo(s->record, resident, seq, source,
@@ -1745,162 +2049,174 @@ apply_echo(PyObject *module, PyObject *args, PyObject *kwargs)
     return PyBool_FromLong(status == CS_OK);
 }
 
-typedef struct {
-    StandInObject *standin; /* borrowed from the mapping's value */
-    uint64_t resident;
-    int64_t seq;
-    int has_seq;
-} residency_entry;
-
-/* Every value of the map must be a C stand-in filed under its own id,
- * whether or not this census names it: a wrong map is a caller's bug that
- * would otherwise surface only on the census that happens to name it. */
+/* One (key, stand-in) of the map into `table`: the value must be a C
+ * stand-in filed under its own id.  Runs no Python but the reprs of an
+ * error message (on references owned here). */
 static int
-check_standins_map(cs_module_state *state, PyObject *standins)
+table_add(cs_module_state *state, PyObject *table, PyObject *key,
+          PyObject *value)
 {
-    PyObject *items = PyMapping_Items(standins);
-    if (items == NULL) {
-        return -1;
+    int result = -1;
+
+    Py_INCREF(key);
+    Py_INCREF(value);
+    if (!PyObject_TypeCheck(value, state->standin_type)) {
+        PyErr_Format(state->echo_error,
+                     "standins[%R]: expected a comfy_standin.StandIn (C "
+                     "implementation), got %R",
+                     key, value);
+        goto done;
     }
-    int result = 0;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items) && result == 0; i++) {
-        PyObject *pair = PyList_GET_ITEM(items, i);
-        PyObject *key = PyTuple_GET_ITEM(pair, 0);
-        PyObject *value = PyTuple_GET_ITEM(pair, 1);
-        if (!PyObject_TypeCheck(value, state->standin_type)) {
-            PyErr_Format(state->echo_error,
-                         "standins[%R]: expected a comfy_standin.StandIn (C "
-                         "implementation), got %R",
-                         key, value);
-            result = -1;
-            break;
-        }
-        int same = PyUnicode_Check(key)
-                       ? PyUnicode_Compare(((StandInObject *)value)->model_id,
-                                           key)
-                       : 1;
-        if (same == -1 && PyErr_Occurred()) {
-            result = -1;
-        }
-        else if (same != 0) {
-            PyErr_Format(state->echo_error,
-                         "standins[%R]: the stand-in is for model %R", key,
-                         ((StandInObject *)value)->model_id);
-            result = -1;
-        }
+    PyObject *model_id = ((StandInObject *)value)->model_id;
+    /* Compares the characters: no __eq__ of a str subclass runs. */
+    int same = PyUnicode_Check(key) && model_id != NULL
+                   ? PyUnicode_Compare(model_id, key)
+                   : 1;
+    if (same == -1 && PyErr_Occurred()) {
+        goto done;
     }
-    Py_DECREF(items);
+    if (same != 0) {
+        PyErr_Format(state->echo_error,
+                     "standins[%R]: the stand-in is for model %R", key,
+                     model_id ? model_id : Py_None);
+        goto done;
+    }
+    PyObject *exact = PyUnicode_FromObject(key);
+    if (exact == NULL) {
+        goto done;
+    }
+    result = PyDict_SetItem(table, exact, value);
+    Py_DECREF(exact);
+done:
+    Py_DECREF(key);
+    Py_DECREF(value);
     return result;
+}
+
+/* Reads the map once into a private dict {exact id: stand-in}: an exact
+ * dict from its storage, any other Mapping through its items() (the only
+ * user code of the map that runs).  Every value must be a C stand-in
+ * filed under its own id, whether or not the census names it: a wrong
+ * map is a caller's bug that would otherwise surface only on the census
+ * that happens to name it.  Returns a new reference or NULL. */
+static PyObject *
+standins_table(cs_module_state *state, PyObject *standins)
+{
+    PyObject *items = NULL, *pairs = NULL, *table = NULL;
+    int is_mapping = PyDict_Check(standins)
+                         ? 1
+                         : PyObject_IsInstance(standins, state->mapping_abc);
+
+    if (is_mapping <= 0) {
+        if (is_mapping == 0) {
+            PyErr_Format(PyExc_TypeError,
+                         "standins: expected a mapping of model id to "
+                         "StandIn, got %R",
+                         standins);
+        }
+        return NULL;
+    }
+    table = PyDict_New();
+    if (table == NULL) {
+        return NULL;
+    }
+    if (PyDict_CheckExact(standins)) {
+        /* table_add owns the pair it is given; PyDict_Next stays in
+         * bounds even if a finalizer changed the dict meanwhile. */
+        PyObject *key, *value;
+        Py_ssize_t pos = 0;
+        while (PyDict_Next(standins, &pos, &key, &value)) {
+            if (table_add(state, table, key, value) < 0) {
+                goto error;
+            }
+        }
+        return table;
+    }
+    items = PyMapping_Items(standins);
+    if (items == NULL) {
+        goto error;
+    }
+    pairs = PySequence_Tuple(items); /* ours: nobody can change it */
+    Py_CLEAR(items);
+    if (pairs == NULL) {
+        goto error;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(pairs); i++) {
+        PyObject *pair = PyTuple_GET_ITEM(pairs, i);
+        if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2) {
+            PyErr_Format(PyExc_TypeError,
+                         "standins.items(): expected (key, value) pairs, "
+                         "got %R",
+                         pair);
+            goto error;
+        }
+        if (table_add(state, table, PyTuple_GET_ITEM(pair, 0),
+                      PyTuple_GET_ITEM(pair, 1)) < 0) {
+            goto error;
+        }
+    }
+    Py_DECREF(pairs);
+    return table;
+error:
+    Py_XDECREF(pairs);
+    Py_DECREF(table);
+    return NULL;
 }
 
 static PyObject *
 apply_residency(PyObject *module, PyObject *args)
 {
-    cs_module_state *state = cs_state_of_module(module);
-    PyObject *standins, *census, *fast = NULL, *seen = NULL, *held = NULL;
-    residency_entry *entries = NULL;
-    PyObject *result = NULL;
-    Py_ssize_t n, applied = 0;
+    cs_module_state *state = sync_state(module);
+    PyObject *standins, *census, *table = NULL, *result = NULL;
+    StandInObject **targets = NULL;
+    cs_census_snapshot snapshot = {0, NULL, NULL};
+    Py_ssize_t applied = 0;
 
-    if (!PyArg_ParseTuple(args, "OO:apply_residency", &standins, &census)) {
+    if (state == NULL ||
+        !PyArg_ParseTuple(args, "OO:apply_residency", &standins, &census)) {
         return NULL;
     }
-    if (!PyMapping_Check(standins) || PyList_Check(standins) ||
-        PyTuple_Check(standins) || PyUnicode_Check(standins) ||
-        PyBytes_Check(standins)) {
-        PyErr_Format(PyExc_TypeError,
-                     "standins: expected a mapping of model id to StandIn, "
-                     "got %R",
-                     standins);
+    /* All user code runs in these two reads (the map's items(), the
+     * census entries' get()); the rest works on exact strs, C stand-ins
+     * held by `table`, and C memory. */
+    table = standins_table(state, standins);
+    if (table == NULL) {
         return NULL;
     }
-    if (check_standins_map(state, standins) < 0) {
-        return NULL;
-    }
-    fast = cs_census_fast(state->echo_error, census);
-    if (fast == NULL) {
-        return NULL;
-    }
-    n = PySequence_Fast_GET_SIZE(fast);
-    entries = PyMem_Calloc(n ? (size_t)n : 1, sizeof(*entries));
-    seen = PySet_New(NULL);
-    held = PyList_New(0); /* keeps the looked-up stand-ins alive */
-    if (entries == NULL || seen == NULL || held == NULL) {
-        if (entries == NULL) {
-            PyErr_NoMemory();
-        }
+    if (cs_census_snapshot_take(state, census, &snapshot) < 0) {
         goto done;
     }
-    /* Validate everything first; nothing is written until all is good. */
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *id, *value;
-        residency_entry *e = &entries[i];
-        if (cs_decode_census_entry(state,
-                                   PySequence_Fast_GET_ITEM(fast, i), i, &id,
-                                   &e->resident, &e->has_seq, &e->seq) < 0) {
-            goto done;
-        }
-        int dup = PySet_Contains(seen, id);
-        if (dup < 0) {
-            goto done;
-        }
-        if (dup) {
-            PyErr_Format(state->echo_error,
-                         "census[%zd]['id']: duplicate model id %R", i, id);
-            goto done;
-        }
-        if (PySet_Add(seen, id) < 0) {
-            goto done;
-        }
-        value = PyObject_GetItem(standins, id);
-        if (value == NULL) {
-            if (!PyErr_ExceptionMatches(PyExc_KeyError)) {
-                goto done;
-            }
-            PyErr_Clear();
-            PyErr_Format(state->echo_error,
-                         "census[%zd]['id']: unknown model id %R (no "
-                         "stand-in for it in the mapping)",
-                         i, id);
-            goto done;
-        }
-        int appended = PyList_Append(held, value);
-        Py_DECREF(value);
-        if (appended < 0) {
-            goto done;
-        }
-        if (!PyObject_TypeCheck(value, state->standin_type)) {
-            PyErr_Format(state->echo_error,
-                         "standins[%R]: expected a comfy_standin.StandIn (C "
-                         "implementation), got %R",
-                         id, value);
-            goto done;
-        }
-        e->standin = (StandInObject *)value;
-        int same = PyUnicode_Compare(e->standin->model_id, id);
-        if (same == -1 && PyErr_Occurred()) {
-            goto done;
-        }
-        if (same != 0) {
-            PyErr_Format(state->echo_error,
-                         "standins[%R]: the stand-in is for model %R", id,
-                         e->standin->model_id);
-            goto done;
-        }
+    targets = PyMem_Calloc((size_t)snapshot.n + 1, sizeof(*targets));
+    if (targets == NULL) {
+        PyErr_NoMemory();
+        goto done;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
+    for (Py_ssize_t i = 0; i < snapshot.n; i++) {
+        /* Exact str in a dict of exact strs: runs no Python. */
+        PyObject *value = PyDict_GetItemWithError(table, snapshot.ids[i]);
+        if (value == NULL) {
+            if (!PyErr_Occurred()) {
+                PyErr_Format(state->echo_error,
+                             "census[%zd]['id']: unknown model id %R (no "
+                             "stand-in for it in the mapping)",
+                             i, snapshot.ids[i]);
+            }
+            goto done;
+        }
+        targets[i] = (StandInObject *)value; /* held by `table` */
+    }
+    for (Py_ssize_t i = 0; i < snapshot.n; i++) {
         bool written = false;
-        residency_entry *e = &entries[i];
-        (void)cs_model_apply_census(e->standin->record, e->has_seq != 0,
-                                    e->seq, e->resident, &written);
+        const cs_census_entry *e = &snapshot.entries[i];
+        (void)cs_model_apply_census(targets[i]->record, e->has_seq, e->seq,
+                                    e->resident, &written);
         applied += written;
     }
     result = PyLong_FromSsize_t(applied);
 done:
-    PyMem_Free(entries);
-    Py_XDECREF(seen);
-    Py_XDECREF(held);
-    Py_XDECREF(fast);
+    PyMem_Free(targets);
+    cs_census_snapshot_release(&snapshot);
+    Py_DECREF(table);
     return result;
 }
 

@@ -608,3 +608,78 @@ def test_stale_standin_never_touches_the_new_generation(impl, pool, s, worker):
     assert receipt(new) == (700, 1, "load echo")
     assert receipt(s) == (0, 3, "worker gone")
     assert s.stale and not new.stale
+
+
+# ---- a forgotten worker's death (issue 8, defect 9) -------------------------
+
+
+@pytest.mark.parametrize("method", ["partially_unload", "detach"])
+def test_forgotten_worker_death_is_recorded_once(
+    impl, pool, s, worker, method
+):
+    """After pool.forget(worker) and the worker's death, the stand-in
+    still learns of it on its eviction path, and the bytes are reported
+    freed once only."""
+    resident(impl, s, 500, seq=1)
+    pool.forget(worker)
+    worker.alive = False
+    first = (s.partially_unload("cpu", 100) if method == "partially_unload"
+             else s.detach())
+    if method == "partially_unload":
+        assert first == 500
+    assert s.stale
+    assert s.loaded_size() == 0
+    assert receipt(s)[2] == "worker gone"
+    assert s.partially_unload("cpu", 100) == 0
+    assert s.partially_unload("cpu", 100) == 0
+    assert impl.apply_echo(s, 300) is False
+    assert s.loaded_size() == 0
+    assert worker.calls == []
+
+
+def test_pool_worker_gone_after_forget_reaches_the_standins(
+    impl, pool, s, worker
+):
+    resident(impl, s, 500, seq=1)
+    pool.forget(worker)
+    worker.alive = False
+    pool.worker_gone(worker)
+    assert s.stale and s.loaded_size() == 0
+    assert impl.apply_echo(s, 300) is False
+    assert s.partially_unload("cpu", 100) == 0
+    assert worker.calls == []
+    assert pool.graveyard_size() == 1  # kept until the boundary
+    pool.boundary()
+    assert pool.graveyard_size() == 0
+
+
+def test_pool_worker_gone_after_forget_spares_a_new_generation(
+    impl, pool, s, worker
+):
+    """A stand-in registered after the forget (new books) dies with the
+    worker too, the old one as well; nothing else is touched."""
+    resident(impl, s, 500, seq=1)
+    pool.forget(worker)
+    other = FakeWorker()
+    t = impl.StandIn(other, 1, "unet", SIZE, "cuda:0", "cpu", pool=pool)
+    resident(impl, t, 700)
+    pool.worker_gone(worker)
+    assert s.stale
+    assert not t.stale and t.loaded_size() == 700
+
+
+@pytest.mark.parametrize("how", ["eviction", "pool"])
+def test_eviction_deferred_clears_when_the_worker_is_gone(
+    impl, pool, s, worker, how
+):
+    resident(impl, s, 500)
+    worker.replies = [TimeoutError("worker busy")]
+    assert s.partially_unload("cpu", 100) == 0
+    assert s.eviction_deferred
+    worker.alive = False
+    if how == "eviction":
+        assert s.partially_unload("cpu", 100) == 500
+    else:
+        pool.worker_gone(worker)
+    assert s.stale
+    assert not s.eviction_deferred

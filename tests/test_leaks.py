@@ -298,6 +298,53 @@ WORKLOADS = {
         c.detach()
         pool.forget(w)
     """, 1500, 2000),
+    "exceptions": ("""
+        import pickle
+        class Text(str):
+            pass
+        class Hostile:
+            def __getattr__(self, name):
+                raise KeyboardInterrupt
+        class Amount:
+            def __float__(self):
+                raise RuntimeError("no amount")
+        def pressure(shortfall):
+            raise LookupError("x")
+        pool.on_pressure = pressure
+        for raised in (KeyboardInterrupt(), TimeoutError()):
+            w = Worker()
+            s = cs.StandIn(w, 1, Text("m"), 1000, "cuda:0", "cpu",
+                           pool=pool)
+            s.model_id.back = s  # a cycle through the id
+            cs.apply_echo(s, 800, seq=1)
+            w.send_command = lambda *a, raised=raised, **k: (_ for _ in
+                                                              ()).throw(raised)
+            for call in (lambda: s.partially_unload("cpu", 100), s.detach,
+                         lambda: s.partially_load("cuda:0", 1)):
+                try:
+                    call()
+                except BaseException:
+                    pass
+            del w.send_command  # the class's again
+            s.partially_unload("cpu", Amount())
+            s.partially_unload(1, 2, 3, 4)
+            s.detach(1, 2, 3)
+            try:
+                pickle.dumps(s.clone_base_uuid, 0)
+            except TypeError:
+                pass
+        try:
+            cs.StandIn(Hostile(), 1, "h", 1000, "cuda:0", "cpu", pool=pool)
+        except KeyboardInterrupt:
+            pass
+        w = Worker()
+        s = cs.StandIn(w, 1, "f", 1000, "cuda:0", "cpu", pool=pool)
+        cs.apply_echo(s, 800)
+        pool.forget(w)
+        w.alive = False
+        pool.worker_gone(w)
+        s.partially_unload("cpu", 100)
+    """, 2500, 3000),
     "records": ("""
         ledger = cs.Ledger(floor=0)
         books = ledger.worker(Worker(), 1)

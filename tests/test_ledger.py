@@ -700,3 +700,141 @@ def test_boundary_forgets_gone_workers_nobody_holds(impl, make_worker):
     del s2
     pool.boundary()
     assert pool._ledger.keys() == [alive]
+
+
+# ---- a dead worker forgotten before the next reserve (issue 8, defect 6) --
+
+
+class _Worker:
+    def __init__(self) -> None:
+        self.alive = True
+
+    def send_command(self, command, **kwargs):
+        return {}
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize("how", ["worker_gone", "eviction"])
+def test_reserve_shrinks_after_a_dead_worker_is_forgotten(impl, how):
+    """Death is a release; boundary() forgetting the worker before the
+    next reserve must not lose it (the reserve stayed at 9 GiB in C)."""
+    import gc
+
+    pool = impl.Pool(floor=0, process_local=True)
+    w = _Worker()
+    s = impl.StandIn(w, 1, "big", 8 * GIB, "cuda:0", "cpu", pool=pool)
+    impl.apply_echo(s, 8 * GIB)
+    assert pool.reserve("cuda:0", GIB, total=0) == 9 * GIB
+    w.alive = False
+    if how == "worker_gone":
+        pool.worker_gone(w)
+    else:
+        assert s.partially_unload("cpu", GIB) == 8 * GIB
+    del s
+    gc.collect()
+    pool.boundary()  # drops the graveyard, then forgets the dead worker
+    assert pool.worker_charges() == {}
+    assert pool._ledger.keys() == []
+    assert pool.reserve("cuda:0", GIB, total=0) == GIB
+
+
+def test_forgetting_a_live_worker_is_not_a_release(impl):
+    pool = impl.Pool(floor=0, process_local=True)
+    w = _Worker()
+    s = impl.StandIn(w, 1, "big", 8 * GIB, "cuda:0", "cpu", pool=pool)
+    impl.apply_echo(s, 8 * GIB)
+    assert pool.reserve("cuda:0", GIB, total=0) == 9 * GIB
+    pool.forget(w)
+    # Nothing said the bytes are back: the reserve holds.
+    assert pool.reserve("cuda:0", GIB, total=0) == 9 * GIB
+    assert s.loaded_size() == 8 * GIB
+
+
+def test_ledger_forget_keeps_a_pending_release(impl):
+    ledger = impl.Ledger(floor=0)
+    key = object()
+    books = ledger.worker(key, 1)
+    record = books.register("m", 100, 1)
+    books.set_report(held=100)
+    assert ledger.reserve(0, 0, True) == 100
+    books.gone()  # a release nobody has seen yet
+    ledger.forget(key)
+    assert ledger.reserve(0, 0, True) == 0
+    del record
+
+
+# ---- unhashable workers: the pool keys workers by identity (defect 10) ----
+
+
+def _unhashable_worker():
+    import dataclasses
+
+    @dataclasses.dataclass(eq=True)
+    class DataWorker:
+        name: str
+        pid: int = 4242
+        alive: bool = True
+
+        def send_command(self, command, **kwargs):
+            return {"freed": 0}
+
+        def is_alive(self) -> bool:
+            return self.alive
+
+    return DataWorker
+
+
+def test_unhashable_workers_everywhere_in_the_pool(impl):
+    DataWorker = _unhashable_worker()
+    a, b = DataWorker("same"), DataWorker("same")  # equal, not identical
+    with pytest.raises(TypeError):
+        hash(a)
+    pool = impl.Pool(floor=FLOOR, process_local=True)
+    sa = impl.StandIn(a, 1, "m", 1000, "cuda:0", "cpu", pool=pool)
+    sb = impl.StandIn(b, 1, "m", 1000, "cuda:0", "cpu", pool=pool)
+    impl.apply_echo(sa, 100)
+    impl.apply_echo(sb, 200)
+    charges = pool.worker_charges()
+    assert len(charges) == 2
+    assert charges[a] == 100 + FLOOR and charges[b] == 200 + FLOOR
+    assert a in charges and DataWorker("same") not in charges
+    assert charges.get(DataWorker("other"), "none") == "none"
+    assert list(charges) == [a, b] or list(charges) == [b, a]
+    details = pool.charge_details()
+    assert details[a]["sum_loaded"] == 100
+    assert details[b]["sum_loaded"] == 200
+    assert pool.standins()[a] == [sa]
+    assert pool.standins()[b] == [sb]
+    probe = {"devices": [{"index": 0, "processes": {4242: 5000}}]}
+    readings = pool.update_readings(probe)
+    assert readings[a] == 5000 and readings[b] == 5000
+    assert pool.boundary() == []
+    pool.worker_gone(a)
+    assert pool.worker_charges()[a] == 0
+    del sa
+    import gc
+
+    gc.collect()
+    pool.boundary()
+    assert a not in pool.worker_charges()
+    assert pool.worker_charges()[b] == 5000 + FLOOR
+
+
+def test_worker_map_compares_as_a_dict(impl):
+    pool = impl.Pool(floor=0, process_local=True)
+    w = _Worker()
+    s = impl.StandIn(w, 1, "m", 1000, "cuda:0", "cpu", pool=pool)
+    impl.apply_echo(s, 10)
+    charges = pool.worker_charges()
+    assert charges == {w: 10}
+    assert {w: 10} == charges
+    assert charges != {w: 11}
+    assert charges != {_Worker(): 10}
+    assert dict(charges) == {w: 10}
+    assert dict(charges.items()) == {w: 10}
+    assert "WorkerMap" in repr(charges)

@@ -171,3 +171,131 @@ def test_reserve_cap_from_the_probe(stub_env):
     # cuda:0 is capped at 75% of the probed card; cuda:7 has no probed
     # total, so no cap: base + 40 GiB
     assert results == [(cap, 41 * GiB), (cap, 41 * GiB)]
+
+
+# ---- "no per-process readings" -----------------------------------------
+
+
+def refused(processes_error="unknown process entry layout"):
+    """A device whose process list the probe could not read or refused."""
+    return {"index": 0, "total": 24 * GiB, "free": 10 * GiB,
+            "processes": None, "processes_truncated": False,
+            "processes_error": processes_error}
+
+
+def test_no_per_process_readings_leaves_the_held_figure(impl):
+    pool = impl.Pool(floor=0, process_local=True)
+    w = PidWorker(101)
+    keep = impl.StandIn(w, 1, "m", 8 * GiB, "cuda:0", "cpu", pool=pool)
+    pool.report(w, {"held": 1 * GiB})
+    assert pool.update_readings(probe_result([{101: 6 * GiB}])) == {
+        w: 6 * GiB
+    }
+    assert pool.charge_details()[w]["charge"] == 6 * GiB
+    # The list is now unreadable (a layout the probe refused): the old
+    # reading is no floor any more, the worker's own figure stands.
+    assert pool.update_readings({"devices": [refused()]}) == {}
+    details = pool.charge_details()[w]
+    assert details["reading"] == 0
+    assert details["held_from_reading"] is False
+    assert details["charge"] == 1 * GiB
+    assert keep.stale is False
+
+
+def test_a_truncated_or_absent_list_is_no_reading_either(impl):
+    pool = impl.Pool(floor=0)
+    w = PidWorker(101)
+    keep = impl.StandIn(w, 1, "m", 8 * GiB, "cuda:0", "cpu", pool=pool)
+    for unreadable in (
+        {"devices": [{"processes": {5: 1}, "processes_truncated": True}]},
+        {"nvml": {"loaded": False}, "devices": []},
+        {"devices": [{"index": 0}]},  # no "processes" at all
+    ):
+        pool.update_readings(probe_result([{101: 6 * GiB}]))
+        assert pool.charge_details()[w]["reading"] == 6 * GiB
+        assert pool.update_readings(unreadable) == {}
+        assert pool.charge_details()[w]["reading"] == 0, unreadable
+    assert keep.stale is False
+
+
+def test_readable_devices_still_floor_beside_an_unreadable_one(impl):
+    pool = impl.Pool(floor=0)
+    w1, w2 = PidWorker(101), PidWorker(202)
+    keep = [
+        impl.StandIn(w, 1, f"m{i}", 8 * GiB, "cuda:0", "cpu", pool=pool)
+        for i, w in enumerate((w1, w2))
+    ]
+    pool.update_readings(probe_result([{101: 1 * GiB, 202: 2 * GiB}]))
+    result = probe_result([{101: 3 * GiB}])
+    result["devices"].append(refused())
+    # w1's bytes on the readable card are a true lower bound; w2 is on no
+    # readable list: no floor.
+    assert pool.update_readings(result) == {w1: 3 * GiB}
+    details = pool.charge_details()
+    assert details[w1]["reading"] == 3 * GiB
+    assert details[w2]["reading"] == 0
+    assert len(keep) == 2
+
+
+# The pool on the real probe: the stub NVML writes 32-byte entries (a
+# driver of the R535.54 era) for 49 processes, one of them this process;
+# then a device whose entries match no layout.
+REAL_PROBE = textwrap.dedent(
+    """
+    import os
+    import comfy_standin as cs
+    from comfy_standin import _reference as ref
+    out = []
+    for impl in (cs, ref):
+        pool = impl.Pool(floor=0)
+        class W:
+            pid = os.getpid()
+            def send_command(self, c, **k): return {}
+            def is_alive(self): return True
+        w = W()
+        s = impl.StandIn(w, 1, "m", 40 << 30, "cuda:0", "cpu", pool=pool)
+        pool.report(w, {"held": 1 << 30})
+        first = pool.update_readings(pid_of=lambda worker: os.getpid())
+        charge = pool.charge_details()[w]["charge"]
+        # pid_of names a pid only the refused device lists
+        second = pool.update_readings(pid_of=lambda worker: 4242)
+        out.append((first[w], charge, second,
+                    pool.charge_details()[w]["reading"]))
+    print(repr(out))
+    """
+)
+
+
+def test_pool_on_a_32_byte_driver_and_a_refused_list(stub_env):
+    root, cuda, nvml = stub_env
+    script = root / "layouts.txt"
+    lines = [
+        "devices 2",
+        f"total 0 {24 * GiB}", "free 0 10000000000", "proc_layout 0 32",
+        "procs 0 48 70000 1048576",
+        f"total 1 {24 * GiB}", "free 1 10000000000", "proc_layout 1 20",
+        "proc 1 4242 1048576",
+    ]
+    script.write_text("\n".join(lines) + "\n")
+    env = dict(os.environ)
+    env.update(
+        COMFY_STANDIN_LIBCUDA=str(cuda),
+        COMFY_STANDIN_LIBNVML=str(nvml),
+        CS_STUB_SCRIPT=str(script),
+    )
+    # The subprocess's own pid is unknown in advance: it adds itself.
+    code = (
+        "import os, pathlib\n"
+        f"p = pathlib.Path({str(script)!r})\n"
+        "p.write_text(p.read_text() + "
+        "'proc 0 %d %d\\n' % (os.getpid(), 3 << 30))\n" + REAL_PROBE
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True,
+        text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    results = eval(out.stdout)  # noqa: S307 (our own repr)
+    # 3 GiB read exactly from the 32-byte list (its 49th entry) and
+    # floors the 1 GiB report; then no reading from the refused list.
+    assert results == [(3 * GiB, 3 * GiB, {}, 0)] * 2

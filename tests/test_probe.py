@@ -191,6 +191,8 @@ def test_every_field_from_both_libraries(tmp_path, stubs):
             "free": 1000,
             "processes": {777: 5 * GiB},
             "processes_truncated": False,
+            "processes_error": None,
+            "process_entry_size": 24,
             "source": "nvml",
             "error": None,
         },
@@ -204,6 +206,8 @@ def test_every_field_from_both_libraries(tmp_path, stubs):
             # NVML_VALUE_NOT_AVAILABLE reads as None, not 2**64-1.
             "processes": {1234: 1 << 20, 42: None},
             "processes_truncated": False,
+            "processes_error": None,
+            "process_entry_size": 24,
             "source": "nvml",
             "error": None,
         },

@@ -29,7 +29,9 @@ def probe_test(tmp_path_factory):
     return binary, cuda, nvml
 
 
-@pytest.mark.parametrize("scenario", ["full", "disabled", "missing"])
+@pytest.mark.parametrize(
+    "scenario", ["full", "disabled", "missing", "layouts", "options"]
+)
 def test_probe_core(probe_test, tmp_path, scenario):
     binary, cuda, nvml = probe_test
     completed = subprocess.run(

@@ -295,9 +295,13 @@ def test_dunder_attribute_error_is_plain(standin, name):
     assert "contract" not in str(info.value)
 
 
-@pytest.mark.parametrize("obj", ["standin", "inner"])
+@pytest.mark.parametrize("obj", ["standin", "inner", "sentinel"])
 def test_copy_and_pickle_refuse(standin, obj):
-    target = standin if obj == "standin" else standin.model
+    target = {
+        "standin": standin,
+        "inner": standin.model,
+        "sentinel": standin.clone_base_uuid,
+    }[obj]
     for attempt in (
         copy.copy,
         copy.deepcopy,
@@ -583,3 +587,11 @@ def test_register_finalizer_cleans_up(impl, make_standin):
     gc.collect()
     assert mm.cleanups == [1]
     assert mm.current_loaded_models == []
+
+
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+def test_sentinel_refused_at_dump_for_every_protocol(standin, protocol):
+    """Protocols 0 and 1 reduce through copyreg: refused at dump, not
+    produced and then failing on load."""
+    with pytest.raises(TypeError, match="cannot pickle"):
+        pickle.dumps(standin.clone_base_uuid, protocol=protocol)

@@ -130,7 +130,8 @@ uint64_t cs_ledger_floor(const cs_ledger *ledger);
  * caller's), the ledger keeps its own.  NULL on ENOMEM. */
 cs_worker *cs_ledger_add_worker(cs_ledger *ledger, uint64_t generation);
 /* Drops the worker from the ledger's books (no further charges) and empties
- * its table.  The caller's references stay valid. */
+ * its table.  A release it marked and no reserve has seen yet stays with
+ * the ledger.  The caller's references stay valid. */
 void cs_ledger_forget_worker(cs_ledger *ledger, cs_worker *worker);
 size_t cs_ledger_worker_count(cs_ledger *ledger);
 
@@ -162,6 +163,10 @@ cs_status cs_worker_bump_generation(cs_worker *worker, uint64_t generation);
 /* The process died: every model reads 0 ("worker gone"), calls in flight
  * and the report are cleared, the worker charges nothing.  Idempotent. */
 void cs_worker_gone(cs_worker *worker);
+/* This model's process died: it reads 0 ("worker gone"), its peak and
+ * deferred flag clear and it is stale, whether or not it is still in its
+ * worker's table (a forgotten worker's models are not).  Idempotent. */
+void cs_model_gone(cs_model *model);
 
 /* In-flight bracketing of a worker call (DESIGN.md 3.5).  end_call without
  * a matching begin_call returns CS_ERR_STATE and changes nothing. */

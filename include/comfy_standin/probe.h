@@ -18,12 +18,24 @@
  *     (cuGetProcAddress, else the explicit _v2 names);
  *   - nothing fails loudly: every failure becomes a message in the result.
  *
- * Environment, read once on the first call:
+ * Environment (see cs_probe_options), used once, by the first call:
  *   COMFY_STANDIN_LIBCUDA        path of the CUDA driver library to load
  *   COMFY_STANDIN_LIBNVML        path of the NVML library to load
  *   COMFY_STANDIN_PROBE_DISABLE  non-empty and not "0": load nothing, both
  *                                libraries read "not loaded", reason
  *                                "disabled"
+ * The environment is read only by cs_probe_options_from_environment()
+ * (and cs_probe_run(), which calls it): a caller that shares the process
+ * with threads writing the environment (Python's os.environ) reads it
+ * while it holds its own lock and hands the copy to cs_probe_run_with().
+ *
+ * Driver structs: no layout is assumed that was not measured.  The
+ * process list's entry size differs between drivers of the same API
+ * version (16, 24 and 32 bytes are all seen in the field), so every call
+ * measures it (a sentinel-filled buffer: how far the driver wrote for the
+ * entries it reports) and cross-checks the entries; a list that fits no
+ * known layout is reported unreadable, with the reason in
+ * processes_error, never decoded.
  *
  * Thread safety: cs_probe_run() may be called from any number of threads
  * at once, with or without the GIL.  Loading and the device table (names,
@@ -43,7 +55,7 @@
 extern "C" {
 #endif
 
-#define CS_PROBE_ABI_VERSION 1
+#define CS_PROBE_ABI_VERSION 2
 
 /* Fixed bounds keep the result a plain struct the caller can place
  * anywhere.  A machine beyond them is reported truncated, never wrong. */
@@ -100,6 +112,12 @@ typedef struct cs_probe_device {
     bool processes_truncated;
     size_t process_count;
     cs_probe_process processes[CS_PROBE_MAX_PROCESSES];
+    /* The entry size measured in the driver's answer (16, 24 or 32), 0
+     * when there was nothing to measure or the list was not read. */
+    uint32_t process_entry_size;
+    /* Why there are no per-process readings (has_processes false), ""
+     * when the list was read. */
+    char processes_error[CS_PROBE_MESSAGE_SIZE];
     /* The first failure reading this device, "" when none. */
     char error[CS_PROBE_MESSAGE_SIZE];
 } cs_probe_device;
@@ -113,11 +131,36 @@ typedef struct cs_probe_result {
     uint64_t elapsed_ns; /* how long this call took (monotonic clock) */
 } cs_probe_result;
 
+/* What the environment says, copied: the first call's options decide
+ * what is loaded (later calls' options are ignored). */
+typedef struct cs_probe_options {
+    bool disable;            /* COMFY_STANDIN_PROBE_DISABLE set */
+    /* Library paths to load instead of the default names ("" none), in
+     * the platform's narrow encoding (UTF-8 on Windows).  *_too_long: the
+     * variable was set but did not fit; that library is then not loaded,
+     * and says so. */
+    char libcuda[CS_PROBE_PATH_SIZE];
+    bool libcuda_too_long;
+    char libnvml[CS_PROBE_PATH_SIZE];
+    bool libnvml_too_long;
+} cs_probe_options;
+
+/* Reads the three variables into *out.  The only function of the probe
+ * that reads the C runtime's environment (on Windows the loader also
+ * expands %ProgramFiles%, through the OS call that holds the process
+ * environment lock). */
+void cs_probe_options_from_environment(cs_probe_options *out);
+
 /* Fills *out.  Never fails: what could not be read is flagged and said
  * in the error fields.  The first call in a process loads the libraries
- * (slow: cuInit can take a few hundred milliseconds); later calls read
- * only what changes (free memory, processes).  The result is about 40 KiB:
- * prefer the heap on small thread stacks. */
+ * as `options` say (slow: cuInit can take a few hundred milliseconds);
+ * later calls read only what changes (free memory, processes).  The
+ * result is about 45 KiB: prefer the heap on small thread stacks.
+ * options NULL: no variable set. */
+void cs_probe_run_with(const cs_probe_options *options,
+                       cs_probe_result *out);
+
+/* cs_probe_run_with() with the options read from the environment now. */
 void cs_probe_run(cs_probe_result *out);
 
 const char *cs_probe_source_name(cs_probe_source source);

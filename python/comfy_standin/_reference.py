@@ -72,44 +72,80 @@ class WorkerGoneError(RuntimeError):
 
 
 def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    # By the real type: isinstance() would believe a __class__ property.
+    kind = type(value)
+    return issubclass(kind, int) and not issubclass(kind, bool)
+
+
+def _as_int(value: object) -> int | None:
+    """An int (subclass or not) as an exact int read from its digits, or
+    None: no __index__, __int__ or comparison of the caller's runs."""
+    return int.__index__(value) if _is_int(value) else None  # type: ignore
+
+
+def _is_str(value: object) -> bool:
+    return issubclass(type(value), str)
+
+
+def _exact_str(value: str) -> str:
+    """An exact str copy of a str (subclass or not): hashing or comparing
+    it never runs the caller's code."""
+    return str.__str__(value)
+
+
+def _utf8_ok(value: str) -> bool:
+    try:
+        str.encode(value, "utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _host_bytes(field: str, value: object) -> int:
     """A byte value given by the host: TypeError / ValueError."""
-    if not _is_int(value):
+    number = _as_int(value)
+    if number is None:
         raise TypeError(f"{field}: expected {_BYTES}, got {value!r}")
-    if not 0 <= value <= VALUE_MAX:  # type: ignore[operator]
+    if not 0 <= number <= VALUE_MAX:
         raise ValueError(f"{field}: expected {_BYTES}, got {value!r}")
-    return int(value)  # type: ignore[call-overload]
+    return number
 
 
 def _host_id(field: str, value: object) -> str:
-    if not isinstance(value, str):
+    if not _is_str(value):
         raise TypeError(f"{field}: expected a non-empty str, got {value!r}")
-    if not value:
+    if str.__len__(value) == 0:  # type: ignore[arg-type]
         raise ValueError(f"{field}: expected a non-empty str, got {value!r}")
-    return str(value)
+    # The id travels as UTF-8 (the C core's table, the board, the worker's
+    # transport): a lone surrogate has no UTF-8 form.
+    if not _utf8_ok(value):  # type: ignore[arg-type]
+        raise ValueError(
+            f"{field}: expected a str encodable as UTF-8 (no lone "
+            f"surrogates), got {value!r}"
+        )
+    return _exact_str(value)  # type: ignore[arg-type]
 
 
 def _echo_bytes(field: str, value: object, size: int | None = None) -> int:
     """A byte value that came from a worker: EchoError."""
-    if not _is_int(value) or not 0 <= value <= VALUE_MAX:  # type: ignore
+    number = _as_int(value)
+    if number is None or not 0 <= number <= VALUE_MAX:
         raise EchoError(f"{field}: expected {_BYTES}, got {value!r}")
-    if size is not None and value > size:  # type: ignore[operator]
+    if size is not None and number > size:
         raise EchoError(
             f"{field}: expected an int in [0, {size}] (the model's size), "
             f"got {value!r}"
         )
-    return int(value)  # type: ignore[call-overload]
+    return number
 
 
 def _echo_seq(field: str, value: object) -> int | None:
     if value is None:
         return None
-    if not _is_int(value) or not 0 <= value <= VALUE_MAX:  # type: ignore
+    number = _as_int(value)
+    if number is None or not 0 <= number <= VALUE_MAX:
         raise EchoError(f"{field}: expected None or {_BYTES}, got {value!r}")
-    return int(value)  # type: ignore[call-overload]
+    return number
 
 
 def _saturate(value: int) -> int:
@@ -128,13 +164,24 @@ def _request(value: object, limit: int) -> int:
         return limit if value <= 0 or value >= limit else value
     try:
         number = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError, OverflowError):
+    except Exception:  # noqa: BLE001 -- an unreadable amount: everything
         return limit
     if math.isnan(number) or math.isinf(number):
         return limit
     if number <= 0 or number >= limit:
         return limit
     return min(limit, math.ceil(number))
+
+
+def _describe(exc: BaseException) -> str:
+    """"TimeoutError: worker busy" (the type alone for an empty message):
+    the cause every log line of the command paths carries."""
+    name = type(exc).__name__
+    try:
+        text = str(exc)
+    except Exception:  # noqa: BLE001 -- a log line must not raise
+        text = "<str() failed>"
+    return f"{name}: {text}" if text else name
 
 
 def _bad_type(field: str, expected: str, value: object) -> NoReturn:
@@ -284,6 +331,15 @@ class ModelRecord:
         with self.books._lock:
             self._deferred = True
 
+    def gone(self) -> None:
+        """This model's process died, whether or not its books still hold
+        it in their table (a forgotten worker's do not): receipt 0 /
+        "worker gone" (seq kept), peak 0, not deferred.  Idempotent."""
+        with self.books._lock:
+            loaded, _, _, source = self._receipt
+            if source != "worker gone" or loaded or self._peak:
+                self._write_locked(0, None, "worker gone", 0)
+
 
 class WorkerBooks:
     """One worker's books: generation, liveness, calls in flight, its last
@@ -385,7 +441,9 @@ class WorkerBooks:
             return record
 
     def find(self, model_id: str) -> ModelRecord | None:
-        return self._table.get(model_id)
+        if not _is_str(model_id) or not _utf8_ok(model_id):
+            return None
+        return self._table.get(_exact_str(model_id))
 
     def _bump_locked(self, generation: int) -> None:
         for record in list(self._table.values()):
@@ -467,8 +525,15 @@ class WorkerBooks:
             self._reading = used
 
     def apply_census(self, census: object) -> int:
+        # Read and checked whole before the lock: the caller's code (a
+        # mapping entry's get()) may call back into these books.
+        snapshot = _census_snapshot(census)
         with self._lock:
-            entries = _decode_census(census, self._table.get)
+            entries = _census_targets(
+                snapshot,
+                self._table.get,
+                " (no stand-in is registered for it on this worker)",
+            )
             if not self._alive:
                 return 0
             in_flight = self._in_flight > 0
@@ -611,39 +676,49 @@ class Ledger:
 # ---- receipts -------------------------------------------------------------
 
 
-def _decode_census(
-    census: object,
-    lookup: Callable[[str], Any],
-    path: str = "census",
-) -> list[tuple[Any, int, int | None]]:
-    """Validate a whole census; [(target, resident, seq)] or EchoError.
+def _census_snapshot(
+    census: object, path: str = "census"
+) -> list[tuple[str, int, int | None]]:
+    """Read a whole census, then check it whole: [(exact id, resident,
+    seq)] or EchoError naming the first bad field.
 
-    `lookup(id)` finds the target of an id, None when unknown."""
-    if not isinstance(census, (list, tuple)):
+    The caller's code (a mapping entry's ``get``, a str-subclass key's
+    ``__eq__``) runs only while reading, before anything is checked, looked
+    up or applied; the ids returned are exact strs."""
+    if isinstance(census, list):
+        items = tuple(list.__iter__(census))  # not an overridden __iter__
+    elif isinstance(census, tuple):
+        items = tuple(tuple.__iter__(census))
+    else:
         raise EchoError(
             f"{path}: expected a list or tuple of mappings, got {census!r}"
         )
+    read = []
+    for index, entry in enumerate(items):
+        if type(entry) is not dict and not isinstance(entry, Mapping):
+            raise EchoError(
+                f"{path}[{index}]: expected a mapping, got {entry!r}"
+            )
+        read.append(tuple(entry.get(key) for key in _CENSUS_KEYS))
     seen: dict[str, int] = {}
     entries = []
-    for index, entry in enumerate(census):
+    for index, (model_id, resident, seq, device) in enumerate(read):
         where = f"{path}[{index}]"
-        if not isinstance(entry, Mapping):
-            raise EchoError(f"{where}: expected a mapping, got {entry!r}")
-        if "id" not in entry:
-            raise EchoError(f"{where}['id']: missing (a non-empty str)")
-        model_id = entry["id"]
-        if not isinstance(model_id, str) or not model_id:
+        if not _is_str(model_id) or str.__len__(model_id) == 0:
             raise EchoError(
                 f"{where}['id']: expected a non-empty str, got {model_id!r}"
             )
-        if "resident" not in entry:
-            raise EchoError(f"{where}['resident']: missing ({_BYTES})")
-        resident = _echo_bytes(f"{where}['resident']", entry["resident"])
-        seq = _echo_seq(f"{where}['seq']", entry.get("seq"))
-        device = entry.get("device")
-        if device is not None and not isinstance(device, str):
+        resident = _echo_bytes(f"{where}['resident']", resident)
+        seq = _echo_seq(f"{where}['seq']", seq)
+        if device is not None and not _is_str(device):
             raise EchoError(
                 f"{where}['device']: expected None or a str, got {device!r}"
+            )
+        model_id = _exact_str(model_id)
+        if not _utf8_ok(model_id):
+            raise EchoError(
+                f"{where}['id']: not encodable as UTF-8 (a lone "
+                f"surrogate), so no stand-in has it: {model_id!r}"
             )
         if model_id in seen:
             raise EchoError(
@@ -651,9 +726,29 @@ def _decode_census(
                 f"(also {path}[{seen[model_id]}])"
             )
         seen[model_id] = index
+        entries.append((model_id, resident, seq))
+    return entries
+
+
+_CENSUS_KEYS = ("id", "resident", "seq", "device")
+
+
+def _census_targets(
+    snapshot: list[tuple[str, int, int | None]],
+    lookup: Callable[[str], Any],
+    where: str,
+    path: str = "census",
+) -> list[tuple[Any, int, int | None]]:
+    """[(target, resident, seq)] for a checked census; `lookup(id)` (by
+    exact str) finds the target, None when unknown (EchoError)."""
+    entries = []
+    for index, (model_id, resident, seq) in enumerate(snapshot):
         target = lookup(model_id)
         if target is None:
-            raise EchoError(f"{where}['id']: unknown model id {model_id!r}")
+            raise EchoError(
+                f"{path}[{index}]['id']: unknown model id {model_id!r}"
+                f"{where}"
+            )
         entries.append((target, resident, seq))
     return entries
 
@@ -685,12 +780,16 @@ def apply_echo(
     Always written (a reply is the newest word; ``seq=None`` keeps the
     receipt's seq).  Returns False, writing nothing, for a stale stand-in
     or a gone worker."""
+    unmapped = bool(unmapped)  # the caller's __bool__ runs first, as in C
+    in_flight = bool(in_flight)
     if not isinstance(standin, StandIn):
         _bad_type("standin", f"a StandIn of {__name__}", standin)
     record = standin._record
     resident = _echo_bytes("resident", resident, record.size)
     seq = _echo_seq("seq", seq)
-    return record.echo(resident, seq, None, bool(unmapped), bool(in_flight))
+    # The source compares with the receipt the echo replaces, never with a
+    # board reading (docs/semantics.md, "Receipts").
+    return record.echo(resident, seq, None, unmapped, in_flight)
 
 
 def raise_peak(standin: StandIn, resident: object) -> bool:
@@ -711,27 +810,48 @@ def raise_peak(standin: StandIn, resident: object) -> bool:
         return True
 
 
+def _standins_table(standins: object) -> dict[str, StandIn]:
+    """The map read once through its ``items()`` (the only code of the
+    map's that runs) into {exact id: stand-in}.  Every value must be a
+    stand-in filed under its own id, named by the census or not."""
+    if not isinstance(standins, Mapping):
+        _bad_type("standins", "a mapping of model id to StandIn", standins)
+    table: dict[str, StandIn] = {}
+    for pair in tuple(standins.items()):
+        if type(pair) is not tuple or len(pair) != 2:
+            raise TypeError(
+                f"standins.items(): expected (key, value) pairs, got {pair!r}"
+            )
+        key, standin = pair
+        if not isinstance(standin, StandIn):
+            raise EchoError(
+                f"standins[{key!r}]: expected a StandIn of {__name__}, "
+                f"got {standin!r}"
+            )
+        model_id = standin._record.model_id
+        # Compares the characters: no __eq__ of a str subclass runs.
+        if not _is_str(key) or not str.__eq__(key, model_id):
+            raise EchoError(
+                f"standins[{key!r}]: the stand-in is for model {model_id!r}"
+            )
+        table[_exact_str(key)] = standin
+    return table
+
+
 def apply_residency(standins: Mapping[str, StandIn], census: object) -> int:
     """Apply a node-boundary census to stand-ins; returns entries applied.
 
     Call it at a node boundary, never inside ComfyUI's ``free_memory``
     (which snapshots sort keys, then re-reads them).  All or nothing: any
     problem raises EchoError and changes nothing.  Ids the census lacks
-    keep their receipts (missing means unknown, not zero)."""
-    if not isinstance(standins, Mapping):
-        _bad_type("standins", "a mapping of id -> StandIn", standins)
-    for key, standin in standins.items():
-        if not isinstance(standin, StandIn):
-            raise EchoError(
-                f"standins[{key!r}]: expected a StandIn of {__name__}, "
-                f"got {standin!r}"
-            )
-        if key != standin._record.model_id:
-            raise EchoError(
-                f"standins[{key!r}]: the key is not the stand-in's model "
-                f"id {standin._record.model_id!r}"
-            )
-    entries = _decode_census(census, standins.get)
+    keep their receipts (missing means unknown, not zero).  The map and
+    the census are each read once, before anything is looked up: the map
+    is never indexed, so a defaultdict gains no key."""
+    table = _standins_table(standins)
+    entries = _census_targets(
+        _census_snapshot(census), table.get, " (no stand-in for it in the "
+        "mapping)"
+    )
     applied = 0
     for standin, resident, seq in entries:
         record = standin._record
@@ -1166,16 +1286,27 @@ class StandIn:
     # ---- commands --------------------------------------------------------
 
     def _is_alive(self) -> bool:
+        """An is_alive() that raises an Exception counts as alive, on every
+        path (the send decides); a BaseException propagates."""
         try:
             return bool(self._worker.is_alive())
-        except Exception:  # an undecidable probe: treat as alive
+        except Exception as exc:  # an undecidable probe: treat as alive
             log.warning(
                 "comfy_standin: is_alive() of the worker of model %r "
-                "raised; treating it as alive",
+                "raised %s; treating it as alive",
                 self._record.model_id,
-                exc_info=True,
+                _describe(exc),
             )
             return True
+
+    def _worker_gone(self) -> None:
+        """For the pool: the worker's process died (``Pool.worker_gone``,
+        also after ``Pool.forget``); this stand-in reads 0 and is stale
+        from now on.  No call back into the pool; idempotent."""
+        record = self._record
+        if not record.stale:  # never a newer generation's books
+            record.books.gone()
+            record.gone()
 
     def _gone_error(self) -> WorkerGoneError:
         record = self._record
@@ -1194,17 +1325,26 @@ class StandIn:
             "comfy_standin: the worker of model %r is gone",
             record.model_id,
         )
+        # The model's own record and books first: they hold whatever the
+        # pool does, even when the pool forgot the worker already.
+        record.books.gone()
+        record.gone()
         try:
             self._pool.worker_gone(self._worker)
-        finally:
-            record.books.gone()
+        except Exception as exc:  # noqa: BLE001 -- receipts zeroed anyway
+            log.warning(
+                "comfy_standin: pool.worker_gone() for model %r raised %s; "
+                "receipts zeroed anyway",
+                record.model_id,
+                _describe(exc),
+            )
 
-    def _deferred_path(self, what: str, exc: BaseException | None) -> None:
+    def _deferred_path(self, what: str, exc: BaseException) -> None:
         log.warning(
             "comfy_standin: %s of model %r deferred: %s",
             what,
             self._record.model_id,
-            exc,
+            _describe(exc),
         )
         self._record.set_deferred()
 
@@ -1213,19 +1353,25 @@ class StandIn:
         log.warning(
             "comfy_standin: bad reply for model %r: %s",
             self._record.model_id,
-            exc,
+            _describe(exc),
         )
 
     def _pressure(self, wanted: int, freed: int) -> None:
-        callback = getattr(self._pool, "on_pressure", None)
-        if freed >= wanted or callback is None:
+        if freed >= wanted:
+            return
+        try:
+            callback = getattr(self._pool, "on_pressure", None)
+        except Exception:  # noqa: BLE001 -- no usable callback
+            return
+        if callback is None:
             return
         try:
             callback(wanted - freed)
-        except Exception:
-            log.exception(
-                "comfy_standin: on_pressure(%d) raised (ignored)",
+        except Exception as exc:  # noqa: BLE001 -- logged, never raised
+            log.warning(
+                "comfy_standin: on_pressure(%d) raised %s (ignored)",
                 wanted - freed,
+                _describe(exc),
             )
 
     def partially_load(
@@ -1268,20 +1414,32 @@ class StandIn:
         record.echo(resident, seq, "load echo", False, None)
         return loaded
 
-    def partially_unload(
-        self,
-        device_to: Any,
-        memory_to_free: float = 0,
-        force_patch_weights: bool = False,
-    ) -> int:
-        """Ask the worker to free up to `memory_to_free` bytes; returns the
-        bytes freed, exactly.  Never raises."""
+    def partially_unload(self, *args: Any, **kwargs: Any) -> int:
+        """partially_unload(device_to=None, memory_to_free=0,
+        force_patch_weights=False)
+
+        Ask the worker to free up to `memory_to_free` bytes; returns the
+        bytes freed, exactly.  Never raises an Exception, not even for bad
+        arguments (it runs inside ComfyUI's free_memory loop): those free
+        nothing.  A BaseException propagates."""
+        try:
+            memory_to_free = _unload_arguments(*args, **kwargs)
+        except TypeError as exc:
+            log.warning(
+                "comfy_standin: partially_unload of model %r called with "
+                "bad arguments: %s; freed nothing",
+                self._record.model_id,
+                _describe(exc),
+            )
+            return 0
         try:
             return self._partially_unload(memory_to_free)
-        except Exception:
-            log.exception(
-                "comfy_standin: partially_unload of model %r failed",
+        except Exception as exc:  # noqa: BLE001 -- eviction never raises
+            log.warning(
+                "comfy_standin: partially_unload of model %r failed in the "
+                "host: %s; freed nothing",
                 self._record.model_id,
+                _describe(exc),
             )
             return 0
 
@@ -1320,14 +1478,21 @@ class StandIn:
         self._pressure(want, freed)
         return freed
 
-    def detach(self, unpatch_all: bool = True) -> StandInModule:
-        """Full offload.  Idempotent, never raises; returns ``model``."""
+    def detach(self, *args: Any, **kwargs: Any) -> StandInModule:
+        """detach(unpatch_all=True)
+
+        Full offload.  Idempotent; returns ``model``.  Its arguments
+        (``unpatch_all``, ``unpatch_weights``) mean nothing for a
+        worker-held model and are ignored, whatever they are.  Never raises
+        an Exception; a BaseException propagates."""
         try:
             self._detach()
-        except Exception:
-            log.exception(
-                "comfy_standin: detach of model %r failed",
+        except Exception as exc:  # noqa: BLE001 -- detach never raises
+            log.warning(
+                "comfy_standin: detach of model %r failed in the host: %s; "
+                "receipt kept",
                 self._record.model_id,
+                _describe(exc),
             )
         return self._model
 
@@ -1348,7 +1513,7 @@ class StandIn:
         except Exception as exc:  # noqa: BLE001 -- detach never raises
             if not self._is_alive():
                 self._gone_path()
-            elif "not registered" in str(exc):
+            elif "not registered" in _describe(exc):
                 # The worker restarted and lost the model: nothing of it
                 # is on the card any more.
                 record.lost()
@@ -1356,11 +1521,14 @@ class StandIn:
                 self._deferred_path(command, exc)
             return
         try:
-            if not isinstance(reply, dict):
+            if not issubclass(type(reply), dict):
                 raise EchoError(
                     f"reply from {command}: expected a dict, got {reply!r}"
                 )
-            seq = _echo_seq(f"reply['seq'] from {command}", reply.get("seq"))
+            seq = _echo_seq(
+                f"reply['seq'] from {command}",
+                _reply_value(reply, "seq", command),
+            )
         except EchoError as exc:
             self._bad_reply(exc)
             self._deferred_path(command, exc)
@@ -1368,28 +1536,56 @@ class StandIn:
         record.echo(0, seq, "detach echo", True, None)
 
 
+def _unload_arguments(
+    device_to: Any = None,
+    memory_to_free: object = 0,
+    force_patch_weights: object = False,
+) -> object:
+    """partially_unload's arguments, as ComfyUI passes them
+    (``partially_unload(offload_device, memory_to_free)``); TypeError for
+    anything else."""
+    return memory_to_free
+
+
 def _decode_reply(
     reply: object, command: str, required: str, size: int
 ) -> tuple[int, int | None, int | None]:
-    """(required figure, resident or None, seq or None) or EchoError."""
-    if not isinstance(reply, dict):
+    """(required figure, resident or None, seq or None) or EchoError.
+
+    Read as a plain dict: a dict subclass's overridden methods are not
+    called (the C type reads the dict's storage)."""
+    if not issubclass(type(reply), dict):
         raise EchoError(
             f"reply from {command}: expected a dict, got {reply!r}"
         )
-    if required not in reply:
+    value = _reply_value(reply, required, command)  # type: ignore[arg-type]
+    if value is None:
         raise EchoError(
             f"reply[{required!r}] from {command}: missing ({_BYTES})"
         )
-    value = _echo_bytes(
-        f"reply[{required!r}] from {command}", reply[required], size
-    )
-    resident = reply.get("resident")
+    value = _echo_bytes(f"reply[{required!r}] from {command}", value, size)
+    resident = _reply_value(reply, "resident", command)  # type: ignore
     if resident is not None:
         resident = _echo_bytes(
             f"reply['resident'] from {command}", resident, size
         )
-    seq = _echo_seq(f"reply['seq'] from {command}", reply.get("seq"))
+    seq = _echo_seq(
+        f"reply['seq'] from {command}",
+        _reply_value(reply, "seq", command),  # type: ignore[arg-type]
+    )
     return value, resident, seq
+
+
+def _reply_value(reply: dict[str, Any], key: str, command: str) -> Any:
+    """dict.get(reply, key): the dict's own lookup.  It may still run
+    __eq__ of a str-subclass key in the reply: an Exception from it is a
+    bad reply (EchoError from it); a BaseException propagates."""
+    try:
+        return dict.get(reply, key)
+    except Exception as exc:
+        raise EchoError(
+            f"reply[{key!r}] from {command}: looking it up raised {exc!r}"
+        ) from exc
 
 
 def _decode_load_reply(

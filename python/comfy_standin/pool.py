@@ -26,11 +26,11 @@ import logging
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import ModuleType
 from typing import Any
 
-__all__ = ["DEFAULT_FLOOR", "Pool"]
+__all__ = ["DEFAULT_FLOOR", "Pool", "WorkerMap"]
 
 #: CUDA context and handles of one worker process: comfy-env measured
 #: 276-300 MiB per live worker before any model (COMFYUI_FACTS.md).
@@ -48,6 +48,61 @@ def _is_byte_value(value: object) -> bool:
         and not isinstance(value, bool)
         and 0 <= value <= _VALUE_MAX
     )
+
+
+class WorkerMap(Mapping[Any, Any]):
+    """``{worker: value}`` keyed by identity, as the pool keys its books.
+
+    What ``Pool.worker_charges()``, ``charge_details()``,
+    ``update_readings()`` and ``standins()`` return: a read-only mapping
+    that works for workers that cannot be hashed (a ``@dataclass`` worker)
+    and never merges two distinct workers that compare equal.  Lookups,
+    ``in``, ``get``, iteration and ``items()`` behave as a dict's; it
+    compares equal to any mapping with the same workers (by identity) and
+    equal values, so ``charges == {w: 42}`` still holds for hashable
+    workers.  ``dict(m)`` works only when every worker is hashable."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, pairs: Iterable[tuple[Any, Any]] = ()) -> None:
+        # id(worker) -> (worker, value); the worker is held, so its id
+        # cannot be reused while it is here.
+        self._items: dict[int, tuple[Any, Any]] = {}
+        for worker, value in pairs:
+            self._items[id(worker)] = (worker, value)
+
+    def __getitem__(self, worker: Any) -> Any:
+        item = self._items.get(id(worker))
+        if item is None or item[0] is not worker:
+            raise KeyError(worker)
+        return item[1]
+
+    def __contains__(self, worker: object) -> bool:
+        item = self._items.get(id(worker))
+        return item is not None and item[0] is worker
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter([worker for worker, _ in self._items.values()])
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Mapping):
+            return NotImplemented
+        if len(other) != len(self):
+            return False
+        for worker, value in other.items():
+            item = self._items.get(id(worker))
+            if item is None or item[0] is not worker or item[1] != value:
+                return False
+        return True
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{w!r}: {v!r}" for w, v in self._items.values())
+        return f"WorkerMap({{{inner}}})"
 
 
 class Pool:
@@ -95,6 +150,10 @@ class Pool:
         self.on_pressure: Callable[[int], object] | None = None
         # id(worker) -> (worker, the host side of its residency board).
         self._boards: dict[int, tuple[Any, Any]] = {}
+        # id(worker) -> the stand-ins of a worker forgotten while some were
+        # still held (weakly; each holds its worker, so the id stays that
+        # worker's while any is alive): worker_gone() still reaches them.
+        self._forgotten: dict[int, weakref.WeakSet[Any]] = {}
 
     def __repr__(self) -> str:
         return (
@@ -144,15 +203,16 @@ class Pool:
             if doomed(standin):
                 self._graveyard[id(standin)] = standin
 
-    def standins(self) -> dict[Any, list[Any]]:
+    def standins(self) -> WorkerMap:
         """{worker: its stand-ins still alive}, those of dead or restarted
         workers included (they may sit in the graveyard until the next
-        boundary).  For status displays; a snapshot."""
+        boundary).  For status displays; a snapshot, keyed by identity
+        (``WorkerMap``)."""
         with self._lock:
-            return {
-                worker: list(members)
+            return WorkerMap(
+                (worker, list(members))
                 for worker, members, _ in self._adopted.values()
-            }
+            )
 
     def graveyard_size(self) -> int:
         """Stand-ins kept alive until the next boundary()."""
@@ -191,6 +251,8 @@ class Pool:
                         restored.append(s)
         with self._lock:
             buried, self._graveyard = self._graveyard, {}
+            for key in [k for k, v in self._forgotten.items() if not v]:
+                del self._forgotten[key]
         # Finalizers (mm.cleanup_models) may run here, outside the lock.
         del buried
         for worker in self._ledger.keys():
@@ -247,12 +309,21 @@ class Pool:
     # ---- workers ----------------------------------------------------------
 
     def worker_gone(self, worker: Any) -> None:
-        """The worker's process died: its stand-ins read 0, never raise."""
+        """The worker's process died: its stand-ins read 0, never raise.
+        Reaches the stand-ins of a worker forgotten before it died too."""
         books = self._ledger.find(worker)
         if books is not None:
             books.gone()
         with self._lock:
             self._bury_locked(worker, lambda s: True)
+            forgotten = self._forgotten.pop(id(worker), None)
+            orphans = [
+                s for s in (forgotten or ()) if s.worker is worker
+            ]
+            for standin in orphans:
+                self._graveyard[id(standin)] = standin
+        for standin in orphans:
+            standin._worker_gone()
         self._close_board(worker)
 
     def restarted(self, worker: Any, generation: int) -> None:
@@ -272,10 +343,18 @@ class Pool:
         self._close_board(worker)  # the old process's board
 
     def forget(self, worker: Any) -> None:
-        """Drop the worker's books: it is no longer charged."""
+        """Drop the worker's books: it is no longer charged.  Its stand-ins
+        still held keep their receipts and learn of the worker's death from
+        ``worker_gone()`` or their own ``is_alive()`` checks."""
         self._ledger.forget(worker)
         with self._lock:
-            self._adopted.pop(id(worker), None)
+            slot = self._adopted.pop(id(worker), None)
+            if slot is not None and len(slot[1]) > 0:
+                held = self._forgotten.setdefault(
+                    id(worker), weakref.WeakSet()
+                )
+                for standin in slot[1]:
+                    held.add(standin)
         self._close_board(worker)
 
     def begin_call(self, worker: Any) -> None:
@@ -354,37 +433,39 @@ class Pool:
 
     # ---- charges ----------------------------------------------------------
 
-    def worker_charges(self) -> dict[Any, int]:
-        """{worker: bytes it costs the card} (DESIGN.md 3.5)."""
-        charges: dict[Any, int] = {}
-        workers = self._ledger.keys()
-        for worker in workers:
+    def worker_charges(self) -> WorkerMap:
+        """{worker: bytes it costs the card} (DESIGN.md 3.5), keyed by
+        identity (``WorkerMap``: unhashable workers work too)."""
+        charges: list[tuple[Any, int]] = []
+        for worker in self._ledger.keys():
             books = self._ledger.find(worker)
             if books is not None:
-                charges[worker] = books.charge()["charge"]
-        return charges
+                charges.append((worker, books.charge()["charge"]))
+        return WorkerMap(charges)
 
-    def charge_details(self) -> dict[Any, dict[str, Any]]:
-        """{worker: the charge and the figures it came from}.
+    def charge_details(self) -> WorkerMap:
+        """{worker: the charge and the figures it came from}, keyed by
+        identity (``WorkerMap``).
 
         ``held_from_reading`` says the probe's per-pid reading (taken
         without the worker talking), not the worker's report, set the
         held figure; ``reading`` and ``held`` give both."""
-        details: dict[Any, dict[str, Any]] = {}
+        details: list[tuple[Any, dict[str, Any]]] = []
         for worker in self._ledger.keys():
             books = self._ledger.find(worker)
             if books is not None:
-                details[worker] = books.charge()
-        return details
+                details.append((worker, books.charge()))
+        return WorkerMap(details)
 
     def update_readings(
         self,
         probe_result: Mapping[str, Any] | None = None,
         pid_of: Callable[[Any], int | None] | None = None,
-    ) -> dict[Any, int]:
+    ) -> WorkerMap:
         """Floors every worker's held figure with the probe's per-pid
         reading: the VRAM the driver says the worker's process uses, summed
-        over devices.  Returns {worker: reading} for the workers read.
+        over devices.  Returns {worker: reading} for the workers read
+        (a ``WorkerMap``, keyed by identity).
 
         `probe_result` defaults to a fresh ``probe()`` of this pool's
         implementation.  `pid_of(worker)` gives a worker's process id;
@@ -392,24 +473,37 @@ class Pool:
         ``worker._process.pid`` (comfy-env keeps its Popen there).  A worker
         whose pid is unknown, or whose usage the driver hides, keeps its
         last reading.  Never raises for a missing GPU: no devices, no
-        readings."""
+        readings.
+
+        A device with no per-process readings (``processes`` None: NVML
+        absent, or a list the probe refused, see ``processes_error``; or
+        a truncated list) cannot say what a worker holds there: a worker
+        found on no readable list then loses its reading (0, no floor),
+        so its charge is its own held figure, never a stale or garbled
+        floor."""
         if probe_result is None:
             probe_result = _probe(self._impl)
         used: dict[int, int] = {}
+        unknown = (probe_result.get("nvml") or {}).get("loaded") is False
         for device in probe_result.get("devices") or ():
-            for pid, value in (device.get("processes") or {}).items():
+            processes = device.get("processes")
+            if processes is None or device.get("processes_truncated"):
+                unknown = True
+            for pid, value in (processes or {}).items():
                 if _is_byte_value(value):
                     used[pid] = min(_VALUE_MAX, used.get(pid, 0) + value)
-        readings: dict[Any, int] = {}
+        readings: list[tuple[Any, int]] = []
         for worker in self._ledger.keys():
             pid = (pid_of or _default_pid_of)(worker)
-            if pid is None or pid not in used:
-                continue
             books = self._ledger.find(worker)
-            if books is not None:
+            if books is None:
+                continue
+            if pid is not None and pid in used:
                 books.set_reading(used[pid])
-                readings[worker] = used[pid]
-        return readings
+                readings.append((worker, used[pid]))
+            elif unknown and pid is not None:
+                books.set_reading(0)
+        return WorkerMap(readings)
 
     def reserve(self, device: Any, base: int, total: int | None = None) -> int:
         """The EXTRA_RESERVED_VRAM to publish for `device`.

@@ -14,6 +14,12 @@
  *   disabled  COMFY_STANDIN_PROBE_DISABLE=1: nothing loads, reason
  *             "disabled"
  *   missing   both paths point nowhere: not loaded, dlerror()'s reason
+ *   layouts   process lists of 16-, 24- and 32-byte entries (1, 3, 49 and
+ *             200 processes) and lying lists, read by four threads: each
+ *             gives exactly the scripted pids and bytes, or no list and a
+ *             reason (run under ASan by CI: no overflow either)
+ *   options   cs_probe_run_with(): the options given decide, whatever
+ *             the environment says
  *
  * Prints "ok" and exits 0 when every check held.
  */
@@ -269,6 +275,166 @@ scenario_missing(void)
     free(result);
 }
 
+/* Device i of the layouts script: its entry size (0: a liar) and count. */
+static const struct {
+    unsigned int layout;
+    unsigned int count;
+    const char *lie;
+    const char *reason; /* what a liar must be refused with */
+} layout_devices[] = {
+    {16, 1, NULL, NULL},   {16, 3, NULL, NULL},   {16, 49, NULL, NULL},
+    {16, 200, NULL, NULL}, {24, 1, NULL, NULL},   {24, 3, NULL, NULL},
+    {24, 49, NULL, NULL},  {24, 200, NULL, NULL}, {32, 1, NULL, NULL},
+    {32, 3, NULL, NULL},   {32, 49, NULL, NULL},  {32, 200, NULL, NULL},
+    {32, 0, NULL, NULL},
+    {32, 200, "overrun 4",
+     "unknown process entry layout: the driver wrote 2176 bytes for 64 "
+     "processes (entries of 16, 24 or 32 bytes expected)"},
+    {24, 3, "grow",
+     "nvmlDeviceGetComputeRunningProcesses_v3: the list changed on each of "
+     "6 calls"},
+    {20, 3, NULL,
+     "unknown process entry layout: the driver wrote 60 bytes for 3 "
+     "processes (entries of 16, 24 or 32 bytes expected)"},
+};
+
+enum {
+    LAYOUT_DEVICES = sizeof(layout_devices) / sizeof(layout_devices[0])
+};
+
+static uint32_t
+layout_pid(size_t device, unsigned int i)
+{
+    return (uint32_t)(100000 * (device + 1) + 7 * i + 1);
+}
+
+static uint64_t
+layout_used(size_t device, unsigned int i)
+{
+    return ((uint64_t)i + 1) * 1048576 + 4096 * (uint64_t)i + device;
+}
+
+static int
+write_layouts_script(const char *path)
+{
+    FILE *file = fopen(path, "w");
+    if (file == NULL) {
+        perror(path);
+        return -1;
+    }
+    fprintf(file, "devices %d\n", (int)LAYOUT_DEVICES);
+    for (size_t d = 0; d < LAYOUT_DEVICES; d++) {
+        fprintf(file, "total %zu 25769803776\nfree %zu 1000\n", d, d);
+        fprintf(file, "proc_layout %zu %u\n", d, layout_devices[d].layout);
+        if (layout_devices[d].lie != NULL) {
+            fprintf(file, "proc_lie %zu %s\n", d, layout_devices[d].lie);
+        }
+        for (unsigned int i = 0; i < layout_devices[d].count; i++) {
+            fprintf(file, "proc %zu %u %llu\n", d, layout_pid(d, i),
+                    (unsigned long long)layout_used(d, i));
+        }
+    }
+    return fclose(file) == 0 ? 0 : -1;
+}
+
+static void
+check_layouts(const cs_probe_result *result)
+{
+    CHECK(result->device_count == LAYOUT_DEVICES);
+    if (result->device_count != LAYOUT_DEVICES) {
+        return;
+    }
+    for (size_t d = 0; d < LAYOUT_DEVICES; d++) {
+        const cs_probe_device *device = &result->devices[d];
+        unsigned int count = layout_devices[d].count;
+        if (layout_devices[d].reason != NULL) {
+            CHECK(!device->has_processes);
+            CHECK(device->process_count == 0);
+            CHECK(device->process_entry_size == 0);
+            CHECK(strcmp(device->processes_error, layout_devices[d].reason)
+                  == 0);
+            continue;
+        }
+        unsigned int expected = count < CS_PROBE_MAX_PROCESSES
+                                    ? count
+                                    : CS_PROBE_MAX_PROCESSES;
+        CHECK(device->has_processes);
+        CHECK(device->processes_error[0] == '\0');
+        CHECK(device->process_count == expected);
+        CHECK(device->processes_truncated == (count > expected));
+        CHECK(device->process_entry_size
+              == (count > 0 ? layout_devices[d].layout : 0));
+        for (unsigned int i = 0; i < expected && i < device->process_count;
+             i++) {
+            CHECK(device->processes[i].pid == layout_pid(d, i));
+            CHECK(device->processes[i].used_bytes == layout_used(d, i));
+        }
+    }
+}
+
+static void *
+layouts_thread(void *raw)
+{
+    (void)raw;
+    cs_probe_result *result = malloc(sizeof(*result));
+    CHECK(result != NULL);
+    if (result == NULL) {
+        return NULL;
+    }
+    for (int i = 0; i < 20; i++) {
+        cs_probe_run(result);
+        check_layouts(result);
+    }
+    free(result);
+    return NULL;
+}
+
+static void
+scenario_layouts(void)
+{
+    pthread_t threads[4];
+    int started = 0;
+    for (; started < 4; started++) {
+        if (pthread_create(&threads[started], NULL, layouts_thread, NULL)
+            != 0) {
+            break;
+        }
+    }
+    CHECK(started == 4);
+    for (int i = 0; i < started; i++) {
+        CHECK(pthread_join(threads[i], NULL) == 0);
+    }
+}
+
+static void
+scenario_options(const char *nvml_path)
+{
+    cs_probe_options options;
+    cs_probe_result *result = malloc(sizeof(*result));
+    CHECK(result != NULL);
+    if (result == NULL) {
+        return;
+    }
+    /* The environment says "disabled" and names no library; the options
+     * load NVML only, from the path they give. */
+    cs_probe_options_from_environment(&options);
+    CHECK(options.disable);
+    memset(&options, 0, sizeof(options));
+    snprintf(options.libnvml, sizeof(options.libnvml), "%s", nvml_path);
+    options.libcuda_too_long = true;
+    cs_probe_run_with(&options, result);
+    CHECK(result->nvml.loaded);
+    CHECK(strcmp(result->nvml.path, nvml_path) == 0);
+    CHECK(!result->cuda.loaded);
+    CHECK(strstr(result->cuda.error, "COMFY_STANDIN_LIBCUDA is longer than")
+          != NULL);
+    CHECK(result->device_count == 2);
+    /* Loaded once: later options change nothing. */
+    cs_probe_run_with(NULL, result);
+    CHECK(result->nvml.loaded);
+    free(result);
+}
+
 int
 main(int argc, char **argv)
 {
@@ -300,6 +466,19 @@ main(int argc, char **argv)
             return 2;
         }
         scenario_disabled(cuda_path, nvml_path);
+    }
+    else if (strcmp(scenario, "layouts") == 0) {
+        if (write_layouts_script(script_path) != 0) {
+            return 2;
+        }
+        scenario_layouts();
+    }
+    else if (strcmp(scenario, "options") == 0) {
+        if (setenv("COMFY_STANDIN_PROBE_DISABLE", "1", 1) != 0
+            || unsetenv("COMFY_STANDIN_LIBNVML") != 0) {
+            return 2;
+        }
+        scenario_options(nvml_path);
     }
     else if (strcmp(scenario, "missing") == 0) {
         if (setenv("COMFY_STANDIN_LIBCUDA", "/nonexistent/libcuda.so.1", 1)

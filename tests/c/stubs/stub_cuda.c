@@ -249,6 +249,7 @@ cuDeviceGetUuid(CUuuid *uuid, CUdevice device)
         return ERROR_INVALID_DEVICE;
     }
     stub_uuid_bytes(index, uuid->bytes);
+    memset(uuid + 1, 0, stub.device[index].struct_extra);
     return SUCCESS;
 }
 #endif

@@ -7,7 +7,20 @@
  * on entry; when it is too small the call returns INSUFFICIENT_SIZE with
  * *count set to what is needed.  The unversioned entry point fills the
  * two-field v1 layout, _v2 and _v3 the four-field one, so a probe that
- * reads the wrong layout reads wrong pids.
+ * reads the wrong layout reads wrong pids.  The script can give a device
+ * another entry size (proc_layout: 16, 24 and 32 are drivers in the
+ * field, 20 and 40 no driver), and make its list lie (proc_lie):
+ *   grow       every call answers INSUFFICIENT_SIZE, asking for more
+ *              than it was given
+ *   overrun N  ignores the capacity: writes what fits plus N entries
+ *              more, and reports only what fit
+ *   overcount  ignores the capacity: writes what fits, and reports every
+ *              process it has (more than the buffer holds)
+ *   short N    writes N entries fewer than it reports
+ *   short_once N  the same on its first answer only (a process that
+ *              exits while the driver fills the list)
+ *   zero       writes its entries and reports 0
+ * Padding is never written (as a field-by-field copy leaves it).
  *
  * Variants (compile with -D):
  *   STUB_NO_INIT          neither nvmlInit_v2 nor nvmlInit
@@ -17,6 +30,7 @@
  *   STUB_NO_MEMORY_INFO   no nvmlDeviceGetMemoryInfo
  */
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stddef.h>
 
 #include "stub_script.h"
@@ -244,15 +258,53 @@ nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
     memory->total = device->total;
     memory->free = device->free;
     memory->used = device->total - device->free;
+    memset(memory + 1, 0, device->struct_extra);
     return SUCCESS;
 }
 #endif
 
-/* Both layouts through one routine (layout 1 or 2). */
+/* Every layout through one routine: `layout` is the entry point's own
+ * entry size (16 or 24), unless the script gives the device another. */
 #ifndef STUB_NO_PROCESSES
+static void
+put_u32(unsigned char *at, unsigned int value)
+{
+    memcpy(at, &value, sizeof(value));
+}
+
+static void
+put_u64(unsigned char *at, unsigned long long value)
+{
+    memcpy(at, &value, sizeof(value));
+}
+
+static void
+write_entry(unsigned char *entry, unsigned int size, unsigned int gi,
+            unsigned int ci, unsigned int pid, unsigned long long used)
+{
+    put_u32(entry, pid);
+    if (size == 20) { /* packed: no padding after the pid */
+        put_u64(entry + 4, used);
+        put_u32(entry + 12, gi);
+        put_u32(entry + 16, ci);
+        return;
+    }
+    put_u64(entry + 8, used);
+    if (size >= 24) {
+        put_u32(entry + 16, gi);
+        put_u32(entry + 20, ci);
+    }
+    if (size >= 32) {
+        put_u64(entry + 24, 0); /* usedGpuCcProtectedMemory */
+    }
+    if (size >= 40) {
+        put_u64(entry + 32, 0);
+    }
+}
+
 static nvmlReturn_t
 get_processes(nvmlDevice_t device, unsigned int *count, void *infos,
-              int layout)
+              unsigned int layout)
 {
     nvmlReturn_t result = enter("nvmlDeviceGetComputeRunningProcesses");
     atomic_fetch_add(&process_calls, 1);
@@ -263,34 +315,58 @@ get_processes(nvmlDevice_t device, unsigned int *count, void *infos,
         return ERROR_INVALID_ARGUMENT;
     }
     pthread_mutex_lock(&stub.lock);
-    if (*count < device->process_count) {
+    const char *lie = device->lie;
+    unsigned int size = device->layout != 0 ? device->layout : layout;
+    unsigned int capacity = *count;
+    unsigned int written = device->process_count;
+    unsigned int reported = device->process_count;
+    bool ignores_capacity = strcmp(lie, "overrun") == 0
+                            || strcmp(lie, "overcount") == 0;
+    if (strcmp(lie, "grow") == 0) {
+        *count = capacity + 10;
+        pthread_mutex_unlock(&stub.lock);
+        return ERROR_INSUFFICIENT_SIZE;
+    }
+    if (capacity < device->process_count && !ignores_capacity) {
         *count = device->process_count;
         /* Processes that start between this answer and the retry. */
         for (unsigned int i = 0; i < stub.process_growth
                                  && device->process_count
                                         < STUB_MAX_PROCESSES;
              i++) {
+            stub_stamp_ids(device);
             device->pids[device->process_count] = stub.next_growth_pid++;
             device->used[device->process_count++] = 1u << 20;
         }
         pthread_mutex_unlock(&stub.lock);
         return ERROR_INSUFFICIENT_SIZE;
     }
-    for (unsigned int i = 0; i < device->process_count; i++) {
-        if (layout == 1) {
-            nvmlProcessInfo_v1_t *entry = (nvmlProcessInfo_v1_t *)infos + i;
-            entry->pid = device->pids[i];
-            entry->usedGpuMemory = device->used[i];
-        }
-        else {
-            nvmlProcessInfo_v2_t *entry = (nvmlProcessInfo_v2_t *)infos + i;
-            entry->pid = device->pids[i];
-            entry->usedGpuMemory = device->used[i];
-            entry->gpuInstanceId = 0xFFFFFFFFu;
-            entry->computeInstanceId = 0xFFFFFFFFu;
+    if (ignores_capacity && written > capacity) {
+        written = capacity;
+        reported = strcmp(lie, "overrun") == 0 ? capacity
+                                               : device->process_count;
+    }
+    if (strcmp(lie, "short") == 0
+        || (strcmp(lie, "short_once") == 0 && device->lie_calls++ == 0)) {
+        written = device->lie_amount < written ? written - device->lie_amount
+                                               : 0;
+    }
+    if (strcmp(lie, "zero") == 0) {
+        reported = 0;
+    }
+    for (unsigned int i = 0; i < written; i++) {
+        write_entry((unsigned char *)infos + (size_t)i * size, size,
+                    device->gpu_instances[i], device->compute_instances[i],
+                    device->pids[i], device->used[i]);
+    }
+    if (strcmp(lie, "overrun") == 0) {
+        for (unsigned int i = 0; i < device->lie_amount; i++) {
+            write_entry((unsigned char *)infos + (size_t)(written + i) * size,
+                        size, device->gpu_instance, device->compute_instance,
+                        60000 + i, 1u << 20);
         }
     }
-    *count = device->process_count;
+    *count = reported;
     pthread_mutex_unlock(&stub.lock);
     return SUCCESS;
 }
@@ -304,7 +380,7 @@ nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device,
                                         unsigned int *count,
                                         nvmlProcessInfo_v2_t *infos)
 {
-    return get_processes(device, count, infos, 2);
+    return get_processes(device, count, infos, 24);
 }
 #endif
 
@@ -317,7 +393,7 @@ nvmlDeviceGetComputeRunningProcesses_v2(nvmlDevice_t device,
                                         unsigned int *count,
                                         nvmlProcessInfo_v2_t *infos)
 {
-    return get_processes(device, count, infos, 2);
+    return get_processes(device, count, infos, 24);
 }
 #endif
 
@@ -329,6 +405,6 @@ nvmlDeviceGetComputeRunningProcesses(nvmlDevice_t device,
                                      unsigned int *count,
                                      nvmlProcessInfo_v1_t *infos)
 {
-    return get_processes(device, count, infos, 1);
+    return get_processes(device, count, infos, 16);
 }
 #endif

@@ -16,6 +16,19 @@
  *   procs I N PID0 USED  N processes with pids PID0, PID0+1, ...
  *   proc_growth N        each INSUFFICIENT_SIZE answer adds N processes
  *                        (processes starting between the two calls)
+ *   proc_layout I SIZE   device I's process entries are SIZE bytes,
+ *                        whatever the entry point: 16 (pid, used), 24
+ *                        (+ gpu/compute instance ids), 32 (+ protected
+ *                        memory, R535.54-era), or layouts no driver has:
+ *                        20 (the 24-byte fields packed), 40 (32 + 8)
+ *   proc_ids I GI CI     the instance ids device I's processes listed
+ *                        after this line carry (default 0xFFFFFFFF, "no
+ *                        MIG")
+ *   proc_lie I KIND N    device I's process list lies (see stub_nvml.c):
+ *                        grow, overrun N, overcount, short N,
+ *                        short_once N, zero
+ *   struct_extra I N     device I's nvmlMemory_t and CUuuid answers write
+ *                        N zero bytes past the struct (a wrong layout)
  *   cuda_devices I...    the CUDA ordinals in order, as NVML indices
  *                        (default: all, in NVML order)
  *   ctx_current I        cuCtxGetCurrent reports a context on CUDA
@@ -47,6 +60,14 @@ typedef struct {
     unsigned int process_count;
     unsigned int pids[STUB_MAX_PROCESSES];
     unsigned long long used[STUB_MAX_PROCESSES];
+    unsigned int gpu_instances[STUB_MAX_PROCESSES];
+    unsigned int compute_instances[STUB_MAX_PROCESSES];
+    unsigned int layout; /* entry size; 0: the entry point's own */
+    unsigned int gpu_instance, compute_instance;
+    char lie[16];        /* "" tells the truth */
+    unsigned int lie_amount;
+    unsigned int lie_calls; /* answers given so far (short_once) */
+    unsigned int struct_extra;
 } stub_device;
 
 typedef struct {
@@ -69,6 +90,15 @@ static struct {
 } stub;
 
 static pthread_once_t stub_once = PTHREAD_ONCE_INIT;
+
+/* The next process of `device` carries its current instance ids. */
+static void
+stub_stamp_ids(stub_device *device)
+{
+    device->gpu_instances[device->process_count] = device->gpu_instance;
+    device->compute_instances[device->process_count] =
+        device->compute_instance;
+}
 
 static void
 stub_parse_line(char *line)
@@ -116,6 +146,7 @@ stub_parse_line(char *line)
             && index >= 0 && index < STUB_MAX_DEVICES
             && stub.device[index].process_count < STUB_MAX_PROCESSES) {
             stub_device *device = &stub.device[index];
+            stub_stamp_ids(device);
             device->pids[device->process_count] = pid;
             device->used[device->process_count++] =
                 strcmp(used, "na") == 0 ? STUB_NOT_AVAILABLE
@@ -130,9 +161,42 @@ stub_parse_line(char *line)
             for (unsigned int i = 0;
                  i < count && device->process_count < STUB_MAX_PROCESSES;
                  i++) {
+                stub_stamp_ids(device);
                 device->pids[device->process_count] = pid + i;
                 device->used[device->process_count++] = value;
             }
+        }
+    }
+    else if (strcmp(word, "proc_layout") == 0) {
+        unsigned int size = 0;
+        if (sscanf(rest, "%d %u", &index, &size) == 2 && index >= 0
+            && index < STUB_MAX_DEVICES) {
+            stub.device[index].layout = size;
+        }
+    }
+    else if (strcmp(word, "struct_extra") == 0) {
+        unsigned int extra = 0;
+        if (sscanf(rest, "%d %u", &index, &extra) == 2 && index >= 0
+            && index < STUB_MAX_DEVICES) {
+            stub.device[index].struct_extra = extra;
+        }
+    }
+    else if (strcmp(word, "proc_ids") == 0) {
+        unsigned int gi = 0, ci = 0;
+        if (sscanf(rest, "%d %u %u", &index, &gi, &ci) == 3 && index >= 0
+            && index < STUB_MAX_DEVICES) {
+            stub.device[index].gpu_instance = gi;
+            stub.device[index].compute_instance = ci;
+        }
+    }
+    else if (strcmp(word, "proc_lie") == 0) {
+        char kind[16];
+        unsigned int amount = 0;
+        int fields = sscanf(rest, "%d %15s %u", &index, kind, &amount);
+        if (fields >= 2 && index >= 0 && index < STUB_MAX_DEVICES) {
+            snprintf(stub.device[index].lie, sizeof(stub.device[index].lie),
+                     "%s", kind);
+            stub.device[index].lie_amount = fields == 3 ? amount : 0;
         }
     }
     else if (strcmp(word, "proc_growth") == 0) {
@@ -175,6 +239,8 @@ stub_load(void)
     pthread_mutex_init(&stub.lock, NULL);
     for (int i = 0; i < STUB_MAX_DEVICES; i++) {
         stub.cuda_map[i] = i;
+        stub.device[i].gpu_instance = 0xFFFFFFFFu;
+        stub.device[i].compute_instance = 0xFFFFFFFFu;
     }
     file = path != NULL ? fopen(path, "r") : NULL;
     if (file != NULL) {
