@@ -441,12 +441,13 @@ WORKLOADS = {
         pool.worker_gone(w)
         s.loaded_size(); s.receipt()
         bad(s.partially_load, "cuda:0", 10)
+        bad(s._worker_gone, 1, 2)
         s.partially_unload("cpu", 10)
         s.detach()
         del t  # its books are the default pool's
         cs.default_pool().worker_gone(w)
         cs.default_pool().boundary()
-    """, 300, 1000),
+    """, 1000, 1000),
     # The pool's surface, each method with bad arguments.
     "pool_surface": ("""
         w, v = Worker(), Worker()
@@ -502,7 +503,7 @@ WORKLOADS = {
         bad(cs.Pool, floor=-1)
         bad(cs.Pool, floor="x")
         del board
-    """, 300, 1000),
+    """, 1000, 1000),
     # The ledger's Python surface (Ledger, WorkerBooks, ModelRecord).
     "ledger_surface": ("""
         ledger = cs.Ledger(floor=100)
@@ -559,7 +560,7 @@ WORKLOADS = {
         bad(cs.Ledger, floor=-1)
         bad(cs.Ledger, floor="x")
         del record, books
-    """, 300, 1000),
+    """, 1000, 1000),
     # The board's surface, open/close errors included.
     "board_surface": ("""
         board = cs.Board.create(4, generation=1, heartbeat_limit=2.0)
@@ -620,7 +621,7 @@ WORKLOADS = {
             scoped.assign("x", 1)
         cs.probe()
         bad(cs.probe, 1)
-    """, 300, 1000),
+    """, 1000, 1000),
 }
 
 
