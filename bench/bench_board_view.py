@@ -471,8 +471,8 @@ def report(reads, errors, stale, args, where: str | None = None) -> str:
         f"Machine: {where or machine()}.",
         "",
         "What a stand-in's `loaded_size()` costs, and how wrong it is while "
-        "a worker pages, with receipts only (seed, inaccuracy 2) and with "
-        "the live board attached (docs/board.md).",
+        "a worker pages, with receipts only (docs/architecture.md, inaccuracy "
+        "2) and with the live board attached (docs/board.md).",
         "",
         f"### read cost (ns per `loaded_size()`, best of 5 x {reads['n']:,})",
         "",

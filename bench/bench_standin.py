@@ -147,7 +147,7 @@ class Worker:
 
 class LoadedModelLike:
     """The part of ComfyUI's LoadedModel that free_memory's sort key reads
-    (COMFYUI_FACTS.md): a weakref to the patcher P, ``model`` dereferencing
+    (docs/comfyui.md): a weakref to the patcher P, ``model`` dereferencing
     it, and the three size methods built on P's."""
 
     __slots__ = ("__weakref__", "_model", "device")
@@ -786,7 +786,7 @@ def memory_child(impl_name: str, n: int) -> dict[str, float]:
     shared.append(worker)
     if impl.name == "comfy-env":
         # comfy-env shares one module-level object() as every patcher's
-        # clone_base_uuid; ours make one per stand-in (DESIGN 3.1)
+        # clone_base_uuid; ours make one per stand-in (docs/semantics.md)
         shared.append(impl.module._NOT_A_CLONE)
     model_id = getattr(s, "model_id", None) or getattr(s, "_model_id", None)
     sizes = graph_size(s, shared, skip)

@@ -283,7 +283,7 @@ cs_model_write_count(const cs_model *model)
            2;
 }
 
-/* Peak rule (DESIGN.md 3.3); caller holds the worker lock. */
+/* Peak rule (docs/semantics.md); caller holds the worker lock. */
 static void
 peak_update_locked(cs_model *m, uint64_t loaded, bool unmapped,
                    bool in_flight)

@@ -900,7 +900,7 @@ static PyMethodDef ledger_methods[] = {
     {"reserve", (PyCFunction)(void (*)(void))ledger_reserve,
      METH_VARARGS | METH_KEYWORDS,
      "reserve($self, /, base, total, process_local)\n--\n\nThe reserve to "
-     "publish (DESIGN.md 3.5)."},
+     "publish (docs/reserve.md)."},
     {"total_charge", (PyCFunction)ledger_total_charge, METH_NOARGS,
      "total_charge($self, /)\n--\n\nSum of every worker's charge."},
     {NULL},

@@ -1,6 +1,6 @@
 /*
  * standin.c -- the stand-in type ComfyUI's model_management loads directly
- * (DESIGN.md 3.1-3.3), its inner module, the clone_base_uuid sentinel, and
+ * (docs/semantics.md), its inner module, the clone_base_uuid sentinel, and
  * the state sync functions apply_echo / apply_residency.
  *
  * Thread safety: the receipt lives in the C core (seqlock; any thread).
@@ -184,7 +184,7 @@ static PyType_Spec sentinel_spec = {
 
 /* What the host knows of the model's residency: the receipt, or the
  * board's reading when one is attached, valid, and newer than the receipt
- * (DESIGN.md 5).  Fills *out when given; its source is "board" when the
+ * (docs/board.md).  Fills *out when given; its source is "board" when the
  * board won.  Never blocks: the board read is wait-free with bounded
  * retries, and an untrustworthy board (torn slot, dead or stale owner,
  * rewritten header) falls back to the receipt. */
@@ -580,7 +580,7 @@ standin_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     self->generation = generation;
     self->size = size;
 
-    /* The pool keeps the stand-in for its graveyard (DESIGN.md 3.4). */
+    /* The pool keeps the stand-in for its graveyard (docs/architecture.md). */
     r = PyObject_CallMethod(self->pool, "_adopt", "O", (PyObject *)self);
     if (r == NULL) {
         goto error;
@@ -690,8 +690,8 @@ standin_current_loaded_device(StandInObject *self, PyObject *unused)
 static PyObject *
 standin_is_dynamic(StandInObject *self, PyObject *unused)
 {
-    /* Seed, inaccuracy 1: True would open dynamic_pins, whose layout is
-     * internal and churns.  Kept False deliberately. */
+    /* docs/architecture.md, inaccuracy 1: True would open dynamic_pins, whose
+     * layout is internal and churns.  Kept False deliberately. */
     Py_RETURN_FALSE;
 }
 
@@ -1877,7 +1877,8 @@ static PyMethodDef standin_methods[] = {
     {"current_loaded_device", (PyCFunction)standin_current_loaded_device,
      METH_NOARGS, "current_loaded_device($self, /)\n--\n\nmodel.device."},
     {"is_dynamic", (PyCFunction)standin_is_dynamic, METH_NOARGS,
-     "is_dynamic($self, /)\n--\n\nAlways False (seed, inaccuracy 1)."},
+     "is_dynamic($self, /)\n--\n\nAlways False (docs/architecture.md, "
+     "inaccuracy 1)."},
     {"is_clone", (PyCFunction)standin_is_clone, METH_O,
      "is_clone($self, other, /)\n--\n\nTrue only for a stand-in of the same "
      "worker, generation and model id."},
@@ -1941,8 +1942,8 @@ static PyType_Slot standin_slots[] = {
     {Py_tp_doc,
      "StandIn(worker, worker_generation, model_id, model_size, load_device, "
      "offload_device, kind='other', pool=None)\n--\n\n"
-     "A worker-held model as ComfyUI's model_management sees it (DESIGN.md "
-     "3.1).  Drop-in for comfy-env's SubprocessModelPatcher."},
+     "A worker-held model as ComfyUI's model_management sees it "
+     "(docs/semantics.md).  Drop-in for comfy-env's SubprocessModelPatcher."},
     {Py_tp_new, standin_new},
     {Py_tp_traverse, standin_traverse},
     {Py_tp_clear, standin_clear},
@@ -2252,11 +2253,12 @@ static PyMethodDef sync_functions[] = {
      METH_VARARGS | METH_KEYWORDS,
      "apply_echo(standin, resident, seq=None, unmapped=False, "
      "in_flight=False)\n--\n\nWrites a command echo to the stand-in's "
-     "receipt (DESIGN.md 3.3).  Returns False when the stand-in is stale."},
+     "receipt (docs/semantics.md).  Returns False when the stand-in is "
+     "stale."},
     {"apply_residency", (PyCFunction)apply_residency, METH_VARARGS,
      "apply_residency(standins, census, /)\n--\n\nApplies a node-boundary "
-     "census, all or nothing (DESIGN.md 3.3).  Call it at a node boundary, "
-     "never inside free_memory.  Returns the entries applied."},
+     "census, all or nothing (docs/semantics.md).  Call it at a node "
+     "boundary, never inside free_memory.  Returns the entries applied."},
     {NULL},
 };
 

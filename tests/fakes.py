@@ -1,7 +1,7 @@
 """Fake comfy-env workers for the test suite.
 
 A :class:`FakeWorker` speaks comfy-env's host-to-worker protocol
-(COMFYUI_FACTS.md, "Worker protocol"): ``send_command(command,
+(docs/comfyui.md, "Worker protocol"): ``send_command(command,
 model_id=..., **params) -> dict`` and ``is_alive()``. It holds fake models
 with sizes and residency, and really allocates and releases their bytes in
 the mock's simulated card (``comfy.model_management.sim``), under its own

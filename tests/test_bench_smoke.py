@@ -2,7 +2,7 @@
 
 One iteration of every measurement with tiny counts, so CI catches a
 broken bench.  Nothing here asserts a time or a ratio: speed is measured
-by running the bench (bench/README.md), never by tests (DESIGN.md 7).
+by running the bench (bench/README.md), never by tests (docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The live residency board (DESIGN.md 5; docs/board.md).
+"""The live residency board (docs/board.md).
 
 In-process tests open the host and the worker side in one process (two
 mappings of one segment); the process tests run tests/board_worker.py as a

@@ -1,4 +1,4 @@
-"""A stand-in reading a live residency board (DESIGN.md 5; issue 5.3).
+"""A stand-in reading a live residency board (docs/board.md; issue 5.3).
 
 Both implementations, against real shared memory and a real worker
 process (tests/board_worker.py) that publishes without sending a message.

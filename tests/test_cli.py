@@ -1,5 +1,6 @@
 """The command line, run as users run it: ``python -m comfy_standin ...``
-in a subprocess (DESIGN.md 6)."""
+in a subprocess (docs/cli.md), and as the console script
+``comfy-standin``."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import io
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -31,6 +34,9 @@ def cli(*args: str, env: dict[str, str] | None = None):
 
 
 def segments() -> set[str]:
+    """Board segments in /dev/shm.  Other processes on the machine (other
+    test runs) may have some of their own: tests look for the names the
+    demo printed, not at the difference of two listings."""
     return set(glob.glob("/dev/shm/csb*"))
 
 
@@ -52,7 +58,6 @@ def demo_worker_alive(pid: int) -> bool:
 
 @pytest.mark.parametrize("impl", ["c", "reference"])
 def test_demo_runs_checks_and_leaves_nothing(impl):
-    before = segments()
     result = cli("demo", "--impl", impl)
     out = result.stdout
     assert result.returncode == 0, out + result.stderr
@@ -75,7 +80,6 @@ def test_demo_runs_checks_and_leaves_nothing(impl):
     assert len(set(names)) == 2
     for name in names:
         assert not os.path.exists("/dev/shm" + name)
-    assert segments() - before == set()
     pids = [int(p) for p in re.findall(r"worker [AB] pid (\d+)", out)]
     assert len(set(pids)) == 2
     assert not [pid for pid in pids if demo_worker_alive(pid)]
@@ -112,11 +116,11 @@ def test_demo_exits_1_when_a_check_fails(monkeypatch):
 
 
 def test_demo_cleans_up_after_a_crash(monkeypatch):
-    before = segments()
     started = []
 
     def crash(self):
         started.append(self.start_worker("A"))
+        started.append(self.board_names[-1])
         raise RuntimeError("boom in the middle of the demo")
 
     monkeypatch.setattr(_demo.Demo, "run", crash)
@@ -127,7 +131,7 @@ def test_demo_cleans_up_after_a_crash(monkeypatch):
     assert "[ok  ] no board segment left in /dev/shm" in text
     assert started and started[0].process.returncode is not None
     assert not demo_worker_alive(started[0].pid)
-    assert segments() - before == set()
+    assert "/dev/shm" + started[1] not in segments()
 
 
 # ---------------------------------------------------------------------------
@@ -269,6 +273,267 @@ def test_help(sub):
 
 
 def test_usage_errors_exit_2():
-    assert cli().returncode == 2
     assert cli("nonsense").returncode == 2
     assert cli("demo", "--impl", "rust").returncode == 2
+
+
+# ---------------------------------------------------------------------------
+# conventions every subcommand follows (docs/cli.md)
+
+SUBCOMMANDS = ["demo", "status", "probe", "selfcheck"]
+MARK = "COMFY_STANDIN_TEST_RUN"
+
+
+def console_script() -> str:
+    """The ``comfy-standin`` entry point installed next to this Python
+    (pip installs it with the package; its absence is a failure)."""
+    path = os.path.join(os.path.dirname(sys.executable), "comfy-standin")
+    assert os.access(path, os.X_OK), f"no console script at {path}"
+    return path
+
+
+def run(argv: list[str], env: dict[str, str] | None = None, **kwargs):
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    return subprocess.run(argv, capture_output=True, text=True,
+                          timeout=TIMEOUT, env=full_env, **kwargs)
+
+
+def test_version_names_the_program_as_invoked():
+    import comfy_standin
+
+    result = cli("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == (
+        f"python -m comfy_standin {comfy_standin.__version__}")
+    result = run([console_script(), "--version"])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == (
+        f"comfy-standin {comfy_standin.__version__}")
+
+
+@pytest.mark.parametrize("sub", [None, *SUBCOMMANDS])
+def test_usage_names_the_program_as_invoked(sub):
+    tail = [sub] if sub else []
+    module = cli(*tail, "--help")
+    script = run([console_script(), *tail, "--help"])
+    assert module.returncode == script.returncode == 0
+    name = " ".join(["usage: python -m comfy_standin", *tail])
+    assert module.stdout.startswith(name), module.stdout
+    assert script.stdout.startswith(
+        " ".join(["usage: comfy-standin", *tail])), script.stdout
+    assert "__main__.py" not in module.stdout + script.stdout
+
+
+def test_no_subcommand_is_a_usage_error_on_stderr():
+    for result in (cli(), run([console_script()])):
+        assert result.returncode == 2
+        assert result.stdout == ""
+        lines = result.stderr.splitlines()
+        assert lines[0].startswith("usage: ")
+        assert any(": error: " in line for line in lines), result.stderr
+        assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["demo"], ["status"],
+                                  ["probe"], ["selfcheck"],
+                                  ["demo", "--json"]])
+def test_a_closed_pipe_ends_quietly(argv):
+    """``comfy-standin demo | head``: the reader has gone before the
+    first write; every write fails with EPIPE.  No traceback, the normal
+    exit code, and the demo still cleans up."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone already
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "comfy_standin", *argv],
+            stdout=write_end, stderr=subprocess.PIPE, text=True,
+            timeout=TIMEOUT, env={**os.environ, MARK: "pipe"},
+        )
+    finally:
+        os.close(write_end)
+    assert result.stderr == "", result.stderr
+    # 0: for the demo that includes its own check that none of its board
+    # segments is left in /dev/shm.
+    assert result.returncode == 0
+    assert marked_processes("pipe") == []
+
+
+def marked_processes(value: str) -> list[int]:
+    """Live processes carrying MARK=value in their environment (a demo
+    worker inherits it from the demo that started it)."""
+    needle = f"{MARK}={value}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if needle in environ and state != "Z":
+            found.append(int(entry))
+    return found
+
+
+def interrupt_demo(signum: int, delay: float, tag: str, group: bool):
+    """Start the demo, wait for its first line (its handlers are in
+    place from then on), wait `delay` more, send `signum` (to its whole
+    process group when `group`, as a terminal's Ctrl-C does).  Returns
+    the exit code, stdout, stderr and the demo's segments left over."""
+    process = subprocess.Popen(
+        # --verbose names each board as it is made: other processes on
+        # the machine may have segments of their own in /dev/shm.
+        [sys.executable, "-m", "comfy_standin", "demo", "--verbose"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, MARK: tag, "PYTHONUNBUFFERED": "1"},
+        start_new_session=True,
+    )
+    try:
+        first = process.stdout.readline()
+        assert first.startswith("comfy_standin "), first
+        if delay:
+            time.sleep(delay)  # where in the demo the signal lands
+        if group:
+            os.killpg(process.pid, signum)
+        else:
+            process.send_signal(signum)
+        out, err = process.communicate(timeout=TIMEOUT)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    made = re.findall(r"\[board\] created (/csb[0-9a-f]+)", out)
+    left = {"/dev/shm" + name for name in made} & segments()
+    return process.returncode, first + out, err, left
+
+
+# The demo takes a few hundred ms: these land before, between and after
+# the workers start, in the scenes, and in the clean-up.
+DELAYS = [0.0, 0.005, 0.01, 0.02, 0.04, 0.05, 0.06, 0.1, 0.2]
+
+
+@pytest.mark.parametrize("delay", DELAYS)
+def test_sigterm_cleans_up_and_exits_143(delay):
+    tag = f"term-{delay}"
+    code, out, err, left = interrupt_demo(signal.SIGTERM, delay, tag,
+                                          group=False)
+    if code == 0:  # the demo had finished before the signal came
+        assert "checks held" in out
+    else:
+        assert code == 143, (code, err)
+        assert err.splitlines() == [
+            "python -m comfy_standin: terminated; cleaned up"], err
+    assert left == set()
+    assert marked_processes(tag) == []
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.02, 0.05])
+def test_ctrl_c_cleans_up_and_exits_130(delay):
+    tag = f"int-{delay}"
+    code, out, err, left = interrupt_demo(signal.SIGINT, delay, tag,
+                                          group=True)
+    if code == 0:
+        assert "checks held" in out
+    else:
+        assert code == 130, (code, err)
+        assert err.splitlines() == [
+            "python -m comfy_standin: interrupted; cleaned up"], err
+    assert left == set()
+    assert marked_processes(tag) == []
+
+
+@pytest.mark.parametrize("sub", SUBCOMMANDS)
+def test_json_on_every_subcommand(sub):
+    result = cli(sub, "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)  # the whole of stdout is JSON
+    assert isinstance(data, dict) and data
+
+
+def test_demo_json_has_each_step_answer_and_check():
+    result = cli("demo", "--json", "--impl", "reference")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["ok"] is True and data["implementation"] == "reference"
+    titles = [step["title"] for step in data["steps"]]
+    assert titles[:5] == [t for t in titles if t[0].isdigit()]
+    assert len(data["checks"]) >= 20
+    assert all(c["ok"] and c["claim"] and c["step"] for c in data["checks"])
+    first = data["steps"][0]
+    (table,) = first["models"][:1]
+    unet = next(m for m in table["models"] if m["model"] == "A/unet")
+    assert unet["model_size"] == 4 << 30
+    assert unet["loaded_size"] == unet["receipt"] == 5 << 29
+    assert unet["source"] == "load echo" and unet["host"] is False
+    pressure = data["steps"][2]["free_memory"][0]
+    assert [c["name"] for c in pressure["candidates"]][0] == "A/unet"
+    assert pressure["ended_short"] is False
+    killed = data["steps"][3]["free_memory"][0]
+    assert killed["ended_short"] is True
+    assert killed["evictions"][0]["card_got_back"] == 0
+    glossary = {term for step in data["steps"] for term in step["glossary"]}
+    assert glossary == set(_demo.GLOSSARY)
+
+
+@pytest.mark.parametrize("sub", SUBCOMMANDS)
+def test_quiet_prints_the_result_line_only(sub):
+    result = cli(sub, "--quiet")
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout.splitlines()) == 1, result.stdout
+    assert result.stderr == ""
+
+
+def test_verbose_says_more():
+    quiet = cli("demo", "--no-status").stdout
+    loud = cli("demo", "--no-status", "--verbose").stdout
+    assert "[wire] model_partial_unload" in loud
+    assert "[wire]" not in quiet
+    assert len(loud.splitlines()) > len(quiet.splitlines())
+    assert len(cli("selfcheck", "-v").stdout) > len(cli("selfcheck").stdout)
+    assert "raw probe result" in cli("probe", "-v").stdout
+    both = cli("demo", "-q", "-v")
+    assert both.returncode == 2 and "not allowed" in both.stderr
+
+
+def run_on_a_terminal(argv: list[str], env: dict[str, str]) -> str:
+    """Runs the command with its stdout on a pseudo-terminal."""
+    import pty
+
+    leader, follower = pty.openpty()
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "comfy_standin", *argv],
+            stdout=follower, stderr=subprocess.PIPE, env=env,
+        )
+        os.close(follower)
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO: the other side closed
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        process.wait(timeout=TIMEOUT)
+    finally:
+        os.close(leader)
+    assert process.returncode == 0
+    return b"".join(chunks).decode()
+
+
+@pytest.mark.parametrize("sub", ["demo", "selfcheck"])
+def test_colour_only_on_a_terminal_and_never_with_no_color(sub):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("NO_COLOR", "TERM")}
+    env["TERM"] = "xterm"
+    assert "\033[" in run_on_a_terminal([sub], env)
+    assert "\033[" not in run_on_a_terminal([sub], {**env, "NO_COLOR": "1"})
+    assert "\033[" not in run_on_a_terminal([sub], {**env, "TERM": "dumb"})
+    piped = run([sys.executable, "-m", "comfy_standin", sub], env=env)
+    assert "\033[" not in piped.stdout
+    assert "\033[" not in cli(sub, "--json").stdout

@@ -1,4 +1,4 @@
-"""Commands and their failures (DESIGN.md 3.2, docs/semantics.md
+"""Commands and their failures (docs/semantics.md
 "Commands"): partially_load, partially_unload, detach, pressure."""
 
 from __future__ import annotations

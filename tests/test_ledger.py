@@ -1,5 +1,5 @@
 """The ledger: workers' books, model registration, charges and the reserve
-(docs/semantics.md, "The ledger"; DESIGN.md 3.5)."""
+(docs/semantics.md, "The ledger"; docs/reserve.md)."""
 
 from __future__ import annotations
 

@@ -258,7 +258,7 @@ REAL_PROBE = textwrap.dedent(
         first = pool.update_readings(pid_of=lambda worker: os.getpid())
         charge = pool.charge_details()[w]["charge"]
         # pid_of names a pid only the refused device lists
-        second = pool.update_readings(pid_of=lambda worker: 4242)
+        second = dict(pool.update_readings(pid_of=lambda worker: 4242))
         out.append((first[w], charge, second,
                     pool.charge_details()[w]["reading"]))
     print(repr(out))

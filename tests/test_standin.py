@@ -1,5 +1,5 @@
 """The stand-in and its inner module: every member ComfyUI touches
-(DESIGN.md 3.1, COMFYUI_FACTS.md), construction, and registration."""
+(docs/semantics.md, docs/comfyui.md), construction, and registration."""
 
 # Comparisons of an object with itself and `not (a == b)` are what these
 # tests are about: ComfyUI's code spells them that way.
@@ -56,7 +56,7 @@ def standin(impl, pool, make_worker, devices):
     )
 
 
-# ---- the members of DESIGN.md 3.1 -------------------------------------------
+# ---- the members of docs/semantics.md ---------------------------------------
 
 
 def test_plain_answers(standin, devices):

@@ -1,5 +1,5 @@
 """State sync: apply_echo, apply_residency and pool.report
-(DESIGN.md 3.3, docs/semantics.md "Receipts")."""
+(docs/semantics.md "Receipts")."""
 
 from __future__ import annotations
 

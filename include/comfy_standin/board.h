@@ -2,7 +2,7 @@
  * comfy_standin/board.h -- the live residency board: one shared-memory
  * segment per worker in which the worker publishes how much of each of its
  * models is on the card, and the host reads it between messages
- * (DESIGN.md 5; docs/board.md has the layout table and the trust rules).
+ * (docs/board.md has the layout table and the trust rules).
  *
  * Plain C11, no Python.
  *

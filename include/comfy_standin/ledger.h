@@ -5,7 +5,7 @@
  * Plain C11, no Python.  Every function is safe to call from any thread,
  * with or without the GIL.
  *
- * Vocabulary (DESIGN.md 3.3, 3.5):
+ * Vocabulary (docs/semantics.md, docs/reserve.md):
  *
  *   receipt   what a worker last said one of its models has on the card:
  *             (loaded bytes, worker seq, monotonic time, source).
@@ -47,7 +47,7 @@ extern "C" {
 #define CS_SEQ_NONE ((int64_t)-1)
 
 /* Default per-process floor: CUDA context and handles, measured by
- * comfy-env at 276-300 MiB per live worker (COMFYUI_FACTS.md). */
+ * comfy-env at 276-300 MiB per live worker (docs/comfyui.md). */
 #define CS_DEFAULT_FLOOR ((uint64_t)300 << 20)
 
 typedef enum cs_source {
@@ -93,7 +93,7 @@ typedef struct cs_census_entry {
     uint64_t resident; /* <= CS_VALUE_MAX; clamped to the model's size */
 } cs_census_entry;
 
-/* A worker's charge and the figures it came from (DESIGN.md 3.5). */
+/* A worker's charge and the figures it came from (docs/reserve.md). */
 typedef struct cs_charge {
     uint64_t charge;     /* what the worker costs the card, floor included */
     uint64_t sum_sizes;  /* sum of model sizes: the in-flight supremum */
@@ -135,7 +135,7 @@ cs_worker *cs_ledger_add_worker(cs_ledger *ledger, uint64_t generation);
 void cs_ledger_forget_worker(cs_ledger *ledger, cs_worker *worker);
 size_t cs_ledger_worker_count(cs_ledger *ledger);
 
-/* The reserve to publish as EXTRA_RESERVED_VRAM (DESIGN.md 3.5).
+/* The reserve to publish as EXTRA_RESERVED_VRAM (docs/reserve.md).
  * process_local false (Linux, device-wide free memory): `base`.
  * process_local true (Windows WDDM): base + sum of charges, capped at 75%
  * of `total_bytes` (no cap when total is 0), never below base; it grows at
@@ -168,7 +168,7 @@ void cs_worker_gone(cs_worker *worker);
  * worker's table (a forgotten worker's models are not).  Idempotent. */
 void cs_model_gone(cs_model *model);
 
-/* In-flight bracketing of a worker call (DESIGN.md 3.5).  end_call without
+/* In-flight bracketing of a worker call (docs/reserve.md).  end_call without
  * a matching begin_call returns CS_ERR_STATE and changes nothing. */
 cs_status cs_worker_begin_call(cs_worker *worker);
 cs_status cs_worker_end_call(cs_worker *worker);
@@ -203,7 +203,7 @@ cs_status cs_worker_register_model(cs_worker *worker, uint64_t generation,
 cs_model *cs_worker_find_model(cs_worker *worker, const char *id,
                                size_t id_len);
 
-/* Applies a census to one worker (DESIGN.md 3.3), all or nothing: every
+/* Applies a census to one worker (docs/semantics.md), all or nothing: every
  * entry is validated first (unknown id, duplicate id, resident above
  * CS_VALUE_MAX, negative seq); on an error nothing changed and *bad_index
  * names the entry.  Then per entry: a seq strictly older than the
@@ -224,7 +224,7 @@ cs_status cs_worker_apply_census(cs_worker *worker,
 cs_status cs_model_apply_census(cs_model *model, bool has_seq, int64_t seq,
                                 uint64_t resident, bool *applied);
 
-/* The worker's charge (DESIGN.md 3.5):
+/* The worker's charge (docs/reserve.md):
  *   gone:      0
  *   in flight: sum of sizes + floor
  *   idle:      max(sum of receipts, sum of peaks, held, reading) + floor */
@@ -255,7 +255,7 @@ uint64_t cs_model_admission_peak(const cs_model *model);
  * since it last looked. */
 uint64_t cs_model_write_count(const cs_model *model);
 
-/* A command echo (DESIGN.md 3.3): always written (a reply is the newest
+/* A command echo (docs/semantics.md): always written (a reply is the newest
  * word).  seq CS_SEQ_NONE keeps the receipt's seq.  `loaded` above the
  * size is CS_ERR_RANGE (a bad reply; nothing written).  `unmapped` (a full
  * detach) zeroes the admission peak; otherwise the peak rises to `loaded`
@@ -271,7 +271,7 @@ cs_status cs_model_apply_echo(cs_model *model, uint64_t loaded, int64_t seq,
  * call path with no node boundary).  Stale: CS_ERR_STALE. */
 cs_status cs_model_raise_peak(cs_model *model, uint64_t bytes);
 
-/* Eviction was refused by a live worker (DESIGN.md 3.2).  Cleared by the
+/* Eviction was refused by a live worker (docs/semantics.md).  Cleared by the
  * next echo. */
 void cs_model_set_eviction_deferred(cs_model *model, bool deferred);
 bool cs_model_eviction_deferred(const cs_model *model);

@@ -1,7 +1,7 @@
 /*
  * comfy_standin/probe.h -- the GPU probe: per device total, device-wide
  * free, and used bytes per process id, read through NVML and the CUDA
- * driver, both loaded at run time (DESIGN.md 4).
+ * driver, both loaded at run time (docs/probe.md).
  *
  * Plain C11, no Python.  The libraries are opened on the first call, once
  * per process, and never closed; nothing links against them, so a machine

@@ -50,7 +50,7 @@ __all__ = [
 
 
 class Pool(_pool.Pool):
-    """Per-worker charges over the C ledger (DESIGN.md 3.5)."""
+    """Per-worker charges over the C ledger (docs/reserve.md)."""
 
     _impl = sys.modules[__name__]
 

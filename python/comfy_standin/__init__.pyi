@@ -1,4 +1,4 @@
-"""Typed surface of comfy_standin (the contract of DESIGN.md section 3).
+"""Typed surface of comfy_standin (the contract of docs/semantics.md).
 
 Both implementations -- the C one exported here and the pure-Python
 reference in ``comfy_standin._reference`` -- have exactly this surface and
@@ -183,7 +183,7 @@ def default_pool() -> Pool: ...
 def probe() -> dict[str, Any]: ...
 
 class Board:
-    """A live residency board in shared memory (DESIGN.md 5, docs/board.md)."""
+    """A live residency board in shared memory (docs/board.md)."""
 
     @classmethod
     def create(

@@ -1,28 +1,177 @@
-"""Command line: ``python -m comfy_standin {demo,status,probe,selfcheck}``.
+"""Command line: ``comfy-standin COMMAND`` or ``python -m comfy_standin
+COMMAND`` (docs/cli.md).
 
-Exit codes: 0 success; 1 a check failed (demo, selfcheck); 2 bad usage
-(argparse); 3 ``probe --require-gpu`` found no readable GPU.
+Exit codes: 0 success; 1 a check failed (demo, selfcheck); 2 bad usage;
+3 ``probe --require-gpu`` found no readable GPU; 130 interrupted (Ctrl-C,
+SIGINT); 143 terminated (SIGTERM).  Both signals run the same clean-up
+(worker processes ended, boards closed) and end with one line on stderr.
+
+Adding a subcommand: write ``_add_NAME(sub, common)`` that adds its
+parser (``parents=[common]`` gives it ``--json``/``--quiet``/
+``--verbose``) and sets ``func``; list it in ``SUBCOMMANDS``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
+import signal
 import sys
+from collections.abc import Callable
+from typing import Any, TextIO
 
 EXIT_OK = 0
 EXIT_FAILED = 1
+EXIT_USAGE = 2
 EXIT_NO_GPU = 3
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130
+EXIT_TERMINATED = 128 + signal.SIGTERM  # 143
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
+# ---------------------------------------------------------------------------
+# conventions shared by every subcommand
+
+
+def program_name(argv0: str | None = None) -> str:
+    """The program as the user invoked it: the console script's name, or
+    ``python -m comfy_standin``."""
+    argv0 = sys.argv[0] if argv0 is None else argv0
+    base = os.path.basename(argv0 or "")
+    if base in ("", "-c", "__main__.py", "-m") or base.endswith(".py"):
+        return "python -m comfy_standin"
+    return base
+
+
+def use_color(stream: TextIO) -> bool:
+    """Colour only on a terminal, never with NO_COLOR set
+    (https://no-color.org) or TERM=dumb."""
+    if os.environ.get("NO_COLOR"):
+        return False
+    if os.environ.get("TERM") == "dumb":
+        return False
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+class Output:
+    """How a subcommand should talk: ``json`` (one JSON document on
+    stdout, nothing else there), ``quiet`` (the result line only),
+    ``verbose`` (also debug logging on stderr), ``color``."""
+
+    def __init__(self, args: argparse.Namespace, stream: TextIO) -> None:
+        self.json = bool(getattr(args, "json", False))
+        self.quiet = bool(getattr(args, "quiet", False))
+        self.verbose = bool(getattr(args, "verbose", False))
+        self.color = not self.json and use_color(stream)
+        self.stream = stream
+
+    def emit_json(self, data: Any) -> None:
+        print(json.dumps(data, indent=2, sort_keys=True, default=str),
+              file=self.stream)
+
+
+class _QuietPipe:
+    """stdout that stops writing, without a traceback, once the reader
+    has gone (``comfy-standin demo | head``).  The command still finishes
+    (and cleans up); main() then points fd 1 at /dev/null so the final
+    flush at exit cannot complain either."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self.broken = False
+
+    def write(self, text: str) -> int:
+        if not self.broken:
+            try:
+                return self._stream.write(text)
+            except BrokenPipeError:
+                self.broken = True
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.broken:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self.broken = True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is so that the same clean-up as
+    for Ctrl-C runs.  A KeyboardInterrupt, so no ``except Exception``
+    swallows it."""
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    # Clean-up must not be cut short by a second signal: ignore both
+    # from now on (clean-up is bounded: workers are killed, not asked).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if signum == signal.SIGTERM:
+        raise Terminated()
+    raise KeyboardInterrupt()
+
+
+def _configure_logging(out: Output, inline: bool) -> None:
+    """--verbose: the package's log on stderr (the demo shows it inline
+    instead); --quiet and --json: errors only."""
+    logger = logging.getLogger("comfy_standin")
+    if out.verbose and not inline:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.DEBUG)
+    elif out.quiet or out.json:
+        logger.setLevel(logging.ERROR)
+
+
+# ---------------------------------------------------------------------------
+# demo
+
+
+def _cmd_demo(args: argparse.Namespace, out: Output) -> int:
     from . import _demo
 
-    return _demo.run_demo(args.impl, sys.stdout,
-                          show_status=not args.no_status)
+    return _demo.run_demo(
+        args.impl, out.stream, show_status=not args.no_status,
+        mode="json" if out.json else "quiet" if out.quiet else "text",
+        color=out.color, verbose=out.verbose,
+    )
 
 
-def _cmd_status(args: argparse.Namespace) -> int:
+def _add_demo(sub: Any, common: argparse.ArgumentParser) -> None:
+    demo = sub.add_parser(
+        "demo", parents=[common],
+        help="self-contained run: worker subprocesses, boards, a "
+             "ComfyUI-like memory manager under pressure (no GPU needed)",
+        description=(
+            "Starts two worker processes holding fake models on a "
+            "simulated card, registers their stand-ins next to host "
+            "models, and shows what ComfyUI's eviction sees and does: a "
+            "busy call (receipt vs live board), pressure, a worker "
+            "killed with SIGKILL, a worker refusing. Checks its own "
+            "claims; exit 0 only if all held. Terms: docs/glossary.md."
+        ),
+    )
+    demo.add_argument("--impl", choices=("c", "reference"), default="c",
+                      help="stand-in implementation (default: c)")
+    demo.add_argument("--no-status", action="store_true",
+                      help="skip the status dump of the demo's pool")
+    demo.set_defaults(func=_cmd_demo)
+
+
+# ---------------------------------------------------------------------------
+# status
+
+
+def _cmd_status(args: argparse.Namespace, out: Output) -> int:
     import comfy_standin as cs
 
     from . import _status
@@ -35,101 +184,137 @@ def _cmd_status(args: argparse.Namespace) -> int:
         pool = _reference.default_pool()
     status = _status.collect(pool)
     result = cs.probe()
-    if args.json:
+    if out.json:
         status["probe"] = result
         status["probe_summary"] = _status.probe_summary(result)
-        print(json.dumps(status, indent=2, sort_keys=True, default=str))
+        out.emit_json(status)
+    elif out.quiet:
+        print(_status.summary_line(status, result), file=out.stream)
     else:
-        print(_status.render(status, probe=False))
-        print(_status.render_probe(result))
+        print(_status.render(status, probe=False), file=out.stream)
+        print(_status.render_probe(result), file=out.stream)
+        if out.verbose:
+            print("raw probe result:", file=out.stream)
+            out.emit_json(result)
     return EXIT_OK
 
 
-def _cmd_probe(args: argparse.Namespace) -> int:
+def _add_status(sub: Any, common: argparse.ArgumentParser) -> None:
+    status = sub.add_parser(
+        "status", parents=[common],
+        help="this process's default pool: workers, models, receipts "
+             "(age, source), boards; and the probe",
+    )
+    status.add_argument("--impl", choices=("c", "reference"), default="c",
+                        help="whose default pool (default: c)")
+    status.set_defaults(func=_cmd_status)
+
+
+# ---------------------------------------------------------------------------
+# probe
+
+
+def _cmd_probe(args: argparse.Namespace, out: Output) -> int:
     import comfy_standin as cs
 
     from . import _status
 
     result = cs.probe()
     summary = _status.probe_summary(result)
-    if args.json:
-        print(json.dumps({"probe": result, "summary": summary}, indent=2,
-                         sort_keys=True, default=str))
+    if out.json:
+        out.emit_json({"probe": result, "summary": summary})
+    elif out.quiet:
+        print(_status.probe_line(summary), file=out.stream)
     else:
-        print(_status.render_probe(result))
+        print(_status.render_probe(result), file=out.stream)
+        if out.verbose:
+            print("raw probe result:", file=out.stream)
+            out.emit_json(result)
     if args.require_gpu and not summary["gpu"]:
         return EXIT_NO_GPU
     return EXIT_OK
 
 
-def _cmd_selfcheck(args: argparse.Namespace) -> int:
+def _add_probe(sub: Any, common: argparse.ArgumentParser) -> None:
+    probe = sub.add_parser(
+        "probe", parents=[common],
+        help="the GPU probe (CUDA driver and NVML through dlopen)",
+    )
+    probe.add_argument("--require-gpu", action="store_true",
+                       help=f"exit {EXIT_NO_GPU} when no GPU is readable")
+    probe.set_defaults(func=_cmd_probe)
+
+
+# ---------------------------------------------------------------------------
+# selfcheck
+
+
+def _cmd_selfcheck(args: argparse.Namespace, out: Output) -> int:
     from . import _selfcheck
 
-    return _selfcheck.run(sys.stdout)
+    return _selfcheck.run(
+        out.stream,
+        mode="json" if out.json else "quiet" if out.quiet else "text",
+        color=out.color, verbose=out.verbose,
+    )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _add_selfcheck(sub: Any, common: argparse.ArgumentParser) -> None:
+    selfcheck = sub.add_parser(
+        "selfcheck", parents=[common],
+        help="imports, version, C and reference agree on a scripted "
+             "history",
+    )
+    selfcheck.set_defaults(func=_cmd_selfcheck)
+
+
+# ---------------------------------------------------------------------------
+# the parser
+
+#: One entry per subcommand, in --help order.
+SUBCOMMANDS: list[Callable[[Any, argparse.ArgumentParser], None]] = [
+    _add_demo,
+    _add_status,
+    _add_probe,
+    _add_selfcheck,
+]
+
+
+def _common_options() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true",
+                        help="one JSON document on stdout, nothing else")
+    level = common.add_mutually_exclusive_group()
+    level.add_argument("-q", "--quiet", action="store_true",
+                       help="print only the result line")
+    level.add_argument("-v", "--verbose", action="store_true",
+                       help="more detail (the demo: every worker command "
+                            "and reply)")
+    return common
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m comfy_standin",
+        prog=prog or program_name(),
         description=(
             "Stand-ins for models held by comfy-env worker processes in "
             "ComfyUI's VRAM management."
         ),
         epilog=(
+            "Every command takes --json, --quiet and --verbose. "
             "exit codes: 0 ok; 1 a check failed (demo, selfcheck); 2 bad "
-            "usage; 3 probe --require-gpu found no GPU"
+            "usage; 3 probe --require-gpu found no GPU; 130 interrupted; "
+            "143 terminated. Colour only on a terminal and never with "
+            "NO_COLOR. Docs: docs/ in the source tree (cli.md, "
+            "glossary.md, architecture.md)."
         ),
     )
     parser.add_argument("--version", action="version",
                         version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-
-    demo = sub.add_parser(
-        "demo",
-        help="self-contained run: worker subprocesses, boards, a "
-             "ComfyUI-like memory manager under pressure (no GPU needed)",
-        description=(
-            "Starts two worker processes holding fake models on a "
-            "simulated card, registers their stand-ins next to host "
-            "models, and shows what ComfyUI's eviction sees and does: a "
-            "busy call (receipt vs live board), pressure, a worker "
-            "killed with SIGKILL, a worker refusing. Checks its own "
-            "claims; exit 0 only if all held."
-        ),
-    )
-    demo.add_argument("--impl", choices=("c", "reference"), default="c",
-                      help="stand-in implementation (default: c)")
-    demo.add_argument("--no-status", action="store_true",
-                      help="skip the status dump of the demo's pool")
-    demo.set_defaults(func=_cmd_demo)
-
-    status = sub.add_parser(
-        "status",
-        help="this process's default pool: workers, models, receipts "
-             "(age, source), boards; and the probe",
-    )
-    status.add_argument("--json", action="store_true",
-                        help="machine-readable output")
-    status.add_argument("--impl", choices=("c", "reference"), default="c",
-                        help="whose default pool (default: c)")
-    status.set_defaults(func=_cmd_status)
-
-    probe = sub.add_parser(
-        "probe",
-        help="the GPU probe (CUDA driver and NVML through dlopen)",
-    )
-    probe.add_argument("--json", action="store_true",
-                       help="machine-readable output")
-    probe.add_argument("--require-gpu", action="store_true",
-                       help=f"exit {EXIT_NO_GPU} when no GPU is readable")
-    probe.set_defaults(func=_cmd_probe)
-
-    selfcheck = sub.add_parser(
-        "selfcheck",
-        help="imports, version, C and reference agree on a scripted "
-             "history",
-    )
-    selfcheck.set_defaults(func=_cmd_selfcheck)
+    common = _common_options()
+    for add in SUBCOMMANDS:
+        add(sub, common)
     return parser
 
 
@@ -144,11 +329,38 @@ def _version() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 2
-    return args.func(args)
+    stdout = _QuietPipe(sys.stdout)
+    previous: dict[int, Any] = {}
+    try:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            previous[signum] = signal.signal(signum, _on_signal)
+    except ValueError:  # not the main thread: leave signals alone
+        pass
+    saved_stdout, sys.stdout = sys.stdout, stdout  # type: ignore[assignment]
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.error(f"a command is required; see '{parser.prog} "
+                         f"--help'")
+        out = Output(args, stdout)  # type: ignore[arg-type]
+        _configure_logging(out, inline=args.command == "demo")
+        return int(args.func(args, out))
+    except KeyboardInterrupt as exc:
+        terminated = isinstance(exc, Terminated)
+        print(f"{parser.prog}: {'terminated' if terminated else 'interrupted'}"
+              f"; cleaned up", file=sys.stderr)
+        return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
+    finally:
+        stdout.flush()
+        sys.stdout = saved_stdout
+        if stdout.broken:
+            # The reader left: nothing more can be said on stdout, and the
+            # interpreter's own flush at exit must not say so either.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, saved_stdout.fileno())
+            os.close(devnull)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 if __name__ == "__main__":

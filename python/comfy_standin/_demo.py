@@ -14,13 +14,17 @@ worker replies) and takes back everything of a process that died, so
 
 The demo checks its own claims (:class:`Checks`) and exits 0 only when
 every one held, including that no board segment and no worker process
-outlives it.
+outlives it.  It names each glossary term (docs/glossary.md) the first
+time it uses it, and explains its own surprising lines.  ``mode="json"``
+prints one JSON document instead (each step, each stand-in's answers,
+each check); ``mode="quiet"`` only the verdict.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import io
 import json
 import logging
 import os
@@ -32,7 +36,7 @@ import time
 import traceback
 import uuid
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -51,6 +55,37 @@ REPLY_TIMEOUT = 15.0
 #: stale between two scenes on a slow machine (a stale board only means
 #: "use the receipt", but the demo's claims about the board would flap).
 HEARTBEAT_LIMIT = 120.0
+
+
+#: The glossary terms the demo uses, each explained the first time it
+#: comes up (the full entries are in docs/glossary.md).
+GLOSSARY = {
+    "receipt": "what the worker last said a model has on the card; "
+               "loaded_size() answers it",
+    "board": "a shared-memory page per worker where it publishes its "
+             "models' resident bytes; the host reads it without a message",
+    "echo": "the residency a command's reply carries; it is written to "
+            "the receipt at once",
+    "generation": "a worker's restart count; stand-ins of an older "
+                  "generation read 0",
+    "charge": "what one worker costs the card, as the pool counts it",
+    "supremum": "the sum of a worker's model sizes: everything it could "
+                "fault in during a call",
+    "floor": "a worker process's VRAM before any model (CUDA context), "
+             "300 MiB here",
+    "census": "a worker's list of its models' resident bytes, sent at a "
+              "node boundary; it replaces receipts",
+    "reserve": "EXTRA_RESERVED_VRAM: what ComfyUI keeps free on top of "
+               "what a load needs",
+}
+
+_ANSI = {"ok": "32", "fail": "31;1", "title": "1", "term": "36"}
+
+
+def paint(text: str, what: str, color: bool) -> str:
+    """ANSI colour for a terminal (the caller decides: never with
+    NO_COLOR, never when piped)."""
+    return f"\033[{_ANSI[what]}m{text}\033[0m" if color else text
 
 
 def gib(n: float | None) -> str:
@@ -150,11 +185,18 @@ class PipeWorker:
         self.name = name
         self.board = board
         self._buffer = b""
+        #: Called with (method, params, reply or error) for each command
+        #: when the demo runs with --verbose.
+        self.trace: Callable[[str, dict, Any], None] | None = None
         self.process = subprocess.Popen(
             [sys.executable, "-m", "comfy_standin._demo_worker", board.name],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             bufsize=0,
+            # Its own session: Ctrl-C at the terminal reaches the host
+            # only, which then ends the worker itself (no second
+            # traceback from the worker).
+            start_new_session=True,
         )
 
     def wait_ready(self) -> None:
@@ -203,6 +245,8 @@ class PipeWorker:
         except (BrokenPipeError, OSError) as exc:
             raise ConnectionError(f"worker {self.name}: {exc}") from exc
         reply = self._read_reply()
+        if self.trace is not None:
+            self.trace(method, params, reply)
         if reply.get("status") != "ok":
             raise WorkerError(
                 f"worker {self.name}: {method}: {reply.get('error')}"
@@ -523,13 +567,20 @@ class MiniModelManagement:
 
 
 class Checks:
-    def __init__(self, out: TextIO) -> None:
+    def __init__(self, out: TextIO, color: bool = False) -> None:
         self.out = out
+        self.color = color
         self.results: list[tuple[bool, str]] = []
+        #: Every check with the step it was made in (``--json``).
+        self.records: list[dict[str, Any]] = []
+        self.step = ""
 
     def check(self, ok: bool, claim: str) -> bool:
         self.results.append((bool(ok), claim))
-        mark = "ok  " if ok else "FAIL"
+        self.records.append({"ok": bool(ok), "claim": claim,
+                             "step": self.step})
+        mark = (paint("ok  ", "ok", self.color) if ok
+                else paint("FAIL", "fail", self.color))
         print(f"  [{mark}] {claim}", file=self.out)
         return bool(ok)
 
@@ -546,12 +597,34 @@ def _version() -> str:
     return importlib.import_module("comfy_standin").__version__
 
 
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """SIGINT and SIGTERM that arrive inside are delivered on the way
+    out, to whatever handler was in place (in the main thread only)."""
+    pending: list[int] = []
+    wanted = (signal.SIGINT, signal.SIGTERM)
+    try:
+        previous = {s: signal.signal(s, lambda n, f: pending.append(n))
+                    for s in wanted}
+    except ValueError:  # not the main thread: signals are not ours
+        yield
+        return
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if pending:
+            signal.raise_signal(pending[0])
+
+
 def _shm_path(name: str) -> str:
     return "/dev/shm/" + name.lstrip("/")
 
 
 class Demo:
-    def __init__(self, impl_name: str, out: TextIO) -> None:
+    def __init__(self, impl_name: str, out: TextIO,
+                 color: bool = False, verbose: bool = False) -> None:
         self.impl_name = impl_name
         self.impl = (
             importlib.import_module("comfy_standin")
@@ -560,7 +633,12 @@ class Demo:
         )
         self.board_type = importlib.import_module("comfy_standin._core").Board
         self.out = out
-        self.checks = Checks(out)
+        self.color = color
+        self.verbose = verbose
+        self.checks = Checks(out, color)
+        #: What ``--json`` prints: one entry per step (scene).
+        self.steps: list[dict[str, Any]] = []
+        self.defined: set[str] = set()
         self.card = SimCard(CUDA, 12 * GiB)
         self.mm = MiniModelManagement(self.card, self.describe)
         self.pool = self.impl.Pool(process_local=False)
@@ -578,10 +656,31 @@ class Demo:
 
     def say(self, text: str = "") -> None:
         print(text, file=self.out)
+        if self.steps and text:
+            self.steps[-1]["lines"].append(text)
 
     def title(self, text: str) -> None:
-        self.say()
-        self.say(f"== {text} ==")
+        self.steps.append({"title": text, "lines": [], "glossary": {},
+                           "models": [], "free_memory": []})
+        self.checks.step = text
+        print(file=self.out)
+        print(paint(f"== {text} ==", "title", self.color), file=self.out)
+
+    def trace_command(self, method: str, params: dict, reply: Any) -> None:
+        """--verbose: each command to a worker and its reply."""
+        shown = {k: v for k, v in params.items() if k != "models"}
+        self.say(f"    [wire] {method} {shown} -> {reply}")
+
+    def define(self, *terms: str) -> None:
+        """Names a glossary term the first time the demo uses it."""
+        for term in terms:
+            if term in self.defined:
+                continue
+            self.defined.add(term)
+            if self.steps:
+                self.steps[-1]["glossary"][term] = GLOSSARY[term]
+            print(f"  {paint(term, 'term', self.color)} "
+                  f"(docs/glossary.md): {GLOSSARY[term]}", file=self.out)
 
     # -- views ----------------------------------------------------------
 
@@ -627,12 +726,23 @@ class Demo:
         )
         self.say(f"  {'model':<10} {'kind':<12} {'size':>10} "
                  f"{'receipt':>10} {'board':>12}  loaded_size()  source")
+        table = []
         for name, patcher in self.models.items():
             _, kind, receipt, board, status = self.describe(patcher)
             if isinstance(patcher, HostModel):
                 source = "host"
             else:
                 source = patcher.receipt()[3]
+            table.append({
+                "model": name, "kind": kind, "host": isinstance(
+                    patcher, HostModel),
+                "model_size": patcher.model_size(),
+                "loaded_size": patcher.loaded_size(),
+                "current_loaded_device": str(
+                    patcher.current_loaded_device()),
+                "receipt": receipt, "board": board,
+                "board_status": status, "source": source,
+            })
             shown = gib(board) if board is not None else f"({status})"
             if isinstance(patcher, HostModel):
                 shown = "-"
@@ -641,8 +751,15 @@ class Demo:
                 f"{gib(receipt):>10} {shown:>12}  "
                 f"{gib(patcher.loaded_size()):>13}  {source}"
             )
+        if self.steps:
+            self.steps[-1]["models"].append({
+                "card_total": self.card.total,
+                "card_free": self.card.free(), "models": table,
+            })
 
-    def print_run(self, run: FreeMemoryRun) -> None:
+    def print_run(self, run: FreeMemoryRun, short_because: str = "") -> None:
+        """Prints what ComfyUI saw and chose; `short_because` says why,
+        when free_memory ends short of its request."""
         self.say(
             f"  free_memory({gib(run.memory_required)}, {CUDA}): "
             f"{gib(run.free_before)} free before"
@@ -683,17 +800,54 @@ class Demo:
                 + (f"; RAISED {e.error}" if e.error else "")
             )
         self.say(f"  free after: {gib(run.free_after)}")
+        short = run.free_after < run.memory_required
+        if short:
+            self.say(
+                f"  free_memory ended short of its request: "
+                f"{gib(run.free_after)} free of {gib(run.memory_required)} "
+                f"asked. It evicts only what its candidates give back, then "
+                f"stops (ComfyUI's load_models_gpu then asks once more for "
+                f"just its minimum and loads what fits, a partial low-VRAM "
+                f"load). Here: {short_because or 'see above'}"
+            )
+        if self.steps:
+            self.steps[-1]["free_memory"].append({
+                "memory_required": run.memory_required,
+                "free_before": run.free_before,
+                "free_after": run.free_after,
+                "ended_short": short,
+                "candidates": [
+                    {"name": c.name, "kind": c.kind, "size": c.size,
+                     "receipt": c.receipt, "board": c.board,
+                     "board_status": c.board_status, "key": list(c.key)}
+                    for c in sorted(run.candidates, key=lambda c: c.key)
+                ],
+                "evictions": [
+                    {"name": e.name, "memory_to_free": e.memory_to_free,
+                     "steps": [list(step) for step in e.steps],
+                     "returned": e.returned, "left_list": e.left_list,
+                     "card_got_back": e.card_got_back, "error": e.error}
+                    for e in run.evictions
+                ],
+            })
 
     # -- building blocks ------------------------------------------------
 
     def start_worker(self, name: str) -> PipeWorker:
-        board = self.board_type.create(
-            8, generation=1, heartbeat_limit=HEARTBEAT_LIMIT
-        )
-        self.boards.append(board)
-        self.board_names.append(board.name)
-        worker = PipeWorker(name, board)
-        self.workers[name] = worker  # cleaned up even if it never greets
+        # Ctrl-C or SIGTERM between spawning a worker and recording it
+        # would leave a process nobody ends: they wait for the record.
+        with signals_deferred():
+            board = self.board_type.create(
+                8, generation=1, heartbeat_limit=HEARTBEAT_LIMIT
+            )
+            self.boards.append(board)
+            self.board_names.append(board.name)
+            if self.verbose:
+                self.say(f"    [board] created {board.name} for {name}")
+            worker = PipeWorker(name, board)
+            self.workers[name] = worker  # cleaned up even if never greets
+        if self.verbose:
+            worker.trace = self.trace_command
         worker.wait_ready()
         board.expected_owner = worker.pid
         # The worker has opened it (it greeted us): from now on the
@@ -753,6 +907,8 @@ class Demo:
             f"({self.impl.__name__}.StandIn), simulated card "
             f"{gib(self.card.total)}"
         )
+        self.say("Each term of docs/glossary.md is explained the first "
+                 "time it comes up.")
 
         self.title("1. load: host models, and two workers over pipes")
         a = self.start_worker("A")
@@ -774,6 +930,13 @@ class Demo:
             "A/lora": self.models["A/lora"].partially_load(CUDA, 1e32),
             "B/unet": self.models["B/unet"].partially_load(CUDA, 1 * GiB),
         }
+        self.say("  each worker's stand-ins are registered for its "
+                 "generation 1 (a restarted worker's old ones read 0)")
+        self.define("generation")
+        self.say("  the table: size = model_size(); receipt = what the "
+                 "worker's last reply (an echo) said; board = what it "
+                 "publishes now; loaded_size() = what ComfyUI reads")
+        self.define("receipt", "echo", "board")
         self.print_models()
         for name, n in loaded.items():
             c.check(self.models[name].loaded_size() == n,
@@ -798,17 +961,24 @@ class Demo:
             c.check(unet_b.loaded_size() == 3 * GiB,
                     "loaded_size() reads the board during the call")
             charge = self.pool.worker_charges()[b]
+            self.define("charge", "supremum", "floor")
             c.check(
                 charge == unet_b.size + self.pool.floor,
-                f"in flight, B is charged every byte it could fault in: "
-                f"{gib(charge)} (size + floor)",
+                f"in flight, B is charged its supremum (every byte it "
+                f"could fault in) plus the floor: {gib(charge)}",
             )
             end = b.send_command("call_end")
         self.say(f"  the call returned {end!r}: no census (an older "
                  f"worker), so the receipt stays behind the board")
+        self.define("census")
 
         self.title("3. pressure: ComfyUI needs room for a 6 GiB upscaler")
         need = 6 * GiB + self.mm.minimum_inference_memory()
+        self.say(f"  ComfyUI asks for 6 GiB + 0.8 GiB for inference + its "
+                 f"reserve ({self.mm.EXTRA_RESERVED_VRAM >> 20} MiB); "
+                 f"free_memory "
+                 f"sorts candidates by key, most offloaded first")
+        self.define("reserve")
         run = self.mm.free_memory(need, CUDA)
         self.print_run(run)
         self.check_run(run, "pressure")
@@ -842,7 +1012,21 @@ class Demo:
                  f"{gib(free_after_kill)} free")
         need = free_after_kill + 1 * GiB
         run = self.mm.free_memory(need, CUDA, keep_loaded=self.others_than(b))
-        self.print_run(run)
+        self.print_run(
+            run,
+            "its only candidate was B/unet (every other entry was in "
+            "keep_loaded), and B's bytes were back on the card before it "
+            "ran",
+        )
+        back = self.card.released_at_exit.get("B", 0)
+        self.say(
+            f"  why 'partially_unload -> {gib(held_by_b)}' yet 'card got "
+            f"back 0.00 GiB': the card took B's {gib(back)} back when B "
+            f"died, before free_memory ran (they are in the free figure "
+            f"it started from). The stand-in returns what B held, so "
+            f"ComfyUI's arithmetic sees the model gone; that call itself "
+            f"could return nothing more."
+        )
         c.check(not run.errors, "kill: no exception escaped free_memory")
         returned = sum(e.returned for e in run.evictions)
         c.check(
@@ -867,7 +1051,13 @@ class Demo:
         kept = unet_a.loaded_size()
         need = self.card.free() + 1 * GiB
         run = self.mm.free_memory(need, CUDA, keep_loaded=self.others_than(a))
-        self.print_run(run)
+        self.print_run(
+            run,
+            "A refused, so its weights are still on the card and nothing "
+            "came back; the stand-in returned 0 (never a made-up figure), "
+            "kept its receipt and told the pool the shortfall "
+            "(on_pressure)",
+        )
         self.check_run(run, "refusing")
         c.check(unet_a.eviction_deferred,
                 "refusing: A/unet says eviction_deferred")
@@ -896,6 +1086,19 @@ class Demo:
         for board in self.boards:
             board.close()
 
+    def abort(self) -> None:
+        """Interrupted (Ctrl-C, SIGTERM): end every worker at once (kill,
+        do not ask) and close the boards, printing nothing."""
+        for worker in self.workers.values():
+            with contextlib.suppress(Exception):
+                worker.kill()
+            for stream in (worker.process.stdin, worker.process.stdout):
+                with contextlib.suppress(Exception):
+                    stream.close()
+        for board in self.boards:
+            with contextlib.suppress(Exception):
+                board.close()
+
     def check_nothing_left(self) -> None:
         c = self.checks
         left = [name for name in self.board_names
@@ -909,16 +1112,26 @@ class Demo:
 
 
 def run_demo(impl_name: str = "c", out: TextIO | None = None,
-             show_status: bool = True) -> int:
-    """Run the scenario; returns the exit code (0: every check held)."""
+             show_status: bool = True, mode: str = "text",
+             color: bool = False, verbose: bool = False) -> int:
+    """Run the scenario; returns the exit code (0: every check held).
+
+    mode "text" tells the story; "quiet" prints only the verdict (and
+    the failed checks); "json" prints one JSON document.  A
+    KeyboardInterrupt (Ctrl-C, or SIGTERM as the command line raises
+    it) kills the workers and closes the boards before it propagates."""
     out = sys.stdout if out is None else out
-    demo = Demo(impl_name, out)
+    story = out if mode == "text" else io.StringIO()
+    demo = Demo(impl_name, story, color=color and mode == "text",
+                verbose=verbose)
     crashed: str | None = None
+    interrupted = False
     # What the stand-ins log (deferred evictions, a gone worker) is part
     # of the story: show it inline rather than on stderr.
     logger = logging.getLogger("comfy_standin")
-    handler = logging.StreamHandler(out)
+    handler = logging.StreamHandler(story)
     handler.setFormatter(logging.Formatter("  [log] %(message)s"))
+    handler.setLevel(logging.DEBUG if verbose else logging.INFO)
     logger.addHandler(handler)
     try:
         demo.run()
@@ -926,26 +1139,53 @@ def run_demo(impl_name: str = "c", out: TextIO | None = None,
             from . import _status
 
             demo.title("status of the demo's pool")
-            print(_status.render(_status.collect(demo.pool), probe=False),
-                  file=out)
+            status = _status.collect(demo.pool)
+            demo.steps[-1]["status"] = status
+            print(_status.render(status, probe=False), file=story)
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
     except Exception as exc:  # noqa: BLE001 - reported, then exit 1
         crashed = f"{type(exc).__name__}: {exc}"
         traceback.print_exc()
     finally:
-        demo.title("clean-up")
-        demo.shut_down()
-        demo.check_nothing_left()
-        logger.removeHandler(handler)
+        try:
+            if interrupted:
+                demo.abort()
+            else:
+                demo.title("clean-up")
+                demo.shut_down()
+                demo.check_nothing_left()
+        except KeyboardInterrupt:
+            demo.abort()
+            raise
+        finally:
+            logger.removeHandler(handler)
     checks = demo.checks
     if crashed:
         checks.results.append((False, f"the demo crashed: {crashed}"))
+        checks.records.append({"ok": False, "step": checks.step,
+                               "claim": f"the demo crashed: {crashed}"})
     held = sum(ok for ok, _ in checks.results)
     total = len(checks.results)
-    demo.say()
     if checks.failed:
-        demo.say(f"demo ({impl_name}): FAILED {total - held} of {total} "
-                 f"checks: {'; '.join(checks.failed)}")
-        return 1
-    demo.say(f"demo ({impl_name}): all {total} checks held; no segment, "
-             f"no process left")
-    return 0
+        verdict = (f"demo ({impl_name}): FAILED {total - held} of {total} "
+                   f"checks: {'; '.join(checks.failed)}")
+    else:
+        verdict = (f"demo ({impl_name}): all {total} checks held; no "
+                   f"segment, no process left")
+    if mode == "json":
+        print(json.dumps({
+            "implementation": impl_name,
+            "module": demo.impl.__name__,
+            "ok": not checks.failed,
+            "verdict": verdict,
+            "steps": demo.steps,
+            "checks": checks.records,
+            "crashed": crashed,
+        }, indent=2, default=str), file=out)
+    else:
+        if mode == "text":
+            print(file=out)
+        print(verdict, file=out)
+    return 1 if checks.failed else 0

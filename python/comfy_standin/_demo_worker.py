@@ -5,7 +5,7 @@ Started by ``python -m comfy_standin demo`` as::
     python -m comfy_standin._demo_worker BOARD_NAME
 
 It opens the residency board the host created (it never creates one),
-then speaks comfy-env's command protocol (COMFYUI_FACTS.md, "Worker
+then speaks comfy-env's command protocol (docs/comfyui.md, "Worker
 protocol") as JSON lines: one request per line on stdin, exactly one reply
 line per request on stdout, so the host never has to wait on a clock.
 

@@ -889,7 +889,7 @@ def _no_pickling(obj: object) -> NoReturn:
 
 class _CloneBaseSentinel:
     """A stand-in's ``clone_base_uuid``: equal only to itself, so it never
-    matches a real uuid, None or another stand-in (COMFYUI_FACTS.md,
+    matches a real uuid, None or another stand-in (docs/comfyui.md,
     unload_model_and_clones and multigpu.py)."""
 
     __slots__ = ("_model_id",)
@@ -1013,7 +1013,7 @@ class StandInModule:
 class StandIn:
     """Stands in ComfyUI's loaded-model list for a model a worker holds.
 
-    Drop-in for comfy-env's SubprocessModelPatcher (DESIGN.md 3.1)."""
+    Drop-in for comfy-env's SubprocessModelPatcher (docs/semantics.md)."""
 
     __slots__ = (
         "__weakref__",
@@ -1121,7 +1121,7 @@ class StandIn:
         return self._model.device
 
     def is_dynamic(self) -> bool:
-        return False  # seed, inaccuracy 1
+        return False  # docs/architecture.md, inaccuracy 1
 
     def is_clone(self, other: object) -> bool:
         return (

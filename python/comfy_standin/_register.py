@@ -1,4 +1,4 @@
-"""Putting a stand-in into ComfyUI's loaded-model list (DESIGN.md 3.4).
+"""Putting a stand-in into ComfyUI's loaded-model list (docs/architecture.md).
 
 Shared by both implementations: it only touches ComfyUI objects.
 """
@@ -19,10 +19,10 @@ def register(mm: Any, s: Any) -> Any:
 
     ``currently_used`` is False unconditionally: six of the seven readers
     of the list outside model_management filter on it, which keeps the
-    stand-in's size out of their arithmetic (seed, inaccuracy 3).  The entry
-    gets ``real_model`` and a ``model_finalizer`` like an entry that
-    ``LoadedModel.model_load`` set up, because ``model_unload`` detaches the
-    finalizer unconditionally.  ``atexit`` is off: at interpreter exit
+    stand-in's size out of their arithmetic (docs/architecture.md, inaccuracy
+    3).  The entry gets ``real_model`` and a ``model_finalizer`` like an entry
+    that ``LoadedModel.model_load`` set up, because ``model_unload`` detaches
+    the finalizer unconditionally.  ``atexit`` is off: at interpreter exit
     ``cleanup_models`` may find model_management half torn down.
     """
     for entry in list(mm.current_loaded_models):

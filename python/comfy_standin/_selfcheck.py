@@ -5,6 +5,7 @@ refusal, a bad reply, a report and a dead worker)."""
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -88,11 +89,20 @@ def history(impl: Any) -> list[tuple[str, Any]]:
     return trace
 
 
-def run(out: Any) -> int:
+def _paint(text: str, code: str, color: bool) -> str:
+    return f"\033[{code}m{text}\033[0m" if color else text
+
+
+def run(out: Any, mode: str = "text", color: bool = False,
+        verbose: bool = False) -> int:
+    """mode: "text", "quiet" (the verdict line only) or "json"."""
     cs = importlib.import_module("comfy_standin")
     reference = importlib.import_module("comfy_standin._reference")
-    print(f"comfy_standin {cs.__version__} from {cs.__file__}", file=out)
-    print(f"C core: {cs._core.__file__}", file=out)
+    text = mode == "text"
+    if text:
+        print(f"comfy_standin {cs.__version__} from {cs.__file__}",
+              file=out)
+        print(f"C core: {cs._core.__file__}", file=out)
     # The script provokes a refusal, a bad reply and a dead worker on
     # purpose; their warnings are expected, not news.
     logger = logging.getLogger("comfy_standin")
@@ -103,19 +113,32 @@ def run(out: Any) -> int:
     finally:
         logger.disabled = was_disabled
     bad = 0
+    steps = []
     for (name, c_obs), (_, r_obs) in zip(c_trace, ref_trace, strict=True):
         same = c_obs == r_obs
         bad += not same
-        print(f"  [{'ok  ' if same else 'DIFF'}] {name:<13} {c_obs[:4]}",
-              file=out)
-        if not same:
-            print(f"         reference: {r_obs}", file=out)
+        steps.append({"step": name, "agree": same, "c": c_obs,
+                      "reference": r_obs})
+        if text:
+            mark = (_paint("ok  ", "32", color) if same
+                    else _paint("DIFF", "31;1", color))
+            shown = c_obs if verbose else c_obs[:4]
+            print(f"  [{mark}] {name:<13} {shown}", file=out)
+            if not same:
+                print(f"         reference: {r_obs}", file=out)
     if len(c_trace) != len(ref_trace):
         bad += 1
     if bad:
-        print(f"selfcheck: C and reference DISAGREE on {bad} of "
-              f"{len(c_trace)} steps", file=out)
-        return 1
-    print(f"selfcheck: C and reference agree on all {len(c_trace)} steps",
-          file=out)
-    return 0
+        verdict = (f"selfcheck: C and reference DISAGREE on {bad} of "
+                   f"{len(c_trace)} steps")
+    else:
+        verdict = (f"selfcheck: C and reference agree on all "
+                   f"{len(c_trace)} steps")
+    if mode == "json":
+        print(json.dumps({
+            "version": cs.__version__, "module": cs.__file__,
+            "core": cs._core.__file__, "ok": not bad, "steps": steps,
+        }, indent=2, default=str), file=out)
+    else:
+        print(verdict, file=out)
+    return 1 if bad else 0

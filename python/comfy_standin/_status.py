@@ -92,7 +92,7 @@ def _standin_view(s: Any) -> dict[str, Any]:
 
 
 def collect(pool: Any) -> dict[str, Any]:
-    """A JSON-able picture of `pool` (DESIGN.md 6, ``status``)."""
+    """A JSON-able picture of `pool` (docs/cli.md, ``status``)."""
     by_worker = pool.standins()
     workers = []
     boards: dict[str, dict[str, Any]] = {}
@@ -128,6 +128,18 @@ def collect(pool: Any) -> dict[str, Any]:
         "graveyard": pool.graveyard_size(),
         "boards": list(boards.values()),
     }
+
+
+def summary_line(status: dict[str, Any], result: dict[str, Any]) -> str:
+    """``status --quiet``: one line."""
+    workers = status["workers"]
+    alive = sum(1 for w in workers if w["alive"])
+    models = sum(len(w["models"]) for w in workers)
+    return (
+        f"{len(workers)} worker(s) ({alive} alive), {models} stand-in(s), "
+        f"{len(status['boards'])} board(s); "
+        + probe_line(probe_summary(result))
+    )
 
 
 def render(status: dict[str, Any], probe: bool = True) -> str:
@@ -238,6 +250,16 @@ def probe_summary(result: dict[str, Any]) -> dict[str, Any]:
         "devices": len(devices),
         "libraries": libraries,
     }
+
+
+def probe_line(summary: dict[str, Any]) -> str:
+    """``probe --quiet``: one line."""
+    if summary["gpu"]:
+        return f"GPU: {summary['devices']} device(s) readable"
+    missing = [key for key, lib in summary["libraries"].items()
+               if not lib["loaded"]]
+    return ("GPU: none readable"
+            + (f" ({', '.join(missing)} not loaded)" if missing else ""))
 
 
 def render_probe(result: dict[str, Any]) -> str:

@@ -1,6 +1,6 @@
 """The pool: what every worker costs the card, and the graveyard.
 
-One Python class shared by both implementations (DESIGN.md 3.5,
+One Python class shared by both implementations (docs/reserve.md,
 docs/semantics.md "The pool").  All arithmetic and state of charges live
 in the implementation's ``Ledger`` (the C core or the pure-Python
 reference); this class keeps only the Python-object logic: which stand-ins
@@ -33,7 +33,7 @@ from typing import Any
 __all__ = ["DEFAULT_FLOOR", "Pool", "WorkerMap"]
 
 #: CUDA context and handles of one worker process: comfy-env measured
-#: 276-300 MiB per live worker before any model (COMFYUI_FACTS.md).
+#: 276-300 MiB per live worker before any model (docs/comfyui.md).
 DEFAULT_FLOOR = 300 << 20
 
 _VALUE_MAX = 2**63 - 1
@@ -127,7 +127,7 @@ class Pool:
         if impl is None:
             impl = importlib.import_module("comfy_standin._core")
         if process_local is None:
-            # WDDM makes mem_get_info process-local (COMFYUI_FACTS.md,
+            # WDDM makes mem_get_info process-local (docs/comfyui.md,
             # get_free_memory); elsewhere free memory is device-wide.
             process_local = sys.platform == "win32"
         elif not isinstance(process_local, bool):
@@ -266,7 +266,7 @@ class Pool:
             self.forget(worker)
         return restored
 
-    # ---- residency boards (DESIGN.md 5) -----------------------------------
+    # ---- residency boards (docs/board.md) -----------------------------------
 
     def board_for(
         self, worker: Any, slots: int = 64, heartbeat_limit: float = 5.0

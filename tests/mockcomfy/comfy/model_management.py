@@ -105,7 +105,7 @@ class SimCard:
     device-wide free memory, so a worker's bytes are already missing from
     it. ``process_local=True`` is Windows/WDDM: the host sees only its own
     allocations (upstream get_free_memory, lines 1788-1832, reads
-    ``torch.cuda.mem_get_info``; COMFYUI_FACTS "get_free_memory").
+    ``torch.cuda.mem_get_info``; docs/comfyui.md, "get_free_memory").
     """
 
     def __init__(

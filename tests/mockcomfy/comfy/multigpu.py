@@ -2,7 +2,7 @@
 
 Upstream, when preparing deep clones for extra GPUs with ``reuse_loaded``,
 walks ``loaded_models()`` **unfiltered** and reuses the first patcher that
-passes every check by calling its ``clone()``. COMFYUI_FACTS.md gives the
+passes every check by calling its ``clone()``. docs/comfyui.md gives the
 checks in this order (``DEFAULT_ORDER``): the patcher's ``model`` is None;
 its ``load_device`` differs; its ``clone_base_uuid`` differs;
 ``getattr(P, "is_multigpu_base_clone", False)`` is falsy. A patcher that
@@ -53,7 +53,7 @@ DEFAULT_ORDER = (
 )
 
 ORDERS = {
-    # COMFYUI_FACTS.md, "comfy/multigpu.py (~lines 161-171)"
+    # docs/comfyui.md, "comfy/multigpu.py"
     "facts": DEFAULT_ORDER,
     # the one-expression form found in stored upstream copies:
     # ``lm.model is not None and lm.clone_base_uuid == model.clone_base_uuid
