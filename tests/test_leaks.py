@@ -5,7 +5,10 @@ many times after a warm-up and checks that (a) the C core's live workers
 and models return to their baseline (its refcounts balance) and (b) the
 Python heap (tracemalloc) does not grow with the iteration count: a leak
 of one small object per iteration shows as tens of bytes times the count
-(the threshold is 64 KB per 3,000 iterations, scaled).  This test found
+in each half of the measured iterations (the threshold is 64 KB per 3,000
+iterations, scaled; the smaller half's growth counts, so a one-time
+allocation, such as a 405 KiB block allocated once after about 365
+probe() calls and never again, is not taken for a leak).  This test found
 the binding interning a fresh dict key per command
 (PyDict_SetItemString), which grew the interpreter's interned-string table
 by 405 KB every thousand-odd calls; the keys now live in module state.
@@ -147,9 +150,15 @@ LEAK_RUN = textwrap.dedent(
     gc.collect()
     base_counts = _core._live_counts()
     first = tracemalloc.get_traced_memory()[0]
-    run({measure})
+    run({measure} // 2)
     gc.collect()
-    growth = tracemalloc.get_traced_memory()[0] - first
+    middle = tracemalloc.get_traced_memory()[0]
+    run({measure} - {measure} // 2)
+    gc.collect()
+    last = tracemalloc.get_traced_memory()[0]
+    # A leak grows in both halves; a one-time allocation (a table of the
+    # interpreter or of a library resized once) only in one of them.
+    growth = min(middle - first, last - middle)
     print(json.dumps([list(base_counts), list(_core._live_counts()),
                       growth]))
     """
@@ -657,9 +666,10 @@ def test_no_leaks(name, sampler):
                                              measure=measure), sampler)
     base, end, growth = json.loads(_run(source))
     assert end == base, f"C objects leaked: {base} -> {end}"
-    limit = 64_000 * measure // 3000
+    limit = 64_000 * (measure // 2) // 3000
     assert growth < limit, (
-        f"Python heap grew {growth} bytes over {measure} iterations"
+        f"Python heap grew {growth} bytes in each half of {measure} "
+        "iterations"
     )
 
 
