@@ -10,7 +10,10 @@ the only channel.  It also logs its true timeline, one "T_NS VALUE" line
 per change (T_NS: CLOCK_MONOTONIC, taken just before the publish), into
 LOG, which the host reads after the call.
 
-    start:  python busy_worker.py NAME MODEL_ID SIZE LOG  ->  "ready PID SLOT"
+    start:  python busy_worker.py SOURCE SLOT TAG SIZE LOG
+            ->  "ready PID SLOT"
+            SOURCE: the board's inherited descriptor (digits) or name;
+            SLOT, TAG: what the host gave the model (Board.tag)
 
     call SEED DURATION_MS MIN_US MAX_US START
         a paging call: publishes START (rounded down to 2**20) and
@@ -44,13 +47,15 @@ TAG_BITS = 20  # low bits of a paging value: the step index
 def main() -> int:
     from comfy_standin._core import Board
 
-    name, model_id, size, log_path = sys.argv[1:5]
+    source, slot, tag, size, log_path = sys.argv[1:6]
     size = int(size)  # the host's own figure: the board's is host-private
-    board = Board.open(name)
-    slot = board.find(model_id)
-    if slot is None:
-        print(f"error no slot for {model_id}", flush=True)
-        return 2
+    if source.isdigit():  # an inherited descriptor (Linux)
+        board = Board.open(int(source))
+        os.close(int(source))
+    else:
+        board = Board.open(source)
+    slot = int(slot)
+    board.bind(slot, int(tag))
     out = sys.stdout
     seq = 0
 

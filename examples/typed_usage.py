@@ -8,6 +8,7 @@ docs/glossary.md.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import comfy_standin as cs
@@ -57,7 +58,7 @@ def main() -> None:
 
     bytes_now, seq, age, source = s.receipt()        # the receipt
     reserve: int = pool.reserve("cuda:0", 400 << 20)
-    charges: dict[cs.Worker, int] = pool.worker_charges()
+    charges: Mapping[cs.Worker, int] = pool.worker_charges()
     print(f"loaded {loaded}, freed {freed}, echo applied {applied}, "
           f"census entries {entries}; receipt {bytes_now} (seq {seq}, "
           f"{age:.3f} s old, {source}); reserve {reserve}; "

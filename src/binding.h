@@ -73,6 +73,18 @@ int cs_value_check(PyObject *value, uint64_t max, uint64_t *out);
 int cs_value_error(PyObject *exc, int code, const char *field,
                    PyObject *value, uint64_t max);
 
+/* An int (not a bool) in [min, max]: 0 with *out set, or -1 with
+ * TypeError / ValueError "FIELD: expected an int in [MIN, MAX], got REPR"
+ * (`exc`, when not NULL, replaces the ValueError). */
+int cs_value_in_range(PyObject *value, const char *field, PyObject *exc,
+                      uint64_t min, uint64_t max, uint64_t *out);
+
+/* A duration in seconds (an int or a float, not a bool; finite, > 0) in
+ * [min_ns, max_ns] once in nanoseconds: 0 with *out_ns set, or -1 with
+ * TypeError / ValueError naming FIELD. */
+int cs_seconds_in_range(PyObject *value, const char *field, uint64_t min_ns,
+                        uint64_t max_ns, uint64_t *out_ns);
+
 /* Decodes census[index] (a dict with 'id', 'resident', optional 'seq' and
  * 'device').  Unused: *id is BORROWED from the entry and dies with it,
  * and looking keys up may run Python; use cs_census_snapshot_take.

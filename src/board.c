@@ -14,40 +14,45 @@
  *   reader   s1 = seq (acquire); if odd retry; data loads; acquire fence;
  *            s2 = seq (relaxed); valid when s1 == s2.
  *
- * Writers exclude each other through the CAS, so several worker threads
- * (Python and the sampler) may publish to one slot.  The host is a writer
- * only when it assigns or releases a slot.
- *
- * Private (process-local) state is never taken from the segment after it
- * was validated: the host bounds every access by its own slot count and
- * checks each slot against its own copy of the key and size.
+ * Only the worker writes the segment (the host writes the header once,
+ * before any other process can see it).  The host's knowledge of the
+ * board -- slot count, which model a slot carries, its tag and size -- is
+ * in its own memory, never taken from the segment.
  */
 #ifndef _GNU_SOURCE
-#define _GNU_SOURCE /* getrandom, pthread_condattr_setclock */
+#define _GNU_SOURCE /* memfd_create, getrandom, pthread_condattr_setclock */
 #endif
 
 #include "comfy_standin/board.h"
 
 #include <assert.h>
-#include <limits.h>
-#include <stdatomic.h>
-#include <stddef.h>
-#include <stdlib.h>
-#include <string.h>
-
-#ifndef _WIN32
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <pthread.h>
 #include <sched.h>
-#include <signal.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 #if defined(__linux__)
+#include <poll.h>
 #include <sys/random.h>
+#include <sys/syscall.h>
 #endif
+
+/* Linux boards are sealed memfds with no name; everywhere else (and in a
+ * build that asks for it, to test that path on Linux) they are named POSIX
+ * segments. */
+#if defined(__linux__) && !defined(CS_BOARD_NAMED)
+#define BOARD_MEMFD 1
+#else
+#define BOARD_MEMFD 0
 #endif
 
 /* ---- layout ---------------------------------------------------------- */
@@ -60,16 +65,15 @@ typedef struct board_header {
     _Atomic uint64_t generation;
     _Atomic uint64_t owner_pid;   /* the worker that opened it; 0: none */
     _Atomic uint64_t heartbeat;   /* CLOCK_MONOTONIC ns of its last beat */
-    _Atomic uint64_t host_pid;    /* informative only */
+    _Atomic uint64_t reserved;
 } board_header;
 
 typedef struct board_slot {
     _Atomic uint64_t seq; /* seqlock word: odd while a writer is inside */
-    _Atomic uint64_t key; /* FNV-1a of the model id; 0: unassigned */
-    _Atomic uint64_t key_text[3];
-    _Atomic uint64_t size;
+    _Atomic uint64_t tag; /* the host's tag the worker bound; 0: none */
     _Atomic uint64_t loaded;
     _Atomic uint64_t updated; /* CLOCK_MONOTONIC ns; 0: never published */
+    _Atomic uint64_t reserved[4];
 } board_slot;
 
 /* The segment is shared between processes, so its atomics must be
@@ -96,32 +100,23 @@ static_assert(offsetof(board_header, owner_pid) == CS_BOARD_OFF_OWNER_PID,
               "off");
 static_assert(offsetof(board_header, heartbeat) == CS_BOARD_OFF_HEARTBEAT,
               "off");
-static_assert(offsetof(board_header, host_pid) == CS_BOARD_OFF_HOST_PID,
-              "off");
 static_assert(offsetof(board_slot, seq) == CS_BOARD_SLOT_OFF_SEQ, "off");
-static_assert(offsetof(board_slot, key) == CS_BOARD_SLOT_OFF_KEY, "off");
-static_assert(offsetof(board_slot, key_text) == CS_BOARD_SLOT_OFF_KEY_TEXT,
-              "off");
-static_assert(offsetof(board_slot, size) == CS_BOARD_SLOT_OFF_SIZE, "off");
+static_assert(offsetof(board_slot, tag) == CS_BOARD_SLOT_OFF_TAG, "off");
 static_assert(offsetof(board_slot, loaded) == CS_BOARD_SLOT_OFF_LOADED,
               "off");
 static_assert(offsetof(board_slot, updated) == CS_BOARD_SLOT_OFF_UPDATED,
               "off");
-static_assert(sizeof(((board_slot *)0)->key_text) == CS_BOARD_KEY_TEXT_SIZE,
-              "key text");
 
-/* Writers spin this long on a locked slot, then yield until this much
- * time has passed, then report CS_BOARD_ERR_BUSY (only a corrupted word
- * stays odd).  Time, not a count of yields: a writer preempted inside its
- * few stores can stay off the CPU for milliseconds on a loaded machine,
- * and a yield returns at once when nothing else is runnable here (the
- * sanitizer CI run hit 10,000 yields inside one preemption). */
+/* Worker writers spin this long on a locked slot, then yield until this
+ * much time has passed, then report CS_BOARD_ERR_BUSY.  Only a worker
+ * waits here (the host never writes): a preempted writer thread of the
+ * same worker can stay off the CPU for milliseconds. */
 #define WRITE_SPINS 1000
-#define WRITE_BUSY_NS UINT64_C(250000000)
+#define WRITE_BUSY_NS UINT64_C(100000000)
 
 #define OPEN_NAME_MAX 256
-/* How far ahead of the reader's clock a writer's stamp may legitimately
- * be (it took its clock after the reader did). */
+/* How far ahead of the reader's clock a heartbeat may legitimately be
+ * (written after the reader took its clock); further is garbage. */
 #define CLOCK_SLACK_NS UINT64_C(1000000000)
 #define PERIOD_MIN_NS UINT64_C(1000000)
 #define PERIOD_MAX_NS UINT64_C(3600000000000)
@@ -138,24 +133,32 @@ static const char *const status_messages[] = {
         ("board size is inconsistent (slot size, slot count or segment "
          "size)"),
     [CS_BOARD_ERR_OWNED] = "the board is already open in another worker",
-    [CS_BOARD_ERR_RANGE] = "slot or value out of range",
+    [CS_BOARD_ERR_RANGE] = "slot, tag or value out of range",
     [CS_BOARD_ERR_ROLE] = "not allowed on this side of the board",
     [CS_BOARD_ERR_FULL] = "every slot of the board is assigned",
     [CS_BOARD_ERR_BUSY] = "the slot stayed locked by another writer",
-    [CS_BOARD_ERR_UNSUPPORTED] = "no shared-memory board on this platform",
+    [CS_BOARD_ERR_UNBOUND] =
+        "the slot has no tag: bind(slot, tag) with the host's tag first",
+    [CS_BOARD_ERR_SEALS] =
+        "the segment is not sealed against resizing (a worker could "
+        "shrink it under the host)",
+    [CS_BOARD_ERR_FORKED] =
+        "the board handle belongs to another process (inherited across "
+        "fork)",
+    [CS_BOARD_ERR_UNSUPPORTED] = "not supported on this platform",
 };
 
 static const char *const reading_names[] = {
     [CS_BOARD_VALID] = "valid",
     [CS_BOARD_UNASSIGNED] = "unassigned",
     [CS_BOARD_NOT_ATTACHED] = "not attached",
-    [CS_BOARD_BAD_HEADER] = "bad header",
     [CS_BOARD_WRONG_OWNER] = "wrong owner",
     [CS_BOARD_DEAD_OWNER] = "dead owner",
     [CS_BOARD_STALE] = "stale heartbeat",
     [CS_BOARD_TORN] = "torn",
-    [CS_BOARD_KEY_MISMATCH] = "key mismatch",
+    [CS_BOARD_TAG_MISMATCH] = "tag mismatch",
     [CS_BOARD_NO_READING] = "no reading",
+    [CS_BOARD_OTHER_PROCESS] = "other process",
 };
 static_assert(sizeof(reading_names) / sizeof(reading_names[0]) ==
                   CS_BOARD_READING_COUNT,
@@ -164,7 +167,8 @@ static_assert(sizeof(reading_names) / sizeof(reading_names[0]) ==
 const char *
 cs_board_status_message(cs_board_status status)
 {
-    if ((unsigned)status >= sizeof(status_messages) / sizeof(char *)) {
+    if ((unsigned)status >= sizeof(status_messages) / sizeof(char *) ||
+        status_messages[status] == NULL) {
         return "unknown board status";
     }
     return status_messages[status];
@@ -179,9 +183,8 @@ cs_board_reading_name(cs_board_reading reading)
     return reading_names[reading];
 }
 
-#ifndef _WIN32
-
-/* FNV-1a, 64-bit; 0 is reserved for "unassigned". */
+/* FNV-1a, 64-bit: the high half of a tag names the model (informative;
+ * the counter in the low half is what makes tags unique). */
 static uint64_t
 board_key(const char *id, size_t id_len)
 {
@@ -190,17 +193,7 @@ board_key(const char *id, size_t id_len)
         hash ^= (unsigned char)id[i];
         hash *= UINT64_C(0x100000001b3);
     }
-    return hash == 0 ? 1 : hash;
-}
-
-/* The id's first bytes, zero-padded, as three words (for tools). */
-static void
-board_key_text(const char *id, size_t id_len, uint64_t words[3])
-{
-    unsigned char bytes[CS_BOARD_KEY_TEXT_SIZE] = {0};
-    size_t n = id_len < sizeof(bytes) ? id_len : sizeof(bytes);
-    memcpy(bytes, id, n);
-    memcpy(words, bytes, sizeof(bytes));
+    return hash;
 }
 
 static void
@@ -213,88 +206,66 @@ board_cpu_relax(void)
 #endif
 }
 
-/* ---- the handle ------------------------------------------------------ */
-
-typedef struct host_slot {
-    /* Written under board->lock; key and size also read lock-free by
-     * host reads (key published last, with release). */
-    _Atomic uint64_t key; /* 0: unassigned */
-    _Atomic uint64_t size;
-    char text[CS_BOARD_KEY_TEXT_SIZE]; /* for cs_board_find on a host */
-    size_t id_len;
-} host_slot;
-
-typedef struct sampler {
-    cs_board_sampler_fn fn; /* NULL: none */
-    void *context;
-} sampler;
-
-struct cs_board {
-    /* Immutable after create/open. */
-    bool host;
-    unsigned char *base;
-    size_t length;
-    uint32_t slots;
-    uint64_t generation;
-    uint64_t heartbeat_limit;
-    char name[OPEN_NAME_MAX];
-    uint64_t pid; /* this process, when the handle was made */
-
-    /* Host only. */
-    host_slot *table;            /* under lock; read unlocked by readers */
-    _Atomic int64_t expected_owner;
-    _Atomic bool linked;
-
-    /* The sampler thread (worker only). */
-    pthread_mutex_t lock; /* the table, samplers, period, thread state */
-    pthread_cond_t wake;
-    pthread_t thread;
-    bool thread_started;
-    bool stopping;
-    sampler *samplers; /* `slots` entries */
-    _Atomic uint64_t period;
-    _Atomic uint64_t passes;
-};
-
-static board_header *
-board_head(const cs_board *board)
-{
-    return (board_header *)(void *)board->base;
-}
-
-static board_slot *
-board_slot_at(const cs_board *board, uint32_t slot)
-{
-    return (board_slot *)(void *)(board->base + CS_BOARD_HEADER_SIZE +
-                                  (size_t)slot * CS_BOARD_SLOT_SIZE);
-}
-
 static uint64_t
-board_now_ns(void)
+board_clock_ns(clockid_t clock)
 {
     struct timespec ts;
-    if (clock_gettime(CLOCK_MONOTONIC, &ts) != 0) {
+    if (clock_gettime(clock, &ts) != 0) {
         return 0;
     }
     return (uint64_t)ts.tv_sec * UINT64_C(1000000000) + (uint64_t)ts.tv_nsec;
 }
 
-/* ---- names that outlive nothing: removal at process exit ------------- */
+static uint64_t
+board_now_ns(void)
+{
+    return board_clock_ns(CLOCK_MONOTONIC);
+}
 
-/* Host boards whose name still exists.  A C atexit handler removes them
- * even when no Python object is ever deallocated.  Entries carry the pid
- * that made them so a forked child never removes its parent's names. */
+/* ---- fork: which process a handle belongs to ------------------------- */
+
+/* Bumped in every fork() child (pthread_atfork; os.fork() runs the
+ * handlers).  A handle made under another value was made by an ancestor:
+ * comparing one atomic load is the read path's whole fork check, where
+ * getpid() would be a system call per read. */
+static _Atomic uint64_t fork_epoch;
+static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
+static bool fork_handler_ok;
+
+/* Names this process created and still holds (named boards only), for
+ * removal at exit.  Entries carry the creating pid so a forked child never
+ * removes its parent's names. */
+static pthread_mutex_t linked_lock = PTHREAD_MUTEX_INITIALIZER;
+#if !BOARD_MEMFD
 typedef struct linked_name {
     struct linked_name *next;
     uint64_t pid;
     char name[CS_BOARD_NAME_MAX];
 } linked_name;
 
-static pthread_mutex_t linked_lock = PTHREAD_MUTEX_INITIALIZER;
 static linked_name *linked_names;
-static pthread_once_t linked_once = PTHREAD_ONCE_INIT;
-static bool linked_handler_ok;
+#endif
 
+static void
+board_before_fork(void)
+{
+    pthread_mutex_lock(&linked_lock);
+}
+
+static void
+board_after_fork_parent(void)
+{
+    pthread_mutex_unlock(&linked_lock);
+}
+
+static void
+board_after_fork_child(void)
+{
+    atomic_fetch_add_explicit(&fork_epoch, 1, memory_order_relaxed);
+    pthread_mutex_unlock(&linked_lock);
+}
+
+#if !BOARD_MEMFD
 static void
 board_unlink_all_at_exit(void)
 {
@@ -309,20 +280,31 @@ board_unlink_all_at_exit(void)
     }
     pthread_mutex_unlock(&linked_lock);
 }
+#endif
 
 static void
-board_register_exit_handler(void)
+board_register_handlers(void)
 {
-    linked_handler_ok = atexit(board_unlink_all_at_exit) == 0;
+    fork_handler_ok = pthread_atfork(board_before_fork,
+                                     board_after_fork_parent,
+                                     board_after_fork_child) == 0;
+#if !BOARD_MEMFD
+    fork_handler_ok = fork_handler_ok &&
+                      atexit(board_unlink_all_at_exit) == 0;
+#endif
 }
 
+static bool
+board_handlers(void)
+{
+    return pthread_once(&fork_once, board_register_handlers) == 0 &&
+           fork_handler_ok;
+}
+
+#if !BOARD_MEMFD
 static cs_board_status
 board_remember_name(const char *name)
 {
-    if (pthread_once(&linked_once, board_register_exit_handler) != 0 ||
-        !linked_handler_ok) {
-        return CS_BOARD_ERR_SYSTEM;
-    }
     linked_name *entry = calloc(1, sizeof(*entry));
     if (entry == NULL) {
         return CS_BOARD_ERR_NOMEM;
@@ -350,8 +332,106 @@ board_forget_name(const char *name)
     }
     pthread_mutex_unlock(&linked_lock);
 }
+#endif
 
-/* ---- the seqlock ----------------------------------------------------- */
+/* ---- the handle ------------------------------------------------------ */
+
+typedef struct host_slot {
+    /* Written under board->lock; tag and size also read lock-free by
+     * host reads (tag stored last, with release; 0 first on release). */
+    _Atomic uint64_t tag; /* 0: unassigned */
+    _Atomic uint64_t size;
+    char *id; /* owned copy, for cs_board_find; under lock */
+    size_t id_len;
+} host_slot;
+
+typedef struct sampler {
+    cs_board_sampler_fn fn; /* NULL: none */
+    void *context;
+} sampler;
+
+struct cs_board {
+    /* Immutable after create/open. */
+    bool host;
+    unsigned char *base;
+    size_t length;
+    uint32_t slots;
+    uint64_t generation;
+    uint64_t heartbeat_limit;
+    char name[CS_BOARD_NAME_MAX];
+    uint64_t pid;   /* this process, when the handle was made */
+    uint64_t epoch; /* fork_epoch when the handle was made */
+    dev_t fd_dev;   /* the segment's identity, to recognise the fd */
+    ino_t fd_ino;
+    uint64_t clock_tick; /* the coarse clock's resolution (host reads) */
+
+    /* Host only. */
+    _Atomic int fd;       /* memfd board: the host's descriptor, or -1 */
+    host_slot *table;     /* under lock; tag/size read unlocked */
+    uint64_t next_tag;    /* under lock */
+    _Atomic int64_t expected_owner;
+    _Atomic int owner_pidfd; /* Linux: a pidfd of expected_owner, or -1 */
+    _Atomic bool owner_gone;
+    _Atomic bool linked;
+
+    /* Worker only. */
+    _Atomic uint64_t *bound; /* `slots` tags */
+    pthread_mutex_t lock; /* the table, samplers, period, thread state */
+    pthread_cond_t wake;
+    pthread_t thread;
+    bool thread_started;
+    bool stopping;
+    sampler *samplers; /* `slots` entries */
+    _Atomic uint64_t period;
+    _Atomic uint64_t passes;
+};
+
+static inline bool
+board_here(const cs_board *board)
+{
+    return atomic_load_explicit(&fork_epoch, memory_order_relaxed) ==
+           board->epoch;
+}
+
+static board_header *
+board_head(const cs_board *board)
+{
+    return (board_header *)(void *)board->base;
+}
+
+static board_slot *
+board_slot_at(const cs_board *board, uint32_t slot)
+{
+    return (board_slot *)(void *)(board->base + CS_BOARD_HEADER_SIZE +
+                                  (size_t)slot * CS_BOARD_SLOT_SIZE);
+}
+
+/* The host's clock for the heartbeat check: the coarse monotonic clock
+ * where there is one (a few ns instead of a vDSO call; it lags by about a
+ * tick, which a limit of seconds does not notice). */
+static uint64_t
+board_read_clock(void)
+{
+#if defined(CLOCK_MONOTONIC_COARSE)
+    return board_clock_ns(CLOCK_MONOTONIC_COARSE);
+#else
+    return board_now_ns();
+#endif
+}
+
+static uint64_t
+board_read_clock_tick(void)
+{
+#if defined(CLOCK_MONOTONIC_COARSE)
+    struct timespec res;
+    if (clock_getres(CLOCK_MONOTONIC_COARSE, &res) == 0 && res.tv_sec == 0) {
+        return (uint64_t)res.tv_nsec;
+    }
+#endif
+    return 0;
+}
+
+/* ---- the seqlock (worker side) --------------------------------------- */
 
 /* Takes the slot's seqlock for writing; *seq gets the odd value held. */
 static cs_board_status
@@ -425,23 +505,39 @@ board_alloc(uint32_t slots)
     pthread_condattr_destroy(&attr);
     board->slots = slots;
     board->pid = (uint64_t)getpid();
+    board->epoch = atomic_load_explicit(&fork_epoch, memory_order_relaxed);
+    board->next_tag = 1;
+    atomic_init(&board->fd, -1);
+    atomic_init(&board->owner_pidfd, -1);
     atomic_init(&board->expected_owner, 0);
+    atomic_init(&board->owner_gone, false);
     atomic_init(&board->linked, false);
     atomic_init(&board->period, CS_BOARD_DEFAULT_PERIOD_NS);
     atomic_init(&board->passes, 0);
     return board;
 }
 
+/* Frees what the handle owns.  `own`: in the process that made it (in a
+ * fork() child the lock may be held by a thread that does not exist
+ * there, so it is neither taken nor destroyed). */
 static void
-board_free(cs_board *board)
+board_free(cs_board *board, bool own)
 {
     if (board->base != NULL) {
         (void)munmap(board->base, board->length);
     }
-    pthread_cond_destroy(&board->wake);
-    pthread_mutex_destroy(&board->lock);
+    if (own) {
+        pthread_cond_destroy(&board->wake);
+        pthread_mutex_destroy(&board->lock);
+    }
+    if (board->table != NULL) {
+        for (uint32_t i = 0; i < board->slots; i++) {
+            free(board->table[i].id);
+        }
+    }
     free(board->table);
     free(board->samplers);
+    free((void *)board->bound);
     free(board);
 }
 
@@ -486,6 +582,85 @@ board_random(unsigned char *bytes, size_t n)
     return 0;
 }
 
+/* Writes the header the worker checks at open.  Called before any other
+ * process can reach the segment; the host never reads it back. */
+static void
+board_write_header(cs_board *board)
+{
+    board_header *head = board_head(board);
+    atomic_store_explicit(&head->version, CS_BOARD_LAYOUT_VERSION,
+                          memory_order_relaxed);
+    atomic_store_explicit(&head->slot_size, CS_BOARD_SLOT_SIZE,
+                          memory_order_relaxed);
+    atomic_store_explicit(&head->slot_count, board->slots,
+                          memory_order_relaxed);
+    atomic_store_explicit(&head->generation, board->generation,
+                          memory_order_relaxed);
+    atomic_store_explicit(&head->magic, CS_BOARD_MAGIC, memory_order_release);
+}
+
+/* Fills buf with `prefix` + 24 hex digits (96 random bits). */
+static int
+board_random_name(char *buf, const char *prefix)
+{
+    unsigned char bytes[12];
+    static const char hex[] = "0123456789abcdef";
+    size_t n = strlen(prefix);
+    if (board_random(bytes, sizeof(bytes)) != 0) {
+        return -1;
+    }
+    memcpy(buf, prefix, n);
+    for (size_t i = 0; i < sizeof(bytes); i++) {
+        buf[n + 2 * i] = hex[bytes[i] >> 4];
+        buf[n + 1 + 2 * i] = hex[bytes[i] & 15];
+    }
+    buf[n + 2 * sizeof(bytes)] = '\0';
+    return 0;
+}
+
+#if BOARD_MEMFD
+#define BOARD_SEALS (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)
+
+/* An anonymous memfd of the board's length, sealed against resizing (and
+ * against further seal changes) before anyone else can have it.  Returns
+ * the descriptor or -1 (errno; *status SEALS when sealing is what
+ * failed). */
+static int
+board_make_memfd(cs_board *board, cs_board_status *status)
+{
+    *status = CS_BOARD_ERR_SYSTEM;
+    if (board_random_name(board->name, "memfd:csb-") != 0) {
+        return -1;
+    }
+    /* The kernel's name is only a label in /proc/PID/fd (never a path). */
+    int fd = memfd_create(board->name + 6, MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (fd < 0) {
+        if (errno == ENOSYS || errno == EINVAL) {
+            *status = CS_BOARD_ERR_SEALS;
+        }
+        return -1;
+    }
+    if (ftruncate(fd, (off_t)board->length) != 0) {
+        goto error;
+    }
+    if (fcntl(fd, F_ADD_SEALS, BOARD_SEALS) != 0) {
+        *status = CS_BOARD_ERR_SEALS;
+        goto error;
+    }
+    int seals = fcntl(fd, F_GET_SEALS);
+    if (seals < 0 || (seals & BOARD_SEALS) != BOARD_SEALS) {
+        *status = CS_BOARD_ERR_SEALS;
+        goto error;
+    }
+    return fd;
+error:;
+    int saved = errno;
+    close(fd);
+    errno = saved;
+    return -1;
+}
+#endif
+
 cs_board_status
 cs_board_create(uint32_t slots, uint64_t generation,
                 uint64_t heartbeat_limit_ns, cs_board **out, int *os_error)
@@ -493,11 +668,16 @@ cs_board_create(uint32_t slots, uint64_t generation,
     cs_board_status status = CS_BOARD_ERR_SYSTEM;
     cs_board *board = NULL;
     int fd = -1;
-    bool named = false;
     *out = NULL;
     *os_error = 0;
-    if (slots == 0 || slots > CS_BOARD_MAX_SLOTS) {
+    if (slots == 0 || slots > CS_BOARD_MAX_SLOTS ||
+        (heartbeat_limit_ns != 0 &&
+         (heartbeat_limit_ns < CS_BOARD_HEARTBEAT_LIMIT_MIN_NS ||
+          heartbeat_limit_ns > CS_BOARD_HEARTBEAT_LIMIT_MAX_NS))) {
         return CS_BOARD_ERR_RANGE;
+    }
+    if (!board_handlers()) {
+        return CS_BOARD_ERR_SYSTEM;
     }
     board = board_alloc(slots);
     if (board == NULL) {
@@ -506,26 +686,28 @@ cs_board_create(uint32_t slots, uint64_t generation,
     board->host = true;
     board->generation = generation;
     board->heartbeat_limit = heartbeat_limit_ns;
+    board->clock_tick = board_read_clock_tick();
     board->length = CS_BOARD_HEADER_SIZE + (size_t)slots * CS_BOARD_SLOT_SIZE;
     board->table = calloc(slots, sizeof(host_slot));
     if (board->table == NULL) {
         status = CS_BOARD_ERR_NOMEM;
         goto error;
     }
-    /* 96 random bits: unguessable, and O_EXCL turns the rare collision
-     * (or a squatter) into a retry rather than a shared segment. */
+#if BOARD_MEMFD
+    fd = board_make_memfd(board, &status);
+    if (fd < 0) {
+        goto error;
+    }
+#else
+    /* The name path: 96 random bits, and O_EXCL turns the rare collision
+     * (or a squatter) into a retry rather than a shared segment.  A
+     * worker holding a descriptor of a named segment can ftruncate it
+     * (no seals here), and a host read of the lost pages would raise
+     * SIGBUS: the price of the only shared memory these systems have. */
     for (int attempt = 0; attempt < 16 && fd < 0; attempt++) {
-        unsigned char bytes[12];
-        static const char hex[] = "0123456789abcdef";
-        if (board_random(bytes, sizeof(bytes)) != 0) {
+        if (board_random_name(board->name, "/csb") != 0) {
             goto error;
         }
-        memcpy(board->name, "/csb", 4);
-        for (size_t i = 0; i < sizeof(bytes); i++) {
-            board->name[4 + 2 * i] = hex[bytes[i] >> 4];
-            board->name[5 + 2 * i] = hex[bytes[i] & 15];
-        }
-        board->name[4 + 2 * sizeof(bytes)] = '\0';
         fd = shm_open(board->name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC,
                       S_IRUSR | S_IWUSR);
         if (fd < 0 && errno != EEXIST) {
@@ -535,77 +717,55 @@ cs_board_create(uint32_t slots, uint64_t generation,
     if (fd < 0) {
         goto error;
     }
-    named = true;
-    /* The mode asked for is already 0600 (umask can only remove bits);
-     * fchmod makes it so whatever the platform did with the mode. */
+    status = board_remember_name(board->name);
+    if (status != CS_BOARD_OK) {
+        (void)shm_unlink(board->name);
+        goto error;
+    }
+    status = CS_BOARD_ERR_SYSTEM;
+    atomic_store_explicit(&board->linked, true, memory_order_relaxed);
     if (fchmod(fd, S_IRUSR | S_IWUSR) != 0 ||
         ftruncate(fd, (off_t)board->length) != 0) {
         goto error;
     }
+#endif
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        goto error;
+    }
+    board->fd_dev = st.st_dev;
+    board->fd_ino = st.st_ino;
     void *base = mmap(NULL, board->length, PROT_READ | PROT_WRITE,
                       MAP_SHARED, fd, 0);
     if (base == MAP_FAILED) {
         goto error;
     }
     board->base = base;
-    if (close(fd) != 0) {
-        fd = -1;
-        goto error;
-    }
-    fd = -1;
-    status = board_remember_name(board->name);
-    if (status != CS_BOARD_OK) {
-        goto error;
-    }
+    board_write_header(board);
+#if BOARD_MEMFD
+    atomic_store_explicit(&board->fd, fd, memory_order_relaxed);
     atomic_store_explicit(&board->linked, true, memory_order_relaxed);
-
-    board_header *head = board_head(board);
-    atomic_store_explicit(&head->version, CS_BOARD_LAYOUT_VERSION,
-                          memory_order_relaxed);
-    atomic_store_explicit(&head->slot_size, CS_BOARD_SLOT_SIZE,
-                          memory_order_relaxed);
-    atomic_store_explicit(&head->slot_count, slots, memory_order_relaxed);
-    atomic_store_explicit(&head->generation, generation,
-                          memory_order_relaxed);
-    atomic_store_explicit(&head->host_pid, board->pid, memory_order_relaxed);
-    /* ftruncate zero-filled the rest: no owner, no heartbeat, every slot
-     * unassigned.  The magic goes last, so a header with the magic is
-     * complete. */
-    atomic_store_explicit(&head->magic, CS_BOARD_MAGIC, memory_order_release);
+#else
+    close(fd);
+#endif
     *out = board;
     return CS_BOARD_OK;
 
 error:
-    if (status == CS_BOARD_ERR_SYSTEM) {
+    if (status == CS_BOARD_ERR_SYSTEM || status == CS_BOARD_ERR_SEALS) {
         *os_error = errno;
     }
     if (fd >= 0) {
         close(fd);
     }
-    if (named) {
+#if !BOARD_MEMFD
+    if (atomic_load_explicit(&board->linked, memory_order_relaxed)) {
+        board_forget_name(board->name);
         (void)shm_unlink(board->name);
     }
-    board_free(board);
+#endif
+    board_free(board, true);
     return status;
-}
-
-static bool
-board_name_ok(const char *name)
-{
-    size_t len = strnlen(name, OPEN_NAME_MAX);
-    if (len < 2 || len >= OPEN_NAME_MAX - 1 || name[0] != '/') {
-        return false;
-    }
-    for (size_t i = 1; i < len; i++) {
-        char c = name[i];
-        bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
-                  (c >= '0' && c <= '9') || c == '_' || c == '.' ||
-                  c == '-';
-        if (!ok) {
-            return false;
-        }
-    }
-    return true;
 }
 
 /* Checks a mapped segment of `length` bytes is a board of this layout;
@@ -635,46 +795,39 @@ board_validate(const unsigned char *base, size_t length, uint32_t *slots)
     return CS_BOARD_OK;
 }
 
-cs_board_status
-cs_board_open(const char *name, cs_board **out, int *os_error)
+/* The worker side of an open segment `fd` (not consumed). */
+static cs_board_status
+board_open_segment(int fd, const char *name, cs_board **out)
 {
-    cs_board_status status = CS_BOARD_ERR_SYSTEM;
     cs_board *board = NULL;
     void *base = MAP_FAILED;
     size_t length = 0;
     uint32_t slots = 0;
-    int fd = -1;
-    *out = NULL;
-    *os_error = 0;
-    if (name == NULL || !board_name_ok(name)) {
-        return CS_BOARD_ERR_NAME;
-    }
-    /* No O_CREAT: the worker side never makes a segment. */
-    fd = shm_open(name, O_RDWR | O_CLOEXEC, 0);
-    if (fd < 0) {
-        goto error;
-    }
     struct stat st;
+    cs_board_status status = CS_BOARD_ERR_SYSTEM;
     if (fstat(fd, &st) != 0) {
-        goto error;
+        return CS_BOARD_ERR_SYSTEM;
     }
     /* Refuse anything that cannot be a board before mapping it. */
-    if (st.st_size < CS_BOARD_HEADER_SIZE + CS_BOARD_SLOT_SIZE ||
+    if (!S_ISREG(st.st_mode) ||
+        st.st_size < CS_BOARD_HEADER_SIZE + CS_BOARD_SLOT_SIZE ||
         st.st_size > CS_BOARD_HEADER_SIZE +
                          (off_t)CS_BOARD_MAX_SLOTS * CS_BOARD_SLOT_SIZE) {
-        status = CS_BOARD_ERR_SIZE;
-        goto error;
+        return CS_BOARD_ERR_SIZE;
     }
+#if BOARD_MEMFD
+    /* Map only what nobody can shrink under this process either. */
+    int seals = fcntl(fd, F_GET_SEALS);
+    if (seals < 0 || (seals & (F_SEAL_SHRINK | F_SEAL_GROW)) !=
+                         (F_SEAL_SHRINK | F_SEAL_GROW)) {
+        return CS_BOARD_ERR_SEALS;
+    }
+#endif
     length = (size_t)st.st_size;
     base = mmap(NULL, length, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (base == MAP_FAILED) {
-        goto error;
+        return CS_BOARD_ERR_SYSTEM;
     }
-    if (close(fd) != 0) {
-        fd = -1;
-        goto error;
-    }
-    fd = -1;
     status = board_validate(base, length, &slots);
     if (status != CS_BOARD_OK) {
         goto error;
@@ -685,46 +838,127 @@ cs_board_open(const char *name, cs_board **out, int *os_error)
         goto error;
     }
     board->samplers = calloc(slots, sizeof(sampler));
-    if (board->samplers == NULL) {
+    board->bound = calloc(slots, sizeof(_Atomic uint64_t));
+    if (board->samplers == NULL || board->bound == NULL) {
         status = CS_BOARD_ERR_NOMEM;
         goto error;
+    }
+    for (uint32_t i = 0; i < slots; i++) {
+        atomic_init(&board->bound[i], 0);
     }
     board->host = false;
     board->base = base;
     base = MAP_FAILED; /* the handle owns the mapping now */
     board->length = length;
-    memcpy(board->name, name, strlen(name) + 1);
+    board->fd_dev = st.st_dev;
+    board->fd_ino = st.st_ino;
+    size_t n = strlen(name);
+    if (n >= sizeof(board->name)) {
+        n = sizeof(board->name) - 1;
+    }
+    memcpy(board->name, name, n);
+    board->name[n] = '\0';
     board_header *head = board_head(board);
     board->generation = atomic_load_explicit(&head->generation,
                                              memory_order_relaxed);
-    /* Claim it: one worker per board, so a host's pid check means
-     * something.  A worker that closed it (owner 0) may open it again. */
+    /* Claim it first, beat after: a refused open must not touch the real
+     * owner's heartbeat.  A worker that closed it (owner 0) may open it
+     * again. */
     uint64_t expected = 0;
-    atomic_store_explicit(&head->heartbeat, board_now_ns(),
-                          memory_order_relaxed);
     if (!atomic_compare_exchange_strong_explicit(
             &head->owner_pid, &expected, board->pid, memory_order_acq_rel,
             memory_order_acquire)) {
         status = CS_BOARD_ERR_OWNED;
         goto error;
     }
+    atomic_store_explicit(&head->heartbeat, board_now_ns(),
+                          memory_order_release);
     *out = board;
     return CS_BOARD_OK;
 
-error:
-    if (status == CS_BOARD_ERR_SYSTEM) {
-        *os_error = errno;
-    }
-    if (fd >= 0) {
-        close(fd);
-    }
+error:;
+    int saved = errno;
     if (base != MAP_FAILED) {
         (void)munmap(base, length);
     }
     if (board != NULL) {
-        board_free(board);
+        board_free(board, true);
+    }
+    errno = saved;
+    return status;
+}
+
+cs_board_status
+cs_board_open_fd(int fd, cs_board **out, int *os_error)
+{
+    *out = NULL;
+    *os_error = 0;
+    if (fd < 0) {
+        return CS_BOARD_ERR_RANGE;
+    }
+    if (!board_handlers()) {
+        *os_error = errno;
+        return CS_BOARD_ERR_SYSTEM;
+    }
+    char name[CS_BOARD_NAME_MAX];
+    snprintf(name, sizeof(name), "fd:%d", fd);
+    cs_board_status status = board_open_segment(fd, name, out);
+    if (status == CS_BOARD_ERR_SYSTEM) {
+        *os_error = errno;
     }
     return status;
+}
+
+#if !BOARD_MEMFD
+static bool
+board_name_ok(const char *name)
+{
+    size_t len = strnlen(name, OPEN_NAME_MAX);
+    if (len < 2 || len >= CS_BOARD_NAME_MAX || name[0] != '/') {
+        return false;
+    }
+    for (size_t i = 1; i < len; i++) {
+        char c = name[i];
+        bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
+                  (c >= '0' && c <= '9') || c == '_' || c == '.' ||
+                  c == '-';
+        if (!ok) {
+            return false;
+        }
+    }
+    return true;
+}
+#endif
+
+cs_board_status
+cs_board_open(const char *name, cs_board **out, int *os_error)
+{
+    *out = NULL;
+    *os_error = 0;
+#if BOARD_MEMFD
+    (void)name;
+    return CS_BOARD_ERR_UNSUPPORTED;
+#else
+    if (name == NULL || !board_name_ok(name)) {
+        return CS_BOARD_ERR_NAME;
+    }
+    if (!board_handlers()) {
+        *os_error = errno;
+        return CS_BOARD_ERR_SYSTEM;
+    }
+    /* No O_CREAT: the worker side never makes a segment. */
+    int fd = shm_open(name, O_RDWR | O_CLOEXEC, 0);
+    if (fd < 0) {
+        *os_error = errno;
+        return CS_BOARD_ERR_SYSTEM;
+    }
+    cs_board_status status = board_open_segment(fd, name, out);
+    if (status == CS_BOARD_ERR_SYSTEM) {
+        *os_error = errno;
+    }
+    close(fd);
+    return status;
+#endif
 }
 
 static void
@@ -740,15 +974,44 @@ board_stop_sampler(cs_board *board)
     }
 }
 
+/* Closes `fd` only if it is still the board's segment (in a fork() child
+ * the number may have been reused for something else). */
+static void
+board_close_fd_if_ours(const cs_board *board, int fd)
+{
+    struct stat st;
+    if (fd >= 0 && fstat(fd, &st) == 0 && st.st_dev == board->fd_dev &&
+        st.st_ino == board->fd_ino) {
+        (void)close(fd);
+    }
+}
+
 void
 cs_board_close(cs_board *board)
 {
     if (board == NULL) {
         return;
     }
+    if (!board_here(board)) {
+        /* Inherited across fork(): the parent's board.  Drop this
+         * process's mapping and descriptor copy; unlink, detach and the
+         * thread (which does not exist here) are the parent's. */
+        if (board->host) {
+            board_close_fd_if_ours(
+                board, atomic_load_explicit(&board->fd,
+                                            memory_order_relaxed));
+        }
+        board_free(board, false);
+        return;
+    }
     if (board->host) {
         int ignored;
         (void)cs_board_unlink(board, &ignored);
+        int pidfd = atomic_exchange_explicit(&board->owner_pidfd, -1,
+                                             memory_order_acq_rel);
+        if (pidfd >= 0) {
+            (void)close(pidfd);
+        }
     }
     else {
         board_stop_sampler(board);
@@ -758,7 +1021,7 @@ cs_board_close(cs_board *board)
             &board_head(board)->owner_pid, &expected, 0,
             memory_order_acq_rel, memory_order_relaxed);
     }
-    board_free(board);
+    board_free(board, true);
 }
 
 cs_board_status
@@ -768,15 +1031,26 @@ cs_board_unlink(cs_board *board, int *os_error)
     if (!board->host) {
         return CS_BOARD_ERR_ROLE;
     }
+    if (!board_here(board)) {
+        return CS_BOARD_ERR_FORKED;
+    }
     if (!atomic_exchange_explicit(&board->linked, false,
                                   memory_order_acq_rel)) {
         return CS_BOARD_OK;
     }
+#if BOARD_MEMFD
+    int fd = atomic_exchange_explicit(&board->fd, -1, memory_order_acq_rel);
+    if (fd >= 0 && close(fd) != 0 && errno != EINTR) {
+        *os_error = errno;
+        return CS_BOARD_ERR_SYSTEM;
+    }
+#else
     board_forget_name(board->name);
     if (shm_unlink(board->name) != 0 && errno != ENOENT) {
         *os_error = errno;
         return CS_BOARD_ERR_SYSTEM;
     }
+#endif
     return CS_BOARD_OK;
 }
 
@@ -794,6 +1068,12 @@ cs_board_is_host(const cs_board *board)
     return board->host;
 }
 
+bool
+cs_board_is_own(const cs_board *board)
+{
+    return board_here(board);
+}
+
 uint32_t
 cs_board_slot_count(const cs_board *board)
 {
@@ -804,6 +1084,15 @@ uint64_t
 cs_board_generation(const cs_board *board)
 {
     return board->generation;
+}
+
+int
+cs_board_fd(const cs_board *board)
+{
+    if (!board->host || !board_here(board)) {
+        return -1;
+    }
+    return atomic_load_explicit(&board->fd, memory_order_acquire);
 }
 
 int64_t
@@ -841,6 +1130,45 @@ cs_board_expect_owner(cs_board *board, int64_t pid)
 {
     atomic_store_explicit(&board->expected_owner, pid < 0 ? 0 : pid,
                           memory_order_release);
+    if (!board->host || !board_here(board)) {
+        return;
+    }
+    int pidfd = -1;
+#if defined(__linux__) && defined(SYS_pidfd_open)
+    /* A pidfd names this very process (no pid reuse), in the host's
+     * namespace; polled off the read path (cs_board_poll_owner). */
+    if (pid > 0 && pid <= INT_MAX) {
+        long r = syscall(SYS_pidfd_open, (pid_t)pid, 0);
+        pidfd = r >= 0 ? (int)r : -1;
+        if (pidfd >= 0) {
+            (void)fcntl(pidfd, F_SETFD, FD_CLOEXEC);
+        }
+    }
+#endif
+    int old = atomic_exchange_explicit(&board->owner_pidfd, pidfd,
+                                       memory_order_acq_rel);
+    if (old >= 0) {
+        (void)close(old);
+    }
+}
+
+bool
+cs_board_poll_owner(cs_board *board)
+{
+    if (!board->host || !board_here(board)) {
+        return cs_board_owner_is_gone(board);
+    }
+#if defined(__linux__)
+    int pidfd = atomic_load_explicit(&board->owner_pidfd,
+                                     memory_order_acquire);
+    if (pidfd >= 0) {
+        struct pollfd p = {.fd = pidfd, .events = POLLIN};
+        if (poll(&p, 1, 0) > 0) { /* readable: the process exited */
+            cs_board_owner_gone(board);
+        }
+    }
+#endif
+    return cs_board_owner_is_gone(board);
 }
 
 int64_t
@@ -848,6 +1176,18 @@ cs_board_expected_owner(const cs_board *board)
 {
     return atomic_load_explicit(&board->expected_owner,
                                 memory_order_acquire);
+}
+
+void
+cs_board_owner_gone(cs_board *board)
+{
+    atomic_store_explicit(&board->owner_gone, true, memory_order_release);
+}
+
+bool
+cs_board_owner_is_gone(const cs_board *board)
+{
+    return atomic_load_explicit(&board->owner_gone, memory_order_acquire);
 }
 
 uint64_t
@@ -868,39 +1208,13 @@ cs_board_sampler_passes(const cs_board *board)
     return atomic_load_explicit(&board->passes, memory_order_acquire);
 }
 
-/* ---- host: slots ----------------------------------------------------- */
-
-/* Writes a slot's identity under its seqlock, with no reading yet. */
-static cs_board_status
-slot_set_identity(board_slot *slot, uint64_t key, const uint64_t text[3],
-                  uint64_t size)
-{
-    uint64_t seq;
-    cs_board_status status = slot_write_begin(slot, &seq);
-    if (status != CS_BOARD_OK) {
-        return status;
-    }
-    atomic_store_explicit(&slot->key, key, memory_order_relaxed);
-    for (int i = 0; i < 3; i++) {
-        atomic_store_explicit(&slot->key_text[i], text[i],
-                              memory_order_relaxed);
-    }
-    atomic_store_explicit(&slot->size, size, memory_order_relaxed);
-    atomic_store_explicit(&slot->loaded, 0, memory_order_relaxed);
-    atomic_store_explicit(&slot->updated, 0, memory_order_relaxed);
-    slot_write_end(slot, seq);
-    return CS_BOARD_OK;
-}
+/* ---- host: slots (the host's own table; the segment is not touched) -- */
 
 static bool
-host_slot_is(const host_slot *entry, uint64_t key, const char *id,
-             size_t id_len)
+host_slot_is(const host_slot *entry, const char *id, size_t id_len)
 {
-    size_t n = id_len < CS_BOARD_KEY_TEXT_SIZE ? id_len
-                                               : CS_BOARD_KEY_TEXT_SIZE;
-    return atomic_load_explicit(&entry->key, memory_order_relaxed) == key &&
-           entry->id_len == id_len &&
-           memcmp(entry->text, id, n) == 0;
+    return entry->id != NULL && entry->id_len == id_len &&
+           memcmp(entry->id, id, id_len) == 0;
 }
 
 cs_board_status
@@ -911,28 +1225,31 @@ cs_board_assign(cs_board *board, const char *id, size_t id_len,
     if (!board->host) {
         return CS_BOARD_ERR_ROLE;
     }
+    if (!board_here(board)) {
+        return CS_BOARD_ERR_FORKED;
+    }
     if (size > CS_BOARD_VALUE_MAX) {
         return CS_BOARD_ERR_RANGE;
     }
-    uint64_t key = board_key(id, id_len);
-    uint64_t text[3];
-    board_key_text(id, id_len, text);
+    char *copy = malloc(id_len + 1);
+    if (copy == NULL) {
+        return CS_BOARD_ERR_NOMEM;
+    }
+    memcpy(copy, id, id_len);
+    copy[id_len] = '\0';
     pthread_mutex_lock(&board->lock);
     uint32_t free_slot = UINT32_MAX;
     for (uint32_t i = 0; i < board->slots; i++) {
         host_slot *entry = &board->table[i];
-        uint64_t have = atomic_load_explicit(&entry->key,
-                                             memory_order_relaxed);
-        if (have != 0 && host_slot_is(entry, key, id, id_len)) {
+        if (host_slot_is(entry, id, id_len)) {
             if (atomic_load_explicit(&entry->size, memory_order_relaxed) !=
                 size) {
                 status = CS_BOARD_ERR_SIZE;
-                goto done;
             }
             *slot = i;
             goto done;
         }
-        if (have == 0 && free_slot == UINT32_MAX) {
+        if (entry->id == NULL && free_slot == UINT32_MAX) {
             free_slot = i;
         }
     }
@@ -940,47 +1257,68 @@ cs_board_assign(cs_board *board, const char *id, size_t id_len,
         status = CS_BOARD_ERR_FULL;
         goto done;
     }
-    status = slot_set_identity(board_slot_at(board, free_slot), key, text,
-                               size);
-    if (status != CS_BOARD_OK) {
-        goto done;
+    /* A fresh tag per assignment: 31 bits of the model's hash above
+     * (informative), a counter that never repeats within the board below
+     * (never 0).  Tags stay in [1, CS_BOARD_VALUE_MAX]: they travel as
+     * plain non-negative ints. */
+    if ((board->next_tag & UINT64_C(0xffffffff)) == 0) {
+        board->next_tag++;
     }
+    uint64_t counter = board->next_tag++;
+    uint64_t tag = (board_key(id, id_len) & UINT64_C(0x7fffffff00000000)) |
+                   (counter & UINT64_C(0xffffffff));
     host_slot *entry = &board->table[free_slot];
     atomic_store_explicit(&entry->size, size, memory_order_relaxed);
+    entry->id = copy;
     entry->id_len = id_len;
-    memcpy(entry->text, text, sizeof(entry->text));
-    /* Readers take the key without the lock: publish it last. */
-    atomic_store_explicit(&entry->key, key, memory_order_release);
+    copy = NULL;
+    /* Readers take the tag without the lock: store it last. */
+    atomic_store_explicit(&entry->tag, tag, memory_order_release);
     *slot = free_slot;
 done:
     pthread_mutex_unlock(&board->lock);
+    free(copy);
     return status;
 }
 
 cs_board_status
 cs_board_release(cs_board *board, uint32_t slot)
 {
-    static const uint64_t no_text[3] = {0, 0, 0};
-    cs_board_status status = CS_BOARD_OK;
     if (!board->host) {
         return CS_BOARD_ERR_ROLE;
+    }
+    if (!board_here(board)) {
+        return CS_BOARD_ERR_FORKED;
     }
     if (slot >= board->slots) {
         return CS_BOARD_ERR_RANGE;
     }
     pthread_mutex_lock(&board->lock);
-    atomic_store_explicit(&board->table[slot].key, 0, memory_order_release);
-    atomic_store_explicit(&board->table[slot].size, 0, memory_order_relaxed);
-    status = slot_set_identity(board_slot_at(board, slot), 0, no_text, 0);
+    host_slot *entry = &board->table[slot];
+    atomic_store_explicit(&entry->tag, 0, memory_order_release);
+    atomic_store_explicit(&entry->size, 0, memory_order_relaxed);
+    free(entry->id);
+    entry->id = NULL;
+    entry->id_len = 0;
     pthread_mutex_unlock(&board->lock);
-    return status;
+    return CS_BOARD_OK;
+}
+
+uint64_t
+cs_board_tag(const cs_board *board, uint32_t slot)
+{
+    if (!board->host || slot >= board->slots) {
+        return 0;
+    }
+    return atomic_load_explicit(&board->table[slot].tag,
+                                memory_order_acquire);
 }
 
 uint64_t
 cs_board_assigned_size(const cs_board *board, uint32_t slot)
 {
     if (!board->host || slot >= board->slots ||
-        atomic_load_explicit(&board->table[slot].key,
+        atomic_load_explicit(&board->table[slot].tag,
                              memory_order_acquire) == 0) {
         return 0;
     }
@@ -992,83 +1330,65 @@ cs_board_status
 cs_board_find(const cs_board *board, const char *id, size_t id_len,
               uint32_t *slot)
 {
-    uint64_t key = board_key(id, id_len);
-    uint64_t text[3];
-    board_key_text(id, id_len, text);
-    if (board->host) {
-        /* The table's id text is written under the lock. */
-        pthread_mutex_t *lock = (pthread_mutex_t *)&board->lock;
-        cs_board_status status = CS_BOARD_ERR_RANGE;
-        pthread_mutex_lock(lock);
-        for (uint32_t i = 0; i < board->slots; i++) {
-            if (host_slot_is(&board->table[i], key, id, id_len)) {
-                *slot = i;
-                status = CS_BOARD_OK;
-                break;
-            }
-        }
-        pthread_mutex_unlock(lock);
-        return status;
+    if (!board->host) {
+        return CS_BOARD_ERR_ROLE;
     }
+    if (!board_here(board)) {
+        return CS_BOARD_ERR_FORKED;
+    }
+    pthread_mutex_t *lock = (pthread_mutex_t *)&board->lock;
+    cs_board_status status = CS_BOARD_ERR_RANGE;
+    pthread_mutex_lock(lock);
     for (uint32_t i = 0; i < board->slots; i++) {
-        /* The worker trusts its host's assignments; the key text guards
-         * against a hash collision between two ids. */
-        board_slot *entry = board_slot_at(board, i);
-        if (atomic_load_explicit(&entry->key, memory_order_acquire) != key) {
-            continue;
-        }
-        bool same = true;
-        for (int w = 0; w < 3; w++) {
-            same = same && atomic_load_explicit(&entry->key_text[w],
-                                                memory_order_relaxed) ==
-                               text[w];
-        }
-        if (same) {
+        if (host_slot_is(&board->table[i], id, id_len)) {
             *slot = i;
-            return CS_BOARD_OK;
+            status = CS_BOARD_OK;
+            break;
         }
     }
-    return CS_BOARD_ERR_RANGE;
+    pthread_mutex_unlock(lock);
+    return status;
 }
 
 /* ---- host: reads ----------------------------------------------------- */
 
-/* Whether the header still says what the host wrote and names a live
- * owner with a recent heartbeat. */
-static cs_board_reading
-board_check_owner(const cs_board *board, uint64_t now)
+cs_board_reading
+cs_board_read_slot_status(const cs_board *board, uint32_t slot,
+                          uint64_t tag, uint64_t size, uint64_t *loaded,
+                          uint64_t *updated_ns)
 {
-    const board_header *head = board_head(board);
-    if (atomic_load_explicit(&head->magic, memory_order_relaxed) !=
-            CS_BOARD_MAGIC ||
-        atomic_load_explicit(&head->version, memory_order_relaxed) !=
-            CS_BOARD_LAYOUT_VERSION ||
-        atomic_load_explicit(&head->generation, memory_order_relaxed) !=
-            board->generation) {
-        return CS_BOARD_BAD_HEADER;
+    /* Bounds and identity from the host's own records only. */
+    if (board == NULL || !board->host || slot >= board->slots) {
+        return CS_BOARD_UNASSIGNED;
     }
+    if (!board_here(board)) {
+        return CS_BOARD_OTHER_PROCESS;
+    }
+    uint64_t want = atomic_load_explicit(&board->table[slot].tag,
+                                         memory_order_acquire);
+    if (want == 0 || (tag != 0 && tag != want)) {
+        /* Released, or reassigned to another model since the caller
+         * attached: its tag is no longer the slot's. */
+        return CS_BOARD_UNASSIGNED;
+    }
+    if (atomic_load_explicit(&board->owner_gone, memory_order_relaxed)) {
+        return CS_BOARD_DEAD_OWNER;
+    }
+    const board_header *head = board_head(board);
     uint64_t owner = atomic_load_explicit(&head->owner_pid,
-                                          memory_order_acquire);
+                                          memory_order_relaxed);
     if (owner == 0) {
         return CS_BOARD_NOT_ATTACHED;
     }
-    /* kill() with pid <= 0 addresses process groups: never pass one. */
-    if (owner > (uint64_t)INT_MAX) {
-        return CS_BOARD_BAD_HEADER;
-    }
     int64_t expected = atomic_load_explicit(&board->expected_owner,
-                                            memory_order_acquire);
+                                            memory_order_relaxed);
     if (expected != 0 && (uint64_t)expected != owner) {
         return CS_BOARD_WRONG_OWNER;
     }
-    /* EPERM means the pid exists (another user's): not proof of death.
-     * An unreaped zombie still answers; the heartbeat limit covers it. */
-    if (kill((pid_t)owner, 0) != 0 && errno == ESRCH) {
-        return CS_BOARD_DEAD_OWNER;
-    }
+    uint64_t now = board_read_clock();
     uint64_t beat = atomic_load_explicit(&head->heartbeat,
                                          memory_order_relaxed);
-    /* A beat written after the caller took `now` is legitimately a little
+    /* A beat written after the reader took `now` is legitimately a little
      * ahead; one far in the future is garbage. */
     if (beat == 0 || beat > now + CLOCK_SLACK_NS) {
         return CS_BOARD_STALE;
@@ -1076,27 +1396,6 @@ board_check_owner(const cs_board *board, uint64_t now)
     if (board->heartbeat_limit != 0 && beat < now &&
         now - beat > board->heartbeat_limit) {
         return CS_BOARD_STALE;
-    }
-    return CS_BOARD_VALID;
-}
-
-cs_board_reading
-cs_board_read_slot_status(const cs_board *board, uint32_t slot,
-                          uint64_t size, uint64_t *loaded,
-                          uint64_t *updated_ns)
-{
-    if (board == NULL || !board->host || slot >= board->slots) {
-        return CS_BOARD_UNASSIGNED;
-    }
-    uint64_t want_key = atomic_load_explicit(&board->table[slot].key,
-                                             memory_order_acquire);
-    if (want_key == 0) {
-        return CS_BOARD_UNASSIGNED;
-    }
-    uint64_t now = board_now_ns();
-    cs_board_reading reading = board_check_owner(board, now);
-    if (reading != CS_BOARD_VALID) {
-        return reading;
     }
     board_slot *entry = board_slot_at(board, slot);
     for (int attempt = 0; attempt < CS_BOARD_READ_RETRIES; attempt++) {
@@ -1106,8 +1405,8 @@ cs_board_read_slot_status(const cs_board *board, uint32_t slot,
             board_cpu_relax();
             continue;
         }
-        uint64_t key = atomic_load_explicit(&entry->key,
-                                            memory_order_relaxed);
+        uint64_t got_tag = atomic_load_explicit(&entry->tag,
+                                                memory_order_relaxed);
         uint64_t value = atomic_load_explicit(&entry->loaded,
                                               memory_order_relaxed);
         uint64_t stamp = atomic_load_explicit(&entry->updated,
@@ -1118,39 +1417,87 @@ cs_board_read_slot_status(const cs_board *board, uint32_t slot,
             board_cpu_relax();
             continue;
         }
-        if (key != want_key) {
-            return CS_BOARD_KEY_MISMATCH;
+        if (got_tag != want) {
+            /* 0: the worker has not published under any tag yet. */
+            return got_tag == 0 ? CS_BOARD_NO_READING
+                                : CS_BOARD_TAG_MISMATCH;
         }
         if (stamp == 0) {
             return CS_BOARD_NO_READING;
         }
         /* Untrusted values: the caller's size bounds the reading, and a
-         * stamp from the future cannot claim to be newer than now. */
+         * stamp from the future cannot claim to be newer than now.  The
+         * coarse clock lags the precise one by about a tick, so a stamp
+         * within a tick past it is taken as is (a fresh publish: at worst
+         * a tick early), and one further (a forged one, or a tick that
+         * came late) is checked against the precise clock. */
+        if (stamp > now + board->clock_tick) {
+            uint64_t precise = board_now_ns();
+            if (stamp > precise) {
+                stamp = precise;
+            }
+        }
         *loaded = value < size ? value : size;
-        *updated_ns = stamp < now ? stamp : now;
+        *updated_ns = stamp;
         return CS_BOARD_VALID;
     }
     return CS_BOARD_TORN;
 }
 
 bool
-cs_board_read_slot(const cs_board *board, uint32_t slot, uint64_t size,
-                   uint64_t *loaded, uint64_t *updated_ns)
+cs_board_read_slot(const cs_board *board, uint32_t slot, uint64_t tag,
+                   uint64_t size, uint64_t *loaded, uint64_t *updated_ns)
 {
-    return cs_board_read_slot_status(board, slot, size, loaded,
+    return cs_board_read_slot_status(board, slot, tag, size, loaded,
                                      updated_ns) == CS_BOARD_VALID;
 }
 
 /* ---- worker: publishing ---------------------------------------------- */
 
-cs_board_status
-cs_board_heartbeat(cs_board *board)
+static cs_board_status
+board_worker_call(const cs_board *board)
 {
     if (board->host) {
         return CS_BOARD_ERR_ROLE;
     }
+    if (!board_here(board)) {
+        return CS_BOARD_ERR_FORKED;
+    }
+    return CS_BOARD_OK;
+}
+
+cs_board_status
+cs_board_bind(cs_board *board, uint32_t slot, uint64_t tag)
+{
+    cs_board_status status = board_worker_call(board);
+    if (status != CS_BOARD_OK) {
+        return status;
+    }
+    if (slot >= board->slots) {
+        return CS_BOARD_ERR_RANGE;
+    }
+    atomic_store_explicit(&board->bound[slot], tag, memory_order_release);
+    return CS_BOARD_OK;
+}
+
+uint64_t
+cs_board_bound_tag(const cs_board *board, uint32_t slot)
+{
+    if (board->host || slot >= board->slots) {
+        return 0;
+    }
+    return atomic_load_explicit(&board->bound[slot], memory_order_acquire);
+}
+
+cs_board_status
+cs_board_heartbeat(cs_board *board)
+{
+    cs_board_status status = board_worker_call(board);
+    if (status != CS_BOARD_OK) {
+        return status;
+    }
     atomic_store_explicit(&board_head(board)->heartbeat, board_now_ns(),
-                          memory_order_relaxed);
+                          memory_order_release);
     return CS_BOARD_OK;
 }
 
@@ -1158,34 +1505,38 @@ cs_board_status
 cs_board_publish_at(cs_board *board, uint32_t slot, uint64_t loaded,
                     uint64_t updated_ns)
 {
-    if (board->host) {
-        return CS_BOARD_ERR_ROLE;
+    cs_board_status status = board_worker_call(board);
+    if (status != CS_BOARD_OK) {
+        return status;
     }
     uint64_t now = board_now_ns();
     if (slot >= board->slots || loaded > CS_BOARD_VALUE_MAX ||
         updated_ns == 0 || updated_ns > now) {
         return CS_BOARD_ERR_RANGE;
     }
+    uint64_t tag = atomic_load_explicit(&board->bound[slot],
+                                        memory_order_acquire);
+    if (tag == 0) {
+        return CS_BOARD_ERR_UNBOUND;
+    }
     board_slot *entry = board_slot_at(board, slot);
     uint64_t seq;
-    cs_board_status status = slot_write_begin(entry, &seq);
+    status = slot_write_begin(entry, &seq);
     if (status != CS_BOARD_OK) {
         return status;
     }
+    atomic_store_explicit(&entry->tag, tag, memory_order_relaxed);
     atomic_store_explicit(&entry->loaded, loaded, memory_order_relaxed);
     atomic_store_explicit(&entry->updated, updated_ns, memory_order_relaxed);
     slot_write_end(entry, seq);
     atomic_store_explicit(&board_head(board)->heartbeat, now,
-                          memory_order_relaxed);
+                          memory_order_release);
     return CS_BOARD_OK;
 }
 
 cs_board_status
 cs_board_publish(cs_board *board, uint32_t slot, uint64_t loaded)
 {
-    if (board->host) {
-        return CS_BOARD_ERR_ROLE;
-    }
     return cs_board_publish_at(board, slot, loaded, board_now_ns());
 }
 
@@ -1245,8 +1596,9 @@ cs_board_add_sampler(cs_board *board, uint32_t slot, cs_board_sampler_fn fn,
 {
     cs_board_status status = CS_BOARD_OK;
     *os_error = 0;
-    if (board->host) {
-        return CS_BOARD_ERR_ROLE;
+    status = board_worker_call(board);
+    if (status != CS_BOARD_OK) {
+        return status;
     }
     if (slot >= board->slots || fn == NULL) {
         return CS_BOARD_ERR_RANGE;
@@ -1278,8 +1630,9 @@ done:
 cs_board_status
 cs_board_remove_sampler(cs_board *board, uint32_t slot)
 {
-    if (board->host) {
-        return CS_BOARD_ERR_ROLE;
+    cs_board_status status = board_worker_call(board);
+    if (status != CS_BOARD_OK) {
+        return status;
     }
     if (slot >= board->slots) {
         return CS_BOARD_ERR_RANGE;
@@ -1301,260 +1654,3 @@ cs_board_set_period(cs_board *board, uint64_t period_ns)
     return CS_BOARD_OK;
 }
 
-#else /* _WIN32 */
-
-/* A Windows board (CreateFileMapping on a named section) may come later;
- * until then every entry point says so and reads are never valid. */
-
-struct cs_board {
-    int unused;
-};
-
-cs_board_status
-cs_board_create(uint32_t slots, uint64_t generation,
-                uint64_t heartbeat_limit_ns, cs_board **out, int *os_error)
-{
-    (void)slots;
-    (void)generation;
-    (void)heartbeat_limit_ns;
-    *out = NULL;
-    *os_error = 0;
-    return CS_BOARD_ERR_UNSUPPORTED;
-}
-
-cs_board_status
-cs_board_open(const char *name, cs_board **out, int *os_error)
-{
-    (void)name;
-    *out = NULL;
-    *os_error = 0;
-    return CS_BOARD_ERR_UNSUPPORTED;
-}
-
-void
-cs_board_close(cs_board *board)
-{
-    (void)board;
-}
-
-cs_board_reading
-cs_board_read_slot_status(const cs_board *board, uint32_t slot,
-                          uint64_t size, uint64_t *loaded,
-                          uint64_t *updated_ns)
-{
-    (void)board;
-    (void)slot;
-    (void)size;
-    (void)loaded;
-    (void)updated_ns;
-    return CS_BOARD_NOT_ATTACHED;
-}
-
-bool
-cs_board_read_slot(const cs_board *board, uint32_t slot, uint64_t size,
-                   uint64_t *loaded, uint64_t *updated_ns)
-{
-    return cs_board_read_slot_status(board, slot, size, loaded,
-                                     updated_ns) == CS_BOARD_VALID;
-}
-
-/* No handle can exist here (create and open fail), so the accessors below
- * are never reached with one; they exist so the binding links. */
-
-const char *
-cs_board_name(const cs_board *board)
-{
-    (void)board;
-    return "";
-}
-
-bool
-cs_board_is_host(const cs_board *board)
-{
-    (void)board;
-    return false;
-}
-
-uint32_t
-cs_board_slot_count(const cs_board *board)
-{
-    (void)board;
-    return 0;
-}
-
-uint64_t
-cs_board_generation(const cs_board *board)
-{
-    (void)board;
-    return 0;
-}
-
-int64_t
-cs_board_owner_pid(const cs_board *board)
-{
-    (void)board;
-    return 0;
-}
-
-cs_board_status
-cs_board_find(const cs_board *board, const char *id, size_t id_len,
-              uint32_t *slot)
-{
-    (void)board;
-    (void)id;
-    (void)id_len;
-    (void)slot;
-    return CS_BOARD_ERR_UNSUPPORTED;
-}
-
-void *
-cs_board_memory(const cs_board *board, size_t *length)
-{
-    (void)board;
-    if (length != NULL) {
-        *length = 0;
-    }
-    return NULL;
-}
-
-cs_board_status
-cs_board_assign(cs_board *board, const char *id, size_t id_len,
-                uint64_t size, uint32_t *slot)
-{
-    (void)board;
-    (void)id;
-    (void)id_len;
-    (void)size;
-    (void)slot;
-    return CS_BOARD_ERR_UNSUPPORTED;
-}
-
-cs_board_status
-cs_board_release(cs_board *board, uint32_t slot)
-{
-    (void)board;
-    (void)slot;
-    return CS_BOARD_ERR_UNSUPPORTED;
-}
-
-uint64_t
-cs_board_assigned_size(const cs_board *board, uint32_t slot)
-{
-    (void)board;
-    (void)slot;
-    return 0;
-}
-
-cs_board_status
-cs_board_unlink(cs_board *board, int *os_error)
-{
-    (void)board;
-    *os_error = 0;
-    return CS_BOARD_ERR_UNSUPPORTED;
-}
-
-bool
-cs_board_linked(const cs_board *board)
-{
-    (void)board;
-    return false;
-}
-
-bool
-cs_board_attached(const cs_board *board)
-{
-    (void)board;
-    return false;
-}
-
-void
-cs_board_expect_owner(cs_board *board, int64_t pid)
-{
-    (void)board;
-    (void)pid;
-}
-
-int64_t
-cs_board_expected_owner(const cs_board *board)
-{
-    (void)board;
-    return 0;
-}
-
-uint64_t
-cs_board_heartbeat_limit(const cs_board *board)
-{
-    (void)board;
-    return 0;
-}
-
-cs_board_status
-cs_board_publish(cs_board *board, uint32_t slot, uint64_t loaded)
-{
-    (void)board;
-    (void)slot;
-    (void)loaded;
-    return CS_BOARD_ERR_UNSUPPORTED;
-}
-
-cs_board_status
-cs_board_publish_at(cs_board *board, uint32_t slot, uint64_t loaded,
-                    uint64_t updated_ns)
-{
-    (void)board;
-    (void)slot;
-    (void)loaded;
-    (void)updated_ns;
-    return CS_BOARD_ERR_UNSUPPORTED;
-}
-
-cs_board_status
-cs_board_heartbeat(cs_board *board)
-{
-    (void)board;
-    return CS_BOARD_ERR_UNSUPPORTED;
-}
-
-cs_board_status
-cs_board_add_sampler(cs_board *board, uint32_t slot, cs_board_sampler_fn fn,
-                     void *context, int *os_error)
-{
-    (void)board;
-    (void)slot;
-    (void)fn;
-    (void)context;
-    *os_error = 0;
-    return CS_BOARD_ERR_UNSUPPORTED;
-}
-
-cs_board_status
-cs_board_remove_sampler(cs_board *board, uint32_t slot)
-{
-    (void)board;
-    (void)slot;
-    return CS_BOARD_ERR_UNSUPPORTED;
-}
-
-cs_board_status
-cs_board_set_period(cs_board *board, uint64_t period_ns)
-{
-    (void)board;
-    (void)period_ns;
-    return CS_BOARD_ERR_UNSUPPORTED;
-}
-
-uint64_t
-cs_board_period(const cs_board *board)
-{
-    (void)board;
-    return 0;
-}
-
-uint64_t
-cs_board_sampler_passes(const cs_board *board)
-{
-    (void)board;
-    return 0;
-}
-
-#endif /* _WIN32 */

@@ -14,8 +14,11 @@
 #include <structmember.h>
 
 #include <errno.h>
+#include <limits.h>
 #include <stddef.h>
 #include <string.h>
+
+#ifndef _WIN32
 
 typedef struct {
     PyObject_HEAD
@@ -51,6 +54,7 @@ board_raise_role(cs_board_status status, int os_error, const char *what,
     case CS_BOARD_ERR_MAGIC:
     case CS_BOARD_ERR_VERSION:
     case CS_BOARD_ERR_SIZE:
+    case CS_BOARD_ERR_SEALS:
         PyErr_Format(PyExc_ValueError, "%s: board %s refused: %s", what,
                      name ? name : "?", message);
         return;
@@ -94,76 +98,50 @@ board_handle(BoardObject *self, const char *what)
     return self->board;
 }
 
-/* A byte count or stamp: an int (not a bool) in [0, max]. */
+/* A byte count or pid: an int (not a bool) in [0, max]. */
 static int
 board_u64_arg(PyObject *obj, const char *what, const char *arg,
               uint64_t max, uint64_t *out)
 {
-    if (!PyLong_Check(obj) || PyBool_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "%s: %s must be an int, not %.100s",
-                     what, arg, Py_TYPE(obj)->tp_name);
-        return -1;
+    char field[96];
+    if (cs_value_check(obj, max, out) == 0) {
+        return 0; /* the hot path: no message built */
     }
-    int overflow = 0;
-    long long value = PyLong_AsLongLongAndOverflow(obj, &overflow);
-    if (value == -1 && PyErr_Occurred()) {
-        return -1;
-    }
-    if (overflow != 0 || value < 0 || (unsigned long long)value > max) {
-        PyErr_Format(PyExc_ValueError, "%s: %s must be in [0, %llu], got %R",
-                     what, arg, (unsigned long long)max, obj);
-        return -1;
-    }
-    *out = (uint64_t)value;
-    return 0;
+    PyOS_snprintf(field, sizeof(field), "%s: %s", what, arg);
+    return cs_value_in_range(obj, field, NULL, 0, max, out);
 }
 
+/* A slot index of this board (IndexError when out of range). */
 static int
 board_slot_arg(cs_board *board, PyObject *obj, const char *what,
                uint32_t *slot)
 {
-    uint64_t value;
-    if (!PyLong_Check(obj) || PyBool_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "%s: slot must be an int, not %.100s",
-                     what, Py_TYPE(obj)->tp_name);
-        return -1;
+    char field[96];
+    uint64_t value = 0;
+    uint32_t count = cs_board_slot_count(board);
+    if (cs_value_check(obj, (uint64_t)count - 1, &value) == 0) {
+        *slot = (uint32_t)value; /* the hot path: no message built */
+        return 0;
     }
-    int overflow = 0;
-    long long raw = PyLong_AsLongLongAndOverflow(obj, &overflow);
-    if (raw == -1 && PyErr_Occurred()) {
-        return -1;
-    }
-    value = (uint64_t)raw;
-    if (overflow != 0 || raw < 0 || value >= cs_board_slot_count(board)) {
-        PyErr_Format(PyExc_IndexError,
-                     "%s: slot %R out of range for a board of %u slots",
-                     what, obj, (unsigned)cs_board_slot_count(board));
+    PyOS_snprintf(field, sizeof(field), "%s: slot", what);
+    if (cs_value_in_range(obj, field, PyExc_IndexError, 0,
+                          (uint64_t)cs_board_slot_count(board) - 1,
+                          &value) < 0) {
         return -1;
     }
     *slot = (uint32_t)value;
     return 0;
 }
 
-/* Seconds (int or float, >= 0; None: 0) to nanoseconds. */
+/* Refuses a handle inherited across fork() for anything but close. */
 static int
-board_seconds_arg(PyObject *obj, const char *what, const char *arg,
-                  uint64_t *out)
+board_own(cs_board *board, const char *what)
 {
-    if (obj == NULL || obj == Py_None) {
-        *out = 0;
-        return 0;
-    }
-    double seconds = PyFloat_AsDouble(obj);
-    if (seconds == -1.0 && PyErr_Occurred()) {
+    if (!cs_board_is_own(board)) {
+        PyErr_Format(PyExc_RuntimeError, "%s: %s", what,
+                     cs_board_status_message(CS_BOARD_ERR_FORKED));
         return -1;
     }
-    if (!(seconds >= 0.0 && seconds <= 1e9)) {
-        PyErr_Format(PyExc_ValueError,
-                     "%s: %s must be a number of seconds in [0, 1e9], "
-                     "got %R", what, arg, obj);
-        return -1;
-    }
-    *out = (uint64_t)(seconds * 1e9);
     return 0;
 }
 
@@ -187,30 +165,37 @@ Board_create(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
     static const char *keywords[] = {"slots", "generation",
                                      "heartbeat_limit", NULL};
-    unsigned int slots = 64;
-    unsigned long long generation = 0;
-    PyObject *limit_obj = NULL;
+    PyObject *slots_obj = NULL, *generation_obj = NULL, *limit_obj = NULL;
+    uint64_t slots = 64, generation = 0;
     uint64_t limit = CS_BOARD_DEFAULT_HEARTBEAT_LIMIT_NS;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|I$KO:create",
-                                     (char **)keywords,
-                                     &slots, &generation, &limit_obj)) {
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|O$OO:create",
+                                     (char **)keywords, &slots_obj,
+                                     &generation_obj, &limit_obj)) {
         return NULL;
     }
-    if (limit_obj != NULL &&
-        board_seconds_arg(limit_obj, "Board.create()", "heartbeat_limit",
-                          &limit) < 0) {
+    if ((slots_obj != NULL &&
+         cs_value_in_range(slots_obj, "Board.create(): slots", NULL, 1,
+                           CS_BOARD_MAX_SLOTS, &slots) < 0) ||
+        (generation_obj != NULL &&
+         cs_value_in_range(generation_obj, "Board.create(): generation",
+                           NULL, 0, CS_BOARD_VALUE_MAX, &generation) < 0)) {
         return NULL;
     }
-    if (slots == 0 || slots > CS_BOARD_MAX_SLOTS) {
-        PyErr_Format(PyExc_ValueError,
-                     "Board.create(): slots must be in [1, %d], got %u",
-                     CS_BOARD_MAX_SLOTS, slots);
+    if (limit_obj == Py_None) {
+        limit = 0; /* no heartbeat check */
+    }
+    else if (limit_obj != NULL &&
+             cs_seconds_in_range(limit_obj,
+                                 "Board.create(): heartbeat_limit",
+                                 CS_BOARD_HEARTBEAT_LIMIT_MIN_NS,
+                                 CS_BOARD_HEARTBEAT_LIMIT_MAX_NS,
+                                 &limit) < 0) {
         return NULL;
     }
     cs_board *board = NULL;
     int os_error = 0;
-    cs_board_status status = cs_board_create(slots, generation, limit,
-                                             &board, &os_error);
+    cs_board_status status = cs_board_create((uint32_t)slots, generation,
+                                             limit, &board, &os_error);
     if (status != CS_BOARD_OK) {
         board_raise(status, os_error, "Board.create()", NULL);
         return NULL;
@@ -221,27 +206,48 @@ Board_create(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 static PyObject *
 Board_open(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    static const char *keywords[] = {"name", "period", NULL};
+    static const char *keywords[] = {"source", "period", NULL};
+    PyObject *source = NULL, *period_obj = NULL;
+    uint64_t period = 0, fd = 0;
     const char *name = NULL;
-    PyObject *period_obj = NULL;
-    uint64_t period = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|$O:open",
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|$O:open",
                                      (char **)keywords,
-                                     &name, &period_obj)) {
+                                     &source, &period_obj)) {
+        return NULL;
+    }
+    if (PyUnicode_Check(source)) {
+        name = PyUnicode_AsUTF8(source);
+        if (name == NULL) {
+            return NULL;
+        }
+    }
+    else if (cs_value_in_range(source, "Board.open(): source (a file "
+                               "descriptor or a name)", NULL, 0, INT_MAX,
+                               &fd) < 0) {
         return NULL;
     }
     if (period_obj != NULL &&
-        board_seconds_arg(period_obj, "Board.open()", "period", &period) <
-            0) {
+        cs_seconds_in_range(period_obj, "Board.open(): period",
+                            UINT64_C(1000000), UINT64_C(3600000000000),
+                            &period) < 0) {
         return NULL;
     }
     cs_board *board = NULL;
     int os_error = 0;
     cs_board_status status;
     Py_BEGIN_ALLOW_THREADS
-    status = cs_board_open(name, &board, &os_error);
+    status = name != NULL ? cs_board_open(name, &board, &os_error)
+                          : cs_board_open_fd((int)fd, &board, &os_error);
     Py_END_ALLOW_THREADS
     if (status != CS_BOARD_OK) {
+        if (status == CS_BOARD_ERR_UNSUPPORTED) {
+            PyErr_Format(PyExc_ValueError,
+                         "Board.open(): boards have no names on this "
+                         "platform; pass the board's file descriptor "
+                         "(Board.fd on the host, inherited or sent), got "
+                         "%R", source);
+            return NULL;
+        }
         board_raise(status, os_error, "Board.open()", name);
         return NULL;
     }
@@ -294,6 +300,77 @@ cs_board_from_object(PyObject *obj)
         return NULL;
     }
     return board_handle((BoardObject *)obj, BOARD_DOC_NAME);
+}
+
+bool
+cs_board_object_read(PyObject *board_obj, uint32_t slot, uint64_t tag,
+                     uint64_t size, uint64_t *loaded, uint64_t *updated_ns)
+{
+    if (board_obj == NULL || Py_TYPE(board_obj)->tp_dealloc != Board_dealloc) {
+        return false;
+    }
+    cs_board *board = ((BoardObject *)board_obj)->board;
+    return board != NULL &&
+           cs_board_read_slot(board, slot, tag, size, loaded, updated_ns);
+}
+
+int
+cs_board_attach_model(PyObject *board_obj, PyObject *model_id,
+                      const char *id, size_t id_len, uint64_t size,
+                      PyObject *slot_obj, uint32_t *slot, uint64_t *tag)
+{
+    uint32_t found = 0;
+    cs_board *board = cs_board_from_object(board_obj);
+    if (board == NULL) {
+        return -1;
+    }
+    if (!cs_board_is_host(board)) {
+        PyErr_Format(PyExc_ValueError,
+                     "attach_board: model %R needs the host's side of the "
+                     "board (Board.create), got a worker's handle",
+                     model_id);
+        return -1;
+    }
+    if (board_own(board, "attach_board") < 0) {
+        return -1;
+    }
+    if (slot_obj == Py_None) {
+        cs_board_status status =
+            cs_board_find(board, id, id_len, slot) == CS_BOARD_OK
+                ? CS_BOARD_OK
+                : cs_board_assign(board, id, id_len, size, slot);
+        if (status != CS_BOARD_OK) {
+            PyErr_Format(PyExc_ValueError,
+                         "attach_board: no slot for model %R: %s", model_id,
+                         cs_board_status_message(status));
+            return -1;
+        }
+    }
+    else {
+        uint64_t value = 0;
+        if (cs_value_in_range(slot_obj, "attach_board: slot", NULL, 0,
+                              UINT32_MAX, &value) < 0) {
+            return -1;
+        }
+        *slot = (uint32_t)value;
+        if (cs_board_find(board, id, id_len, &found) != CS_BOARD_OK ||
+            found != *slot) {
+            PyErr_Format(PyExc_ValueError,
+                         "attach_board: slot %R of the board does not carry "
+                         "model %R", slot_obj, model_id);
+            return -1;
+        }
+    }
+    if (cs_board_assigned_size(board, *slot) != size) {
+        PyErr_Format(PyExc_ValueError,
+                     "attach_board: slot %lu is assigned %llu bytes, model "
+                     "%R has %llu", (unsigned long)*slot,
+                     (unsigned long long)cs_board_assigned_size(board, *slot),
+                     model_id, (unsigned long long)size);
+        return -1;
+    }
+    *tag = cs_board_tag(board, *slot);
+    return 0;
 }
 
 /* ---- methods --------------------------------------------------------- */
@@ -359,7 +436,7 @@ Board_assign(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t id_len;
     const char *id = PyUnicode_AsUTF8AndSize(args[0], &id_len);
     uint64_t size;
-    if (id == NULL ||
+    if (id == NULL || board_own(board, what) < 0 ||
         board_u64_arg(args[1], what, "size", CS_BOARD_VALUE_MAX, &size) < 0) {
         return NULL;
     }
@@ -393,6 +470,81 @@ Board_release(PyObject *op, PyObject *arg)
         return NULL;
     }
     cs_board_status status = cs_board_release(board, slot);
+    if (status != CS_BOARD_OK) {
+        board_raise_on(board, status, 0, what);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Board_tag(PyObject *op, PyObject *arg)
+{
+    const char *what = "Board.tag()";
+    cs_board *board = board_handle((BoardObject *)op, what);
+    uint32_t slot;
+    if (board == NULL || board_slot_arg(board, arg, what, &slot) < 0) {
+        return NULL;
+    }
+    if (!cs_board_is_host(board)) {
+        board_raise_on(board, CS_BOARD_ERR_ROLE, 0, what);
+        return NULL;
+    }
+    return PyLong_FromUnsignedLongLong(cs_board_tag(board, slot));
+}
+
+static PyObject *
+Board_worker_gone(PyObject *op, PyObject *unused)
+{
+    const char *what = "Board.worker_gone()";
+    cs_board *board = board_handle((BoardObject *)op, what);
+    if (board == NULL) {
+        return NULL;
+    }
+    if (!cs_board_is_host(board)) {
+        board_raise_on(board, CS_BOARD_ERR_ROLE, 0, what);
+        return NULL;
+    }
+    cs_board_owner_gone(board);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Board_poll_owner(PyObject *op, PyObject *unused)
+{
+    const char *what = "Board.poll_owner()";
+    cs_board *board = board_handle((BoardObject *)op, what);
+    if (board == NULL) {
+        return NULL;
+    }
+    if (!cs_board_is_host(board)) {
+        board_raise_on(board, CS_BOARD_ERR_ROLE, 0, what);
+        return NULL;
+    }
+    return PyBool_FromLong(cs_board_poll_owner(board));
+}
+
+static PyObject *
+Board_bind(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
+{
+    const char *what = "Board.bind()";
+    cs_board *board = board_handle((BoardObject *)op, what);
+    if (board == NULL) {
+        return NULL;
+    }
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s takes 2 arguments (slot, tag), got %zd", what,
+                     nargs);
+        return NULL;
+    }
+    uint32_t slot;
+    uint64_t tag;
+    if (board_slot_arg(board, args[0], what, &slot) < 0 ||
+        board_u64_arg(args[1], what, "tag", CS_BOARD_VALUE_MAX, &tag) < 0) {
+        return NULL;
+    }
+    cs_board_status status = cs_board_bind(board, slot, tag);
     if (status != CS_BOARD_OK) {
         board_raise_on(board, status, 0, what);
         return NULL;
@@ -435,8 +587,14 @@ Board_find(PyObject *op, PyObject *arg)
         return NULL;
     }
     uint32_t slot;
-    if (cs_board_find(board, id, (size_t)id_len, &slot) != CS_BOARD_OK) {
+    cs_board_status status = cs_board_find(board, id, (size_t)id_len, &slot);
+    if (status == CS_BOARD_ERR_RANGE) {
         Py_RETURN_NONE;
+    }
+    if (status != CS_BOARD_OK) {
+        /* A worker (the segment holds no ids) or a forked child. */
+        board_raise_on(board, status, 0, what);
+        return NULL;
     }
     return PyLong_FromUnsignedLong(slot);
 }
@@ -485,15 +643,17 @@ Board_heartbeat(PyObject *op, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-/* read() and status() share their argument handling: (slot, size=None). */
+/* read() and status() share their argument handling:
+ * (slot, size=None, tag=None). */
 static int
 board_read_args(cs_board *board, PyObject *const *args, Py_ssize_t nargs,
-                const char *what, uint32_t *slot, uint64_t *size)
+                const char *what, uint32_t *slot, uint64_t *size,
+                uint64_t *tag)
 {
-    if (nargs < 1 || nargs > 2) {
+    if (nargs < 1 || nargs > 3) {
         PyErr_Format(PyExc_TypeError,
-                     "%s takes 1 or 2 arguments (slot, size=None), got %zd",
-                     what, nargs);
+                     "%s takes 1 to 3 arguments (slot, size=None, "
+                     "tag=None), got %zd", what, nargs);
         return -1;
     }
     if (!cs_board_is_host(board)) {
@@ -505,7 +665,12 @@ board_read_args(cs_board *board, PyObject *const *args, Py_ssize_t nargs,
     if (board_slot_arg(board, args[0], what, slot) < 0) {
         return -1;
     }
-    if (nargs == 2 && args[1] != Py_None) {
+    *tag = 0;
+    if (nargs == 3 && args[2] != Py_None &&
+        board_u64_arg(args[2], what, "tag", CS_BOARD_VALUE_MAX, tag) < 0) {
+        return -1;
+    }
+    if (nargs >= 2 && args[1] != Py_None) {
         return board_u64_arg(args[1], what, "size", CS_BOARD_VALUE_MAX,
                              size);
     }
@@ -519,12 +684,12 @@ Board_read(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
     const char *what = "Board.read()";
     cs_board *board = board_handle((BoardObject *)op, what);
     uint32_t slot;
-    uint64_t size, loaded, stamp;
+    uint64_t size, loaded, stamp, tag;
     if (board == NULL ||
-        board_read_args(board, args, nargs, what, &slot, &size) < 0) {
+        board_read_args(board, args, nargs, what, &slot, &size, &tag) < 0) {
         return NULL;
     }
-    if (!cs_board_read_slot(board, slot, size, &loaded, &stamp)) {
+    if (!cs_board_read_slot(board, slot, tag, size, &loaded, &stamp)) {
         Py_RETURN_NONE;
     }
     return Py_BuildValue("(KK)", (unsigned long long)loaded,
@@ -537,13 +702,13 @@ Board_status(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
     const char *what = "Board.status()";
     cs_board *board = board_handle((BoardObject *)op, what);
     uint32_t slot;
-    uint64_t size, loaded, stamp;
+    uint64_t size, loaded, stamp, tag;
     if (board == NULL ||
-        board_read_args(board, args, nargs, what, &slot, &size) < 0) {
+        board_read_args(board, args, nargs, what, &slot, &size, &tag) < 0) {
         return NULL;
     }
-    cs_board_reading reading = cs_board_read_slot_status(board, slot, size,
-                                                         &loaded, &stamp);
+    cs_board_reading reading = cs_board_read_slot_status(
+        board, slot, tag, size, &loaded, &stamp);
     return PyUnicode_FromString(cs_board_reading_name(reading));
 }
 
@@ -714,6 +879,25 @@ Board_value_sampler_passes(cs_board *board)
     return PyLong_FromUnsignedLongLong(cs_board_sampler_passes(board));
 }
 
+static PyObject *
+Board_value_fd(cs_board *board)
+{
+    int fd = cs_board_fd(board);
+    if (fd < 0) {
+        Py_RETURN_NONE;
+    }
+    return PyLong_FromLong(fd);
+}
+
+static PyObject *
+Board_value_owner_is_gone(cs_board *board)
+{
+    return PyBool_FromLong(cs_board_is_host(board) &&
+                           cs_board_owner_is_gone(board));
+}
+
+BOARD_GETTER(fd)
+BOARD_GETTER(owner_is_gone)
 BOARD_GETTER(name)
 BOARD_GETTER(is_host)
 BOARD_GETTER(slots)
@@ -784,7 +968,8 @@ Board_set_period(PyObject *op, PyObject *value, void *closure)
         PyErr_SetString(PyExc_AttributeError, "Board.period: cannot delete");
         return -1;
     }
-    if (board_seconds_arg(value, what, "period", &period) < 0) {
+    if (cs_seconds_in_range(value, what, UINT64_C(1000000),
+                            UINT64_C(3600000000000), &period) < 0) {
         return -1;
     }
     if (cs_board_set_period(board, period) != CS_BOARD_OK) {
@@ -803,26 +988,47 @@ static PyMethodDef Board_methods[] = {
      METH_VARARGS | METH_KEYWORDS | METH_CLASS,
      "create($type, /, slots=64, *, generation=0, heartbeat_limit=5.0)\n"
      "--\n\n"
-     "Host side: make a new board (owner-only, unguessable name).\n"
-     "heartbeat_limit: seconds a worker's heartbeat may age before its\n"
-     "board is ignored (None or 0: never)."},
+     "Host side: make a new board.  On Linux a sealed memfd with no\n"
+     "name: hand Board.fd to the worker (pass_fds or SCM_RIGHTS).\n"
+     "heartbeat_limit: seconds (0.01 .. 86400) a worker's heartbeat may\n"
+     "age before its board is ignored; None: never."},
     {"open", (PyCFunction)(void (*)(void))Board_open,
      METH_VARARGS | METH_KEYWORDS | METH_CLASS,
-     "open($type, /, name, *, period=0.01)\n--\n\n"
-     "Worker side: open the board `name` made by the host (never creates\n"
-     "one).  Refuses a segment that is not a board of this layout.\n"
+     "open($type, /, source, *, period=0.01)\n--\n\n"
+     "Worker side: open the board the host made, by file descriptor (an\n"
+     "int; Linux) or by name (a str; where boards have names).  The\n"
+     "descriptor stays the caller's.  Refuses a segment that is not\n"
+     "sealed (Linux) or not a board of this layout.\n"
      "period: seconds between sampler passes."},
     {"close", Board_close, METH_NOARGS,
      "close($self, /)\n--\n\n"
-     "Stop the sampler (joined), detach (worker) or remove the name\n"
-     "(host), unmap.  Idempotent."},
+     "Stop the sampler (joined), detach (worker) or drop the host's\n"
+     "descriptor or name (host), unmap.  In a fork() child only the\n"
+     "child's mapping goes.  Idempotent."},
     {"unlink", Board_unlink, METH_NOARGS,
      "unlink($self, /)\n--\n\n"
-     "Host side: remove the board's name; call it once the worker has\n"
-     "opened the board.  The mappings keep working.  Idempotent."},
+     "Host side: drop the host's way in (close Board.fd, or remove the\n"
+     "name) once the worker has the board.  The mappings keep working.\n"
+     "Idempotent."},
     {"assign", (PyCFunction)(void (*)(void))Board_assign, METH_FASTCALL,
      "assign($self, model_id, size, /)\n--\n\n"
-     "Host side: the slot for model_id (a new one, or the one it has)."},
+     "Host side: the slot for model_id (a new one with a fresh tag, or\n"
+     "the one it has).  Tell the worker (slot, board.tag(slot))."},
+    {"tag", Board_tag, METH_O,
+     "tag($self, slot, /)\n--\n\n"
+     "Host side: the tag of the slot's current assignment (0: none).\n"
+     "A reading counts only when the worker published under it."},
+    {"worker_gone", Board_worker_gone, METH_NOARGS,
+     "worker_gone($self, /)\n--\n\n"
+     "Host side: the worker is known dead; reads say 'dead owner'."},
+    {"poll_owner", Board_poll_owner, METH_NOARGS,
+     "poll_owner($self, /)\n--\n\n"
+     "Host side, off the read path: whether the expected owner is known\n"
+     "gone.  On Linux, setting expected_owner keeps a pidfd of it and\n"
+     "this polls it (no wait); an exited worker then reads 'dead owner'."},
+    {"bind", (PyCFunction)(void (*)(void))Board_bind, METH_FASTCALL,
+     "bind($self, slot, tag, /)\n--\n\n"
+     "Worker side: publish the slot under the tag the host gave it."},
     {"release", Board_release, METH_O,
      "release($self, slot, /)\n--\n\nHost side: free a slot."},
     {"assigned_size", Board_assigned_size, METH_O,
@@ -830,21 +1036,23 @@ static PyMethodDef Board_methods[] = {
      "Host side: the size given to the slot's model (0: unassigned)."},
     {"find", Board_find, METH_O,
      "find($self, model_id, /)\n--\n\n"
-     "The slot carrying model_id, or None."},
+     "Host side: the slot carrying model_id, or None."},
     {"publish", (PyCFunction)(void (*)(void))Board_publish, METH_FASTCALL,
      "publish($self, slot, loaded, /)\n--\n\n"
-     "Worker side: publish the model's resident bytes, stamped now."},
+     "Worker side: publish the model's resident bytes under the slot's\n"
+     "bound tag, stamped now."},
     {"heartbeat", Board_heartbeat, METH_NOARGS,
      "heartbeat($self, /)\n--\n\nWorker side: say the worker is alive."},
     {"read", (PyCFunction)(void (*)(void))Board_read, METH_FASTCALL,
-     "read($self, slot, size=None, /)\n--\n\n"
+     "read($self, slot, size=None, tag=None, /)\n--\n\n"
      "Host side: (loaded, updated_ns) or None when the board cannot be\n"
      "trusted now.  loaded is clamped to size (default: the assigned\n"
-     "size); updated_ns is time.monotonic_ns()-comparable.  Never blocks."},
+     "size); tag (default: the slot's current one) must be the slot's;\n"
+     "updated_ns is time.monotonic_ns()-comparable.  Never blocks."},
     {"status", (PyCFunction)(void (*)(void))Board_status, METH_FASTCALL,
-     "status($self, slot, size=None, /)\n--\n\n"
+     "status($self, slot, size=None, tag=None, /)\n--\n\n"
      "Host side: why read() would or would not give a reading ('valid',\n"
-     "'torn', 'dead owner', 'stale heartbeat', ...)."},
+     "'torn', 'tag mismatch', 'dead owner', 'stale heartbeat', ...)."},
     {"add_sampler", (PyCFunction)(void (*)(void))Board_add_sampler,
      METH_FASTCALL,
      "add_sampler($self, slot, fn_address, ctx_address=0, /)\n--\n\n"
@@ -863,7 +1071,13 @@ static PyMethodDef Board_methods[] = {
 };
 
 static PyGetSetDef Board_getset[] = {
-    {"name", Board_get_name, NULL, "The segment's name.", NULL},
+    {"name", Board_get_name, NULL,
+     "The segment's name (informative for a memfd board).", NULL},
+    {"fd", Board_get_fd, NULL,
+     "Host side: the descriptor to hand the worker, or None (a named\n"
+     "board, or after unlink()/close()).", NULL},
+    {"owner_is_gone", Board_get_owner_is_gone, NULL,
+     "Host side: True once worker_gone() was called.", NULL},
     {"is_host", Board_get_is_host, NULL, "True on the host side.", NULL},
     {"slots", Board_get_slots, NULL, "Number of slots.", NULL},
     {"generation", Board_get_generation, NULL,
@@ -872,7 +1086,8 @@ static PyGetSetDef Board_getset[] = {
     {"attached", Board_get_attached, NULL,
      "True while a worker has the board open.", NULL},
     {"linked", Board_get_linked, NULL,
-     "Host side: True while the segment still has a name.", NULL},
+     "Host side: True while the host holds a way in (fd or name).",
+     NULL},
     {"owner_pid", Board_get_owner_pid, NULL,
      "The pid the header names as owner (untrusted), or None.", NULL},
     {"expected_owner", Board_get_expected_owner, Board_set_expected_owner,
@@ -915,6 +1130,76 @@ static PyType_Spec Board_spec = {
              Py_TPFLAGS_DISALLOW_INSTANTIATION,
     .slots = Board_slots,
 };
+
+#else /* _WIN32 */
+
+/* No board on Windows (docs/board.md): the package imports, the type
+ * exists, and making one says why not.  The core is not built. */
+
+typedef struct {
+    PyObject_HEAD
+} BoardObject;
+
+static PyObject *
+Board_unsupported(PyObject *cls, PyObject *args, PyObject *kwargs)
+{
+    PyErr_SetString(PyExc_NotImplementedError,
+                    "comfy_standin.Board: no residency board on Windows "
+                    "(stand-ins use receipts)");
+    return NULL;
+}
+
+cs_board *
+cs_board_from_object(PyObject *obj)
+{
+    (void)Board_unsupported(NULL, NULL, NULL);
+    return NULL;
+}
+
+int
+cs_board_attach_model(PyObject *board_obj, PyObject *model_id,
+                      const char *id, size_t id_len, uint64_t size,
+                      PyObject *slot_obj, uint32_t *slot, uint64_t *tag)
+{
+    (void)Board_unsupported(NULL, NULL, NULL);
+    return -1;
+}
+
+bool
+cs_board_object_read(PyObject *board_obj, uint32_t slot, uint64_t tag,
+                     uint64_t size, uint64_t *loaded, uint64_t *updated_ns)
+{
+    return false;
+}
+
+static PyMethodDef Board_methods[] = {
+    {"create", (PyCFunction)(void (*)(void))Board_unsupported,
+     METH_VARARGS | METH_KEYWORDS | METH_CLASS,
+     "Not on Windows: raises NotImplementedError."},
+    {"open", (PyCFunction)(void (*)(void))Board_unsupported,
+     METH_VARARGS | METH_KEYWORDS | METH_CLASS,
+     "Not on Windows: raises NotImplementedError."},
+    {NULL, NULL, 0, NULL},
+};
+
+PyDoc_STRVAR(Board_doc,
+    "A live residency board: not available on Windows (docs/board.md).");
+
+static PyType_Slot Board_slots[] = {
+    {Py_tp_doc, (void *)Board_doc},
+    {Py_tp_methods, Board_methods},
+    {0, NULL},
+};
+
+static PyType_Spec Board_spec = {
+    .name = "comfy_standin._core.Board",
+    .basicsize = sizeof(BoardObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE |
+             Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = Board_slots,
+};
+
+#endif /* _WIN32 */
 
 int
 cs_board_binding_exec(PyObject *module, cs_module_state *state)

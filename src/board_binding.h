@@ -15,4 +15,20 @@
  * with TypeError (not a Board) or ValueError (closed) set. */
 cs_board *cs_board_from_object(PyObject *obj);
 
+/* For the stand-in type: which (slot, tag) of the host board `board_obj`
+ * carries model `id` of `size` bytes.  slot_obj None assigns one (or finds
+ * the one the model has); an int must be the slot the host gave the
+ * model.  0, or -1 with an exception naming what did not fit. */
+int cs_board_attach_model(PyObject *board_obj, PyObject *model_id,
+                          const char *id, size_t id_len, uint64_t size,
+                          PyObject *slot_obj, uint32_t *slot,
+                          uint64_t *tag);
+
+/* The read path of a stand-in: a valid reading of (slot, tag) clamped to
+ * `size`, or false (closed board, not a Board, or anything doubtful).
+ * Never raises, never blocks, no system call. */
+bool cs_board_object_read(PyObject *board_obj, uint32_t slot, uint64_t tag,
+                          uint64_t size, uint64_t *loaded,
+                          uint64_t *updated_ns);
+
 #endif /* COMFY_STANDIN_BOARD_BINDING_H */

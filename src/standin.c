@@ -34,6 +34,7 @@ typedef struct {
     uint64_t device_assigned_at; /* receipt write count when assigned */
     PyObject *board;             /* strong Board or NULL; GIL */
     uint32_t board_slot;         /* GIL, with `board` */
+    uint64_t board_tag;          /* GIL, with `board`: the slot's tag */
     PyObject *weakreflist;
 } ModuleObject;
 
@@ -192,7 +193,6 @@ static uint64_t
 module_read(ModuleObject *m, cs_receipt *out)
 {
     cs_receipt local;
-    cs_board *board;
     uint64_t loaded, updated_ns;
 
     if (m->board == NULL && out == NULL) {
@@ -205,13 +205,11 @@ module_read(ModuleObject *m, cs_receipt *out)
     if (m->board == NULL || cs_model_stale(m->record)) {
         return out->loaded;
     }
-    board = cs_board_from_object(m->board);
-    if (board == NULL) {
-        PyErr_Clear(); /* closed since: the receipt is all we have */
-        return out->loaded;
-    }
-    if (cs_board_read_slot(board, m->board_slot, cs_model_size(m->record),
-                           &loaded, &updated_ns) &&
+    /* A closed board, a slot reassigned since (its tag changed), or
+     * anything doubtful: the receipt is all we have. */
+    if (cs_board_object_read(m->board, m->board_slot, m->board_tag,
+                             cs_model_size(m->record), &loaded,
+                             &updated_ns) &&
         updated_ns > out->time_ns) {
         out->loaded = loaded;
         out->time_ns = updated_ns;
@@ -549,6 +547,7 @@ standin_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     module->device_assigned_at = 0;
     module->board = NULL;
     module->board_slot = 0;
+    module->board_tag = 0;
     module->weakreflist = NULL;
     PyObject_GC_Track(module);
 
@@ -1601,9 +1600,8 @@ standin_attach_board(StandInObject *self, PyObject *args, PyObject *kwargs)
     static char *keywords[] = {"board", "slot", NULL};
     PyObject *board_obj, *slot_obj = Py_None;
     ModuleObject *m = standin_module(self);
-    cs_board *board;
-    uint32_t slot, found;
-    uint64_t value;
+    uint32_t slot = 0;
+    uint64_t tag = 0;
     size_t id_len;
     const char *id = cs_model_id(self->record, &id_len);
 
@@ -1615,64 +1613,16 @@ standin_attach_board(StandInObject *self, PyObject *args, PyObject *kwargs)
         PyErr_SetString(PyExc_ValueError, "attach_board: stand-in cleared");
         return NULL;
     }
-    board = cs_board_from_object(board_obj);
-    if (board == NULL) {
-        return NULL;
-    }
-    if (!cs_board_is_host(board)) {
-        PyErr_Format(PyExc_ValueError,
-                     "attach_board: model %R needs the host's side of the "
-                     "board (Board.create), got a worker's handle",
-                     self->model_id);
-        return NULL;
-    }
-    if (slot_obj == Py_None) {
-        cs_board_status status =
-            cs_board_find(board, id, id_len, &slot) == CS_BOARD_OK
-                ? CS_BOARD_OK
-                : cs_board_assign(board, id, id_len, self->size, &slot);
-        if (status != CS_BOARD_OK) {
-            PyErr_Format(PyExc_ValueError,
-                         "attach_board: no slot for model %R: %s",
-                         self->model_id, cs_board_status_message(status));
-            return NULL;
-        }
-    }
-    else {
-        int code = cs_value_check(slot_obj, UINT32_MAX, &value);
-        if (code != 0) {
-            return cs_value_error(NULL, code, "slot", slot_obj, UINT32_MAX),
-                   NULL;
-        }
-        slot = (uint32_t)value;
-        if (cs_board_find(board, id, id_len, &found) != CS_BOARD_OK ||
-            found != slot) {
-            PyErr_Format(PyExc_ValueError,
-                         "attach_board: slot %R of the board does not carry "
-                         "model %R",
-                         slot_obj, self->model_id);
-            return NULL;
-        }
-    }
-    if (cs_board_assigned_size(board, slot) != self->size) {
-        PyErr_Format(PyExc_ValueError,
-                     "attach_board: slot %lu is assigned %llu bytes, model "
-                     "%R has %llu",
-                     (unsigned long)slot,
-                     (unsigned long long)cs_board_assigned_size(board, slot),
-                     self->model_id, (unsigned long long)self->size);
-        return NULL;
-    }
-    uint64_t loaded, stamp;
-    if (cs_board_read_slot_status(board, slot, self->size, &loaded,
-                                  &stamp) == CS_BOARD_BAD_HEADER) {
-        PyErr_Format(PyExc_ValueError,
-                     "attach_board: the board's header is not a comfy_standin "
-                     "board of this layout (magic, version or size wrong)");
+    /* The slot's identity is the host's (slot, tag): a slot released and
+     * given to another model has a new tag, so this stand-in never reads
+     * that model's bytes. */
+    if (cs_board_attach_model(board_obj, self->model_id, id, id_len,
+                              self->size, slot_obj, &slot, &tag) < 0) {
         return NULL;
     }
     Py_XSETREF(m->board, Py_NewRef(board_obj));
     m->board_slot = slot;
+    m->board_tag = tag;
     return PyLong_FromUnsignedLong(slot);
 }
 
@@ -1772,6 +1722,25 @@ standin_get_deferred(StandInObject *self, void *closure)
     return PyBool_FromLong(cs_model_eviction_deferred(self->record));
 }
 
+/* comfy-env's boundary writes False once it listed a refused stand-in
+ * again; only a bool is taken (docs/semantics.md, "eviction_deferred"). */
+static int
+standin_set_deferred(StandInObject *self, PyObject *value, void *closure)
+{
+    if (value == NULL) {
+        PyErr_SetString(PyExc_TypeError,
+                        "eviction_deferred cannot be deleted");
+        return -1;
+    }
+    if (!PyBool_Check(value)) {
+        PyErr_Format(PyExc_TypeError,
+                     "eviction_deferred: expected a bool, got %R", value);
+        return -1;
+    }
+    cs_model_set_eviction_deferred(self->record, value == Py_True);
+    return 0;
+}
+
 static PyObject *
 standin_get_bad_replies(StandInObject *self, void *closure)
 {
@@ -1835,7 +1804,8 @@ static PyGetSetDef standin_getset[] = {
      "\"unet\", \"clip\", \"vae\" or \"other\".", NULL},
     {"stale", (getter)standin_get_stale, NULL,
      "True once the worker died or restarted: reads as offloaded.", NULL},
-    {"eviction_deferred", (getter)standin_get_deferred, NULL,
+    {"eviction_deferred", (getter)standin_get_deferred,
+     (setter)standin_set_deferred,
      "True when a live worker refused the last eviction (receipt kept).",
      NULL},
     {"bad_replies", (getter)standin_get_bad_replies, NULL,

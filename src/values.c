@@ -48,6 +48,68 @@ cs_value_error(PyObject *exc, int code, const char *field, PyObject *value,
     return -1;
 }
 
+int
+cs_value_in_range(PyObject *value, const char *field, PyObject *exc,
+                  uint64_t min, uint64_t max, uint64_t *out)
+{
+    uint64_t v = 0;
+    int code = cs_value_check(value, max, &v);
+    if (code == 0 && v < min) {
+        code = 2;
+    }
+    if (code == 0) {
+        *out = v;
+        return 0;
+    }
+    if (min == 0) {
+        return cs_value_error(code == 1 ? NULL : exc, code, field, value,
+                              max);
+    }
+    PyErr_Format(code == 1 ? PyExc_TypeError
+                           : (exc != NULL ? exc : PyExc_ValueError),
+                 "%s: expected an int in [%llu, %llu], got %R", field,
+                 (unsigned long long)min, (unsigned long long)max, value);
+    return -1;
+}
+
+int
+cs_seconds_in_range(PyObject *value, const char *field, uint64_t min_ns,
+                    uint64_t max_ns, uint64_t *out_ns)
+{
+    double seconds;
+    /* Exact int or float only: no __float__ of a caller's object runs. */
+    if (PyBool_Check(value) ||
+        !(PyLong_CheckExact(value) || PyFloat_CheckExact(value))) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s: expected a number of seconds (int or float), "
+                     "got %R", field, value);
+        return -1;
+    }
+    seconds = PyFloat_AsDouble(value);
+    if (seconds == -1.0 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            return -1;
+        }
+        PyErr_Clear();
+        seconds = -1.0; /* an int too large for a double: refused below */
+    }
+    /* NaN fails every comparison; inf is above max. */
+    if (!(seconds > 0.0 && seconds * 1e9 >= (double)min_ns &&
+          seconds * 1e9 <= (double)max_ns)) {
+        char range[64];
+        PyOS_snprintf(range, sizeof(range), "[%g, %g]",
+                      (double)min_ns / 1e9, (double)max_ns / 1e9);
+        PyErr_Format(PyExc_ValueError, "%s: expected seconds in %s, got %R",
+                     field, range, value);
+        return -1;
+    }
+    *out_ns = (uint64_t)(seconds * 1e9);
+    if (*out_ns < min_ns) {
+        *out_ns = min_ns;
+    }
+    return 0;
+}
+
 void
 cs_log_warning(const char *format, ...)
 {

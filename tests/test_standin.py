@@ -583,7 +583,13 @@ def test_register_finalizer_cleans_up(impl, make_standin):
     mm = fake_mm()
     s = make_standin()
     impl.register(mm, s)
+    pool, worker = s.pool, s.worker
     del s
+    gc.collect()
+    # registered: its pool keeps it (tests/test_registration_ownership.py)
+    assert mm.cleanups == []
+    pool.worker_gone(worker)
+    pool.boundary()
     gc.collect()
     assert mm.cleanups == [1]
     assert mm.current_loaded_models == []
@@ -595,3 +601,21 @@ def test_sentinel_refused_at_dump_for_every_protocol(standin, protocol):
     produced and then failing on load."""
     with pytest.raises(TypeError, match="cannot pickle"):
         pickle.dumps(standin.clone_base_uuid, protocol=protocol)
+
+
+def test_eviction_deferred_is_writable_with_a_bool(make_standin):
+    # comfy-env's _register_new_patchers writes `p.eviction_deferred =
+    # False` after listing a refused stand-in again; an AttributeError
+    # there aborted its whole boundary.
+    s = make_standin()
+    assert s.eviction_deferred is False
+    s.eviction_deferred = True
+    assert s.eviction_deferred is True
+    s.eviction_deferred = False
+    assert s.eviction_deferred is False
+    for bad in (1, 0, None, "yes"):
+        with pytest.raises(TypeError, match="eviction_deferred"):
+            s.eviction_deferred = bad
+    assert s.eviction_deferred is False
+    with pytest.raises(TypeError, match="deleted"):
+        del s.eviction_deferred

@@ -2,28 +2,39 @@
  * comfy_standin/board.h -- the live residency board: one shared-memory
  * segment per worker in which the worker publishes how much of each of its
  * models is on the card, and the host reads it between messages
- * (docs/board.md has the layout table and the trust rules).
+ * (docs/board.md has the layout table, the trust rules and the lifecycle).
  *
- * Plain C11, no Python.
+ * Plain C11, no Python.  POSIX only: the extension does not build the
+ * board on Windows.
  *
  * Two roles, fixed when the handle is made:
  *
- *   host     cs_board_create(): makes the segment (owner-only, unguessable
- *            name, O_CREAT|O_EXCL), assigns slots, reads, and removes the
- *            name (cs_board_unlink, cs_board_close, or at process exit).
- *   worker   cs_board_open(): maps an existing segment by name (never
- *            creates one), publishes, beats the heartbeat, runs samplers.
+ *   host     cs_board_create(): makes the segment.  On Linux it is an
+ *            anonymous memfd sealed against resizing (F_SEAL_SHRINK,
+ *            F_SEAL_GROW, F_SEAL_SEAL) before any other process can see
+ *            it, handed to the worker as a descriptor (cs_board_fd()).
+ *            Elsewhere it is a named POSIX segment (cs_board_name()),
+ *            which a worker could shrink (docs/board.md).  The host keeps
+ *            which model each slot carries in its own table, with a tag
+ *            it chose per assignment; it never writes the segment after
+ *            creating it.
+ *   worker   cs_board_open_fd() / cs_board_open(): maps the segment, is
+ *            told (slot, tag) per model by its host (cs_board_bind), and
+ *            is the only writer: readings, the heartbeat, its pid.
  *
- * The segment is untrusted input to the host.  Every host read re-checks
- * the header, takes the slot through a seqlock with a bounded number of
- * retries (wait-free: it never blocks and never loops unboundedly), checks
- * the slot still carries the key the host assigned, and clamps the value to
- * the size the *caller* passes.  Anything doubtful reads as invalid and the
- * caller falls back to its receipt.
+ * The segment is untrusted input to the host.  A host read takes the slot
+ * through a seqlock with a bounded number of retries (it never waits),
+ * accepts it only when the slot carries the tag the *host* expects, when
+ * the heartbeat is recent and the host has not learned the worker died,
+ * and clamps the value to the size the caller passes.  Slot count and
+ * every bound come from the host's own records.
  *
- * Times are CLOCK_MONOTONIC nanoseconds, the clock of the ledger's receipts
- * (and of Python's time.monotonic_ns() on Linux), which every process of
- * one machine shares.
+ * Every handle remembers the process that made it: in a forked child it
+ * refuses everything, and closing it there only drops the child's copy of
+ * the mapping (no unlink, no detach, no thread join).
+ *
+ * Times are CLOCK_MONOTONIC nanoseconds, the clock of the ledger's
+ * receipts (and of Python's time.monotonic_ns() on Linux).
  *
  * Thread safety: every function may be called from any thread with or
  * without the GIL, except that cs_board_close() must not race any other
@@ -40,50 +51,51 @@
 extern "C" {
 #endif
 
-/* ---- the layout (version 1) ------------------------------------------ */
+/* ---- the layout (version 2) ------------------------------------------ */
 
 /* "CSBOARD\0" read as a little-endian 64-bit word. */
 #define CS_BOARD_MAGIC UINT64_C(0x0044524F41425343)
-#define CS_BOARD_LAYOUT_VERSION 1
+#define CS_BOARD_LAYOUT_VERSION 2
 #define CS_BOARD_HEADER_SIZE 64
 #define CS_BOARD_SLOT_SIZE 64
 #define CS_BOARD_MAX_SLOTS 4096
 
-/* Header: eight 64-bit words at these byte offsets. */
+/* Header: eight 64-bit words.  The first five are written by the host
+ * once, before any other process can see the segment, for the worker's
+ * benefit; the host never reads them back. */
 #define CS_BOARD_OFF_MAGIC 0
 #define CS_BOARD_OFF_VERSION 8
 #define CS_BOARD_OFF_SLOT_SIZE 16
 #define CS_BOARD_OFF_SLOT_COUNT 24
 #define CS_BOARD_OFF_GENERATION 32
-#define CS_BOARD_OFF_OWNER_PID 40
-#define CS_BOARD_OFF_HEARTBEAT 48
-#define CS_BOARD_OFF_HOST_PID 56
+#define CS_BOARD_OFF_OWNER_PID 40 /* worker */
+#define CS_BOARD_OFF_HEARTBEAT 48 /* worker */
 
-/* Slot i starts at CS_BOARD_HEADER_SIZE + i * CS_BOARD_SLOT_SIZE; eight
- * 64-bit words at these offsets within it. */
+/* Slot i starts at CS_BOARD_HEADER_SIZE + i * CS_BOARD_SLOT_SIZE; all of
+ * it is the worker's.  Words 4..7 are reserved (zero). */
 #define CS_BOARD_SLOT_OFF_SEQ 0
-#define CS_BOARD_SLOT_OFF_KEY 8
-#define CS_BOARD_SLOT_OFF_KEY_TEXT 16 /* 24 bytes: the id, truncated */
-#define CS_BOARD_SLOT_OFF_SIZE 40
-#define CS_BOARD_SLOT_OFF_LOADED 48
-#define CS_BOARD_SLOT_OFF_UPDATED 56
-#define CS_BOARD_KEY_TEXT_SIZE 24
+#define CS_BOARD_SLOT_OFF_TAG 8
+#define CS_BOARD_SLOT_OFF_LOADED 16
+#define CS_BOARD_SLOT_OFF_UPDATED 24
 
 /* Published values are limited to this (sums elsewhere stay meaningful). */
 #define CS_BOARD_VALUE_MAX ((uint64_t)INT64_MAX)
 
 /* A host read gives up after this many attempts at a slot whose seqlock
  * word is odd or changed under it, and reports the slot torn. */
-#define CS_BOARD_READ_RETRIES 64
+#define CS_BOARD_READ_RETRIES 32
 
 /* Defaults: how old a heartbeat may be before the board is ignored, and
  * how often the sampler thread runs. */
 #define CS_BOARD_DEFAULT_HEARTBEAT_LIMIT_NS UINT64_C(5000000000)
 #define CS_BOARD_DEFAULT_PERIOD_NS UINT64_C(10000000)
+/* The heartbeat limit's range: shorter than a few clock ticks would make
+ * every board stale between two beats of its sampler. */
+#define CS_BOARD_HEARTBEAT_LIMIT_MIN_NS UINT64_C(10000000)
+#define CS_BOARD_HEARTBEAT_LIMIT_MAX_NS UINT64_C(86400000000000)
 
-/* Longest name cs_board_create() makes, NUL included ("/csb" + 24 hex
- * digits; short enough for macOS's 31-character limit). */
-#define CS_BOARD_NAME_MAX 32
+/* Longest name a handle carries, NUL included. */
+#define CS_BOARD_NAME_MAX 64
 
 /* ---- handles and results --------------------------------------------- */
 
@@ -98,11 +110,15 @@ typedef enum cs_board_status {
     CS_BOARD_ERR_VERSION,     /* a board of another layout version */
     CS_BOARD_ERR_SIZE,        /* slot size, slot count or segment size off */
     CS_BOARD_ERR_OWNED,       /* another process has the board open */
-    CS_BOARD_ERR_RANGE,       /* slot index or value out of range */
+    CS_BOARD_ERR_RANGE,       /* slot index, tag or value out of range */
     CS_BOARD_ERR_ROLE,        /* a host call on a worker handle or back */
     CS_BOARD_ERR_FULL,        /* every slot is assigned */
     CS_BOARD_ERR_BUSY,        /* a slot stayed locked by another writer */
-    CS_BOARD_ERR_UNSUPPORTED  /* no shared memory on this platform (yet) */
+    CS_BOARD_ERR_UNBOUND,     /* worker: the slot has no tag (bind first) */
+    CS_BOARD_ERR_SEALS,       /* the segment is not sealed against resize */
+    CS_BOARD_ERR_FORKED,      /* the handle belongs to another process */
+    CS_BOARD_ERR_UNSUPPORTED  /* not on this platform (e.g. a name on
+                                 Linux, where boards have none) */
 } cs_board_status;
 
 /* Why a host read is or is not valid (cs_board_read_slot_status). */
@@ -110,13 +126,13 @@ typedef enum cs_board_reading {
     CS_BOARD_VALID = 0,
     CS_BOARD_UNASSIGNED,     /* the host assigned no model to the slot */
     CS_BOARD_NOT_ATTACHED,   /* no worker has it open (or it closed it) */
-    CS_BOARD_BAD_HEADER,     /* magic, version, generation or pid rewritten */
     CS_BOARD_WRONG_OWNER,    /* not the pid the host expects */
-    CS_BOARD_DEAD_OWNER,     /* the owner's pid is gone */
+    CS_BOARD_DEAD_OWNER,     /* the host was told the worker is gone */
     CS_BOARD_STALE,          /* heartbeat older than the limit (or absurd) */
     CS_BOARD_TORN,           /* the seqlock never held still */
-    CS_BOARD_KEY_MISMATCH,   /* the slot now names another model */
+    CS_BOARD_TAG_MISMATCH,   /* the slot's reading is for another model */
     CS_BOARD_NO_READING,     /* assigned, never published */
+    CS_BOARD_OTHER_PROCESS,  /* a handle inherited across fork() */
     CS_BOARD_READING_COUNT
 } cs_board_reading;
 
@@ -127,26 +143,28 @@ typedef enum cs_board_reading {
 typedef int (*cs_board_sampler_fn)(void *context, uint64_t *loaded);
 
 const char *cs_board_status_message(cs_board_status status);
-/* A short lower-case name ("valid", "torn", "dead owner", ...). */
+/* A short lower-case name ("valid", "torn", "tag mismatch", ...). */
 const char *cs_board_reading_name(cs_board_reading reading);
 
 /* ---- both roles ------------------------------------------------------ */
 
-/* Stops the sampler thread (joined), then: a worker marks the board
- * detached; a host removes the name if it still exists.  Unmaps and frees.
+/* In the process that made the handle: stops the sampler thread (joined),
+ * then a worker marks the board detached and a host drops its way in (the
+ * descriptor, or the name).  In another process (a fork() child) only the
+ * child's mapping and its copy of the descriptor go.  Unmaps and frees.
  * NULL is a no-op. */
 void cs_board_close(cs_board *board);
 
+/* A host's memfd board: "memfd:csb-<random>" (informative); a named
+ * board: its segment name. */
 const char *cs_board_name(const cs_board *board);
 bool cs_board_is_host(const cs_board *board);
+/* False in a process other than the one that made the handle. */
+bool cs_board_is_own(const cs_board *board);
 uint32_t cs_board_slot_count(const cs_board *board);
 uint64_t cs_board_generation(const cs_board *board);
 /* The header's owner pid as it is now (untrusted; 0: none). */
 int64_t cs_board_owner_pid(const cs_board *board);
-/* The slot that carries `id`: on a host from its own table, on a worker
- * from the segment.  CS_BOARD_ERR_RANGE when none does. */
-cs_board_status cs_board_find(const cs_board *board, const char *id,
-                              size_t id_len, uint32_t *slot);
 /* The start of the mapping and its length (tests, tools). */
 void *cs_board_memory(const cs_board *board, size_t *length);
 
@@ -154,26 +172,41 @@ void *cs_board_memory(const cs_board *board, size_t *length);
 
 /* Makes a board of `slots` slots (1..CS_BOARD_MAX_SLOTS) under the
  * worker's `generation`.  heartbeat_limit_ns 0 disables the heartbeat
- * check.  The name is registered for removal at process exit. */
+ * check; otherwise it must be in [CS_BOARD_HEARTBEAT_LIMIT_MIN_NS,
+ * CS_BOARD_HEARTBEAT_LIMIT_MAX_NS].  On Linux, CS_BOARD_ERR_SEALS when the
+ * kernel cannot seal a memfd (the host then has no board, rather than one
+ * a worker can shrink under it). */
 cs_board_status cs_board_create(uint32_t slots, uint64_t generation,
                                 uint64_t heartbeat_limit_ns,
                                 cs_board **out, int *os_error);
 
-/* Gives `id` a slot, or returns the slot it already has (then `size` must
- * match: CS_BOARD_ERR_SIZE otherwise).  The slot's loaded value is reset
- * and reads CS_BOARD_NO_READING until the worker publishes. */
+/* The descriptor to hand the worker (inherit it, or send it with
+ * SCM_RIGHTS), or -1: a named board, or after cs_board_unlink(). */
+int cs_board_fd(const cs_board *board);
+
+/* Gives `id` a slot and a fresh tag, or returns the slot it already has
+ * (then `size` must match: CS_BOARD_ERR_SIZE otherwise).  Only the host's
+ * table changes: the worker learns (slot, tag) from its host and binds
+ * it.  Until then the slot reads CS_BOARD_TAG_MISMATCH or NO_READING. */
 cs_board_status cs_board_assign(cs_board *board, const char *id,
                                 size_t id_len, uint64_t size,
                                 uint32_t *slot);
-/* Frees a slot for another model.  Reads of it are then UNASSIGNED. */
+/* The tag of the slot's current assignment (0: unassigned).  Never
+ * repeats within one board. */
+uint64_t cs_board_tag(const cs_board *board, uint32_t slot);
+/* Frees a slot for another model (the host's table only; wait-free with
+ * respect to the segment).  Reads of it are then UNASSIGNED. */
 cs_board_status cs_board_release(cs_board *board, uint32_t slot);
 /* The size the host assigned to `slot` (0 when unassigned). */
 uint64_t cs_board_assigned_size(const cs_board *board, uint32_t slot);
+/* The slot the host gave `id` (CS_BOARD_ERR_RANGE when none; ROLE on a
+ * worker: the segment holds no ids). */
+cs_board_status cs_board_find(const cs_board *board, const char *id,
+                              size_t id_len, uint32_t *slot);
 
-/* Removes the segment's name: after this nobody can open it, and the
- * memory lives only as long as the host's and the worker's mappings.  Call
- * it once the worker has opened the board (cs_board_attached()).
- * Idempotent; a worker handle gets CS_BOARD_ERR_ROLE. */
+/* Drops the host's way in once the worker has the board: closes the
+ * host's descriptor (memfd) or removes the name.  The mappings keep
+ * working.  Idempotent; a worker handle gets CS_BOARD_ERR_ROLE. */
 cs_board_status cs_board_unlink(cs_board *board, int *os_error);
 bool cs_board_linked(const cs_board *board);
 /* True once a worker has opened the board (and not closed it). */
@@ -183,33 +216,55 @@ bool cs_board_attached(const cs_board *board);
  * whose header names another pid reads CS_BOARD_WRONG_OWNER. */
 void cs_board_expect_owner(cs_board *board, int64_t pid);
 int64_t cs_board_expected_owner(const cs_board *board);
+/* The host learned (from its pool: reaping, is_alive, a pidfd) that the
+ * worker is gone: every read is CS_BOARD_DEAD_OWNER from now on. */
+void cs_board_owner_gone(cs_board *board);
+bool cs_board_owner_is_gone(const cs_board *board);
+/* Off the read path: on Linux, cs_board_expect_owner() keeps a pidfd of
+ * the expected owner; this polls it without waiting and, when the process
+ * has exited, does cs_board_owner_gone().  True when the owner is known
+ * gone.  (Elsewhere, or without a pidfd: only what owner_gone said.) */
+bool cs_board_poll_owner(cs_board *board);
 uint64_t cs_board_heartbeat_limit(const cs_board *board);
 
-/* The host read, for a caller holding `size` (its own registered size;
- * the board's size field is not trusted).  Wait-free, never blocks, takes
- * no lock.  On CS_BOARD_VALID: *loaded in [0, size], *updated_ns in
- * (0, now].  Otherwise the outputs are left unchanged. */
+/* The host read, for a caller holding `size` (its own registered size)
+ * and `tag` (the tag it was given at attach; 0: the slot's current tag).
+ * Wait-free, no system call, no lock.  On CS_BOARD_VALID: *loaded in
+ * [0, size], *updated_ns not later than now.  Otherwise the outputs are
+ * left unchanged. */
 cs_board_reading cs_board_read_slot_status(const cs_board *board,
-                                           uint32_t slot, uint64_t size,
-                                           uint64_t *loaded,
+                                           uint32_t slot, uint64_t tag,
+                                           uint64_t size, uint64_t *loaded,
                                            uint64_t *updated_ns);
 /* The same, as "a valid reading or false" (for the stand-in type). */
-bool cs_board_read_slot(const cs_board *board, uint32_t slot, uint64_t size,
-                        uint64_t *loaded, uint64_t *updated_ns);
+bool cs_board_read_slot(const cs_board *board, uint32_t slot, uint64_t tag,
+                        uint64_t size, uint64_t *loaded,
+                        uint64_t *updated_ns);
 
 /* ---- worker ---------------------------------------------------------- */
 
-/* Maps the board `name` (made by a host; never created here) and claims
- * it for this process.  Refused with a clear status when it is not a
- * board of this layout, is sized wrongly, or another live process has it
- * open. */
+/* Maps the board behind `fd` (the host's memfd, inherited or received).
+ * The descriptor stays the caller's (close it after this returns).
+ * Refused when the segment is not sealed against resizing (Linux), is not
+ * a board of this layout, is sized wrongly, or another live process has
+ * it open. */
+cs_board_status cs_board_open_fd(int fd, cs_board **out, int *os_error);
+/* The same by name, where boards have names (not Linux:
+ * CS_BOARD_ERR_UNSUPPORTED there). */
 cs_board_status cs_board_open(const char *name, cs_board **out,
                               int *os_error);
 
-/* Publishes `loaded` (<= CS_BOARD_VALUE_MAX) for `slot`, stamped now, and
- * beats the heartbeat.  Lock-free; safe from any thread of the worker
- * (writers of one slot exclude each other through the seqlock word).
- * CS_BOARD_ERR_BUSY when the slot stayed locked (a corrupted word). */
+/* Tells the worker which tag the host gave `slot` (0: unbind).  Later
+ * publishes of the slot carry it. */
+cs_board_status cs_board_bind(cs_board *board, uint32_t slot, uint64_t tag);
+uint64_t cs_board_bound_tag(const cs_board *board, uint32_t slot);
+
+/* Publishes `loaded` (<= CS_BOARD_VALUE_MAX) for `slot` under its bound
+ * tag, stamped now, and beats the heartbeat.  Lock-free; safe from any
+ * thread of the worker (writers of one slot exclude each other through
+ * the seqlock word; a word that stays odd makes a writer give up with
+ * CS_BOARD_ERR_BUSY after a bounded wait -- only a writer killed inside
+ * or a foreign write can do that; the host never writes). */
 cs_board_status cs_board_publish(cs_board *board, uint32_t slot,
                                  uint64_t loaded);
 /* The same with the caller's own CLOCK_MONOTONIC stamp (e.g. when the

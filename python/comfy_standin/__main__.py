@@ -1,9 +1,11 @@
 """Command line: ``comfy-standin COMMAND`` or ``python -m comfy_standin
 COMMAND`` (docs/cli.md).
 
-Exit codes: 0 success; 1 a check failed (demo, selfcheck); 2 bad usage;
-3 ``probe --require-gpu`` found no readable GPU; 130 interrupted (Ctrl-C,
-SIGINT); 143 terminated (SIGTERM).  Both signals run the same clean-up
+Exit codes: 0 success; 1 a check failed (demo, selfcheck), ``status
+--url`` read nothing, ``install-node``/``uninstall-node`` refused; 2 bad
+usage; 3 ``probe --require-gpu`` found no readable GPU; 130 interrupted
+(Ctrl-C, SIGINT; a ``status --watch`` ends on Ctrl-C with its last code);
+143 terminated (SIGTERM).  Both signals run the same clean-up
 (worker processes ended, boards closed) and end with one line on stderr.
 
 Adding a subcommand: write ``_add_NAME(sub, common)`` that adds its
@@ -172,6 +174,46 @@ def _add_demo(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def _cmd_status(args: argparse.Namespace, out: Output) -> int:
+    if args.url is not None or args.watch is not None:
+        return _status_loop(args, out)
+    return _status_once(args, out)
+
+
+def _status_loop(args: argparse.Namespace, out: Output) -> int:
+    """``status --url`` (a running ComfyUI) and ``--watch SECONDS``."""
+    import time
+
+    from . import _status
+
+    while True:
+        if args.url is None:
+            code = _status_once(args, out)
+        else:
+            try:
+                data = _status.fetch(args.url)
+            except _status.RemoteError as exc:
+                print(f"status: {exc}", file=sys.stderr)
+                code = EXIT_FAILED
+            else:
+                code = EXIT_OK
+                if out.json:
+                    out.emit_json(data)
+                else:
+                    print(_status.render_remote(data, args.url),
+                          file=out.stream)
+        if args.watch is None:
+            return code
+        out.stream.flush()
+        try:
+            time.sleep(args.watch)
+        except KeyboardInterrupt:
+            # Ctrl-C is how a watch is meant to end: the last answer's
+            # code, not 130.
+            return code
+        print(file=out.stream)
+
+
+def _status_once(args: argparse.Namespace, out: Output) -> int:
     import comfy_standin as cs
 
     from . import _status
@@ -202,11 +244,21 @@ def _cmd_status(args: argparse.Namespace, out: Output) -> int:
 def _add_status(sub: Any, common: argparse.ArgumentParser) -> None:
     status = sub.add_parser(
         "status", parents=[common],
-        help="this process's default pool: workers, models, receipts "
-             "(age, source), boards; and the probe",
+        help="this process's default pool, or a running ComfyUI's "
+             "(--url): workers, models, receipts (age, source), boards; "
+             "and the probe",
     )
     status.add_argument("--impl", choices=("c", "reference"), default="c",
                         help="whose default pool (default: c)")
+    status.add_argument(
+        "--url", nargs="?", const="http://127.0.0.1:8188", default=None,
+        help="read a running ComfyUI (with the node entry installed) "
+             "instead of this process; URL defaults to "
+             "http://127.0.0.1:8188",
+    )
+    status.add_argument("--watch", type=_positive_seconds, default=None,
+                        metavar="SECONDS",
+                        help="print again every SECONDS until Ctrl-C")
     status.set_defaults(func=_cmd_status)
 
 
@@ -269,6 +321,40 @@ def _add_selfcheck(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 # ---------------------------------------------------------------------------
+# install-node / uninstall-node
+
+
+def _cmd_install_node(args: argparse.Namespace, out: Output) -> int:
+    from . import _node
+
+    return _node.install(args.comfyui, out.stream)
+
+
+def _cmd_uninstall_node(args: argparse.Namespace, out: Output) -> int:
+    from . import _node
+
+    return _node.uninstall(args.comfyui, out.stream)
+
+
+def _add_node(sub: Any, common: argparse.ArgumentParser) -> None:
+    install_node = sub.add_parser(
+        "install-node", parents=[common],
+        help="switch comfy_standin on in a ComfyUI: a custom-node entry "
+             "that registers no nodes (undo: uninstall-node)",
+    )
+    install_node.add_argument("comfyui", metavar="PATH_TO_COMFYUI",
+                              help="the ComfyUI folder (has main.py and "
+                                   "custom_nodes/)")
+    install_node.set_defaults(func=_cmd_install_node)
+    uninstall_node = sub.add_parser(
+        "uninstall-node", parents=[common],
+        help="remove the entry install-node wrote",
+    )
+    uninstall_node.add_argument("comfyui", metavar="PATH_TO_COMFYUI")
+    uninstall_node.set_defaults(func=_cmd_uninstall_node)
+
+
+# ---------------------------------------------------------------------------
 # the parser
 
 #: One entry per subcommand, in --help order.
@@ -277,6 +363,7 @@ SUBCOMMANDS: list[Callable[[Any, argparse.ArgumentParser], None]] = [
     _add_status,
     _add_probe,
     _add_selfcheck,
+    _add_node,
 ]
 
 
@@ -302,7 +389,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         ),
         epilog=(
             "Every command takes --json, --quiet and --verbose. "
-            "exit codes: 0 ok; 1 a check failed (demo, selfcheck); 2 bad "
+            "exit codes: 0 ok; 1 a check failed (demo, selfcheck), status "
+            "--url read nothing, install-node/uninstall-node refused; 2 bad "
             "usage; 3 probe --require-gpu found no GPU; 130 interrupted; "
             "143 terminated. Colour only on a terminal and never with "
             "NO_COLOR. Docs: docs/ in the source tree (cli.md, "
@@ -316,6 +404,18 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     for add in SUBCOMMANDS:
         add(sub, common)
     return parser
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected seconds, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"expected seconds above 0, got {text!r}")
+    return value
 
 
 def _version() -> str:

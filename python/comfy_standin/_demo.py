@@ -188,8 +188,12 @@ class PipeWorker:
         #: Called with (method, params, reply or error) for each command
         #: when the demo runs with --verbose.
         self.trace: Callable[[str, dict, Any], None] | None = None
+        # The board goes to the worker as an inherited descriptor (Linux:
+        # a sealed memfd with no name), else by its name.
+        fd = board.fd
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "comfy_standin._demo_worker", board.name],
+            [sys.executable, "-m", "comfy_standin._demo_worker",
+             str(fd) if fd is not None else board.name],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             bufsize=0,
@@ -197,6 +201,7 @@ class PipeWorker:
             # only, which then ends the worker itself (no second
             # traceback from the worker).
             start_new_session=True,
+            pass_fds=(fd,) if fd is not None else (),
         )
 
     def wait_ready(self) -> None:
@@ -257,7 +262,11 @@ class PipeWorker:
         """SIGKILL and reap: afterwards ``is_alive()`` is False."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGKILL)
-        return self.process.wait(timeout=REPLY_TIMEOUT)
+        code = self.process.wait(timeout=REPLY_TIMEOUT)
+        # Reaped: the host knows it is dead, so its board says so at once
+        # (reads do no liveness system call of their own).
+        self.board.worker_gone()
+        return code
 
     def shut_down(self) -> None:
         """Ask it to exit, and make sure it did."""
@@ -618,8 +627,26 @@ def signals_deferred() -> Iterator[None]:
             signal.raise_signal(pending[0])
 
 
-def _shm_path(name: str) -> str:
-    return "/dev/shm/" + name.lstrip("/")
+def _board_leftovers(names: list[str]) -> list[str]:
+    """Boards of this demo still reachable: on Linux a descriptor or a
+    mapping of one of its memfds in this process; elsewhere a name in
+    /dev/shm."""
+    left = []
+    if sys.platform.startswith("linux"):
+        labels = {n.removeprefix("memfd:") for n in names}
+        seen = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                seen.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:
+                continue
+        with open("/proc/self/maps") as maps:
+            seen.extend(maps.read().splitlines())
+        for label in labels:
+            if any(label in line for line in seen):
+                left.append(label)
+        return left
+    return [n for n in names if os.path.exists("/dev/shm/" + n.lstrip("/"))]
 
 
 class Demo:
@@ -850,8 +877,9 @@ class Demo:
             worker.trace = self.trace_command
         worker.wait_ready()
         board.expected_owner = worker.pid
-        # The worker has opened it (it greeted us): from now on the
-        # segment has no name, so nothing can leak it (docs/board.md).
+        # The worker has mapped it (it greeted us): the host drops its
+        # descriptor, so the memory lives exactly as long as the two
+        # mappings and nothing can leak it (docs/board.md).
         if board.attached:
             board.unlink()
         return worker
@@ -865,6 +893,9 @@ class Demo:
                 offload_device=CPU, kind=new["kind"], pool=self.pool,
             )
             slot = s.attach_board(worker.board)
+            # The slot's tag is the host's: the worker publishes under it.
+            worker.send_command("board_bind", model_id=s.model_id,
+                                slot=slot, tag=worker.board.tag(slot))
             self.card.track(worker.name, worker.is_alive, s.model_id,
                             worker.board, slot)
             self.impl.register(self.mm, s)
@@ -915,7 +946,7 @@ class Demo:
         b = self.start_worker("B")
         self.say(f"  worker A pid {a.pid}, board {a.board.name}; "
                  f"worker B pid {b.pid}, board {b.board.name} "
-                 f"(unlinked once opened)")
+                 f"(handed over as a sealed descriptor, dropped once mapped)")
         self.add_host_model("clip", 2 * GiB, "clip")
         self.add_host_model("vae", 1 * GiB, "vae")
         self.add_worker_models(a, [
@@ -1101,9 +1132,8 @@ class Demo:
 
     def check_nothing_left(self) -> None:
         c = self.checks
-        left = [name for name in self.board_names
-                if os.path.exists(_shm_path(name))]
-        c.check(not left, "no board segment left in /dev/shm"
+        left = _board_leftovers(self.board_names)
+        c.check(not left, "no board segment, descriptor or mapping left"
                 + (f" (left: {left})" if left else ""))
         running = [w.name for w in self.workers.values()
                    if w.process.returncode is None]

@@ -2,9 +2,10 @@
 
 Started by ``python -m comfy_standin demo`` as::
 
-    python -m comfy_standin._demo_worker BOARD_NAME
+    python -m comfy_standin._demo_worker BOARD_FD_OR_NAME
 
-It opens the residency board the host created (it never creates one),
+It opens the residency board the host created from the descriptor it
+inherited (it never creates one; on Linux the board has no name),
 then speaks comfy-env's command protocol (docs/comfyui.md, "Worker
 protocol") as JSON lines: one request per line on stdin, exactly one reply
 line per request on stdout, so the host never has to wait on a clock.
@@ -14,6 +15,9 @@ Requests are ``{"method": ..., "params": {...}}``; replies are
 
 - ``make_models {models: [{id, size, kind}]}``: like a loader node; the
   reply carries ``_new_models`` as comfy-env's frames do.
+- ``board_bind {model_id, slot, tag}``: the host gave the model a board
+  slot under a tag of its choosing; the model's residency is published
+  there from now on (the current value at once).
 - ``model_partial_load {model_id, extra_bytes, device}`` ->
   ``{loaded, resident, seq}``
 - ``model_partial_unload {model_id, bytes_to_free}`` ->
@@ -68,10 +72,6 @@ class DemoWorker:
 
     def _set(self, model: FakeModel, resident: int) -> None:
         model.resident = resident
-        if model.slot is None:
-            # The host assigns the slot when it attaches the stand-in,
-            # which happens after make_models' reply: look it up lazily.
-            model.slot = self.board.find(model.model_id)
         if model.slot is not None:
             self.board.publish(model.slot, resident)
 
@@ -108,6 +108,14 @@ class DemoWorker:
                 }
             )
         return {"_new_models": new}
+
+    def board_bind(self, params: dict[str, Any]) -> dict[str, Any]:
+        model = self._model(params)
+        slot, tag = int(params["slot"]), int(params["tag"])
+        self.board.bind(slot, tag)
+        model.slot = slot
+        self.board.publish(slot, model.resident)
+        return {"slot": slot}
 
     def model_partial_load(self, params: dict[str, Any]) -> dict[str, Any]:
         model = self._model(params)
@@ -182,7 +190,12 @@ class DemoWorker:
 def main() -> int:
     from comfy_standin._core import Board
 
-    board = Board.open(sys.argv[1])
+    source = sys.argv[1]
+    if source.isdigit():  # an inherited descriptor (Linux)
+        board = Board.open(int(source))
+        os.close(int(source))  # mapped: the descriptor is not needed
+    else:  # a name, where boards have names
+        board = Board.open(source)
     worker = DemoWorker(board)
     out = sys.stdout
 

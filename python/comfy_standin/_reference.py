@@ -327,9 +327,9 @@ class ModelRecord:
             self._write_locked(0, None, "worker gone", 0)
             return True
 
-    def set_deferred(self) -> None:
+    def set_deferred(self, value: bool = True) -> None:
         with self.books._lock:
-            self._deferred = True
+            self._deferred = value
 
     def gone(self) -> None:
         """This model's process died, whether or not its books still hold
@@ -927,8 +927,10 @@ class StandInModule:
         self._offload_device = offload_device
         # (device, receipt write count when assigned) or None.
         self._assigned: tuple[Any, int] | None = None
-        # (Board, slot) when a live residency board is attached.
-        self._board: tuple[Any, int] | None = None
+        # (Board, slot, tag) when a live residency board is attached: the
+        # tag is the host's name for this model's use of the slot, so a
+        # slot given to another model since never reads as this one.
+        self._board: tuple[Any, int, int] | None = None
 
     def _read(self) -> tuple[int, int | None, int, str]:
         """The receipt, or the board's reading when one is attached, valid
@@ -938,7 +940,7 @@ class StandInModule:
         if board is None or self._record.stale:
             return receipt
         try:
-            reading = board[0].read(board[1], self._record.size)
+            reading = board[0].read(board[1], self._record.size, board[2])
         except (ValueError, OSError):  # closed since: receipts only
             return receipt
         if reading is None or reading[1] <= receipt[2]:
@@ -1194,6 +1196,20 @@ class StandIn:
     def eviction_deferred(self) -> bool:
         return self._record.eviction_deferred
 
+    @eviction_deferred.setter
+    def eviction_deferred(self, value: bool) -> None:
+        # comfy-env's boundary writes False once it listed a refused
+        # stand-in again (docs/semantics.md, "eviction_deferred").
+        if type(value) is not bool:
+            raise TypeError(
+                f"eviction_deferred: expected a bool, got {value!r}"
+            )
+        self._record.set_deferred(value)
+
+    @eviction_deferred.deleter
+    def eviction_deferred(self) -> None:
+        raise TypeError("eviction_deferred cannot be deleted")
+
     @property
     def bad_replies(self) -> int:
         return self._bad_replies
@@ -1228,7 +1244,8 @@ class StandIn:
     @property
     def board(self) -> tuple[Any, int] | None:
         """(board, slot) when a residency board is attached, else None."""
-        return self._model._board
+        board = self._model._board
+        return None if board is None else (board[0], board[1])
 
     def attach_board(self, board: Any, slot: int | None = None) -> int:
         """Reads residency from a live board (host side): loaded_size()
@@ -1258,7 +1275,8 @@ class StandIn:
         else:
             if not _is_int(slot) or not 0 <= slot <= 2**32 - 1:
                 raise (ValueError if _is_int(slot) else TypeError)(
-                    f"slot: expected an int in [0, {2**32 - 1}], got {slot!r}"
+                    f"attach_board: slot: expected an int in "
+                    f"[0, {2**32 - 1}], got {slot!r}"
                 )
             if board.find(model_id) != slot:
                 raise ValueError(
@@ -1271,12 +1289,7 @@ class StandIn:
                 f"attach_board: slot {slot} is assigned {assigned} bytes, "
                 f"model {model_id!r} has {size}"
             )
-        if board.status(slot, size) == "bad header":
-            raise ValueError(
-                "attach_board: the board's header is not a comfy_standin "
-                "board of this layout (magic, version or size wrong)"
-            )
-        self._model._board = (board, slot)
+        self._model._board = (board, slot, board.tag(slot))
         return slot
 
     def detach_board(self) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+from . import pool as _pool
+
 
 def register(mm: Any, s: Any) -> Any:
     """Insert stand-in `s` into ``mm.current_loaded_models``.
@@ -24,7 +26,14 @@ def register(mm: Any, s: Any) -> Any:
     that ``LoadedModel.model_load`` set up, because ``model_unload`` detaches
     the finalizer unconditionally.  ``atexit`` is off: at interpreter exit
     ``cleanup_models`` may find model_management half torn down.
+
+    ComfyUI's entry holds its model only weakly.  A comfy_standin stand-in
+    is therefore held by its pool from here on, whoever else holds it, and
+    released at the first ``pool.boundary()`` after ComfyUI stopped listing
+    it, its worker lost the model, or the worker died or restarted; never
+    inside ``free_memory`` (docs/semantics.md "The pool").
     """
+    _hold(s)
     for entry in list(mm.current_loaded_models):
         if getattr(entry, "model", None) is s:
             entry.currently_used = False
@@ -38,3 +47,15 @@ def register(mm: Any, s: Any) -> Any:
     entry.model_finalizer = finalizer
     mm.current_loaded_models.insert(0, entry)
     return entry
+
+
+def _hold(s: Any) -> None:
+    """The stand-in's pool keeps it alive while registered; objects that
+    are not comfy_standin stand-ins (comfy-env's own patchers) are kept by
+    whoever made them, as before."""
+    try:
+        owner = getattr(s, "pool", None)
+    except Exception:  # noqa: BLE001 - a foreign patcher's __getattr__
+        return
+    if isinstance(owner, _pool.Pool):
+        owner._hold(s)

@@ -68,6 +68,7 @@ def _board_summary(board: Any) -> dict[str, Any]:
         "expected_owner": board.expected_owner,
         "attached": board.attached,
         "linked": board.linked,
+        "worker_gone": board.owner_is_gone,
         "closed": False,
         "models": [],
     }
@@ -142,18 +143,19 @@ def summary_line(status: dict[str, Any], result: dict[str, Any]) -> str:
     )
 
 
-def render(status: dict[str, Any], probe: bool = True) -> str:
+def render(status: dict[str, Any], probe: bool = True,
+           no_workers: str | None = None) -> str:
     lines = [
         f"pool ({status['implementation']}): floor "
         f"{_gib(status['floor'])} per worker, free memory "
         f"{'process-local' if status['process_local'] else 'device-wide'}"
     ]
     if not status["workers"]:
-        lines.append(
+        lines.append(no_workers or (
             "  no workers: nothing has registered a stand-in in this "
             "process (status reads this process's pool; comfy-env fills "
             "it inside ComfyUI)"
-        )
+        ))
     for w in status["workers"]:
         ch = w["charge"]
         state = "alive" if w["alive"] else "gone"
@@ -198,7 +200,8 @@ def render(status: dict[str, Any], probe: bool = True) -> str:
                 f"    {b['name']}: {b['slots']} slots, generation "
                 f"{b['generation']}, owner pid {b['owner_pid']} (expected "
                 f"{b['expected_owner']}), "
-                f"{'named' if b['linked'] else 'unlinked'}"
+                f"{'host holds a way in' if b['linked'] else 'handed over'}"
+                f"{', worker gone' if b.get('worker_gone') else ''}"
                 f"{', closed' if b['closed'] else ''}; models "
                 f"{', '.join(b['models'])}"
             )
@@ -306,4 +309,74 @@ def render_probe(result: dict[str, Any]) -> str:
     elapsed = result.get("elapsed_ns")
     if elapsed is not None:
         lines.append(f"  probe took {elapsed / 1e6:.2f} ms")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# a running ComfyUI (status --url)
+
+#: ComfyUI's default --listen address and --port.
+DEFAULT_URL = "http://127.0.0.1:8188"
+
+
+class RemoteError(Exception):
+    """The one-line reason ``status --url`` could not read a ComfyUI."""
+
+
+def fetch(url: str, timeout: float = 5.0) -> dict[str, Any]:
+    """GET ``URL/comfy_standin/status``; RemoteError says why not."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    from ._server_route import ROUTE
+
+    base = url.rstrip("/")
+    if "://" not in base:
+        base = "http://" + base
+    target = base + ROUTE
+    try:
+        with urllib.request.urlopen(target, timeout=timeout) as reply:
+            body = reply.read()
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404:
+            raise RemoteError(
+                f"{base} answers but has no {ROUTE}: install the node "
+                f"entry (python -m comfy_standin install-node "
+                f"PATH_TO_COMFYUI) and restart ComfyUI"
+            ) from None
+        raise RemoteError(f"{target}: HTTP {exc.code} {exc.reason}") from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise RemoteError(
+            f"nothing answers at {base} ({reason}); is ComfyUI running "
+            f"there?"
+        ) from None
+    try:
+        data = json.loads(body)
+    except ValueError:
+        raise RemoteError(f"{target}: the answer is not JSON") from None
+    if not isinstance(data, dict) or not isinstance(data.get("pool"), dict):
+        raise RemoteError(f"{target}: not a comfy_standin status answer")
+    return data
+
+
+def render_remote(data: dict[str, Any], url: str) -> str:
+    """A running ComfyUI's status, printed like the local one."""
+    reserve = data.get("reserve") or {}
+    pool = data["pool"]
+    lines = [
+        f"ComfyUI at {url}: pid {data.get('pid')}, comfy_standin "
+        f"{data.get('comfy_standin')}, adapter "
+        f"{'installed' if data.get('adapter_installed') else 'NOT installed'}"
+        f"; reserve published {_gib(reserve.get('extra_reserved_vram'))}, "
+        f"worker charges {_gib(reserve.get('worker_charges'))}; "
+        f"{pool.get('held', 0)} registered stand-in(s) held",
+        render(pool, probe=False, no_workers=(
+            "  no workers yet: no comfy-env node has registered a model "
+            "in this ComfyUI since it started"
+        )),
+    ]
+    if isinstance(data.get("probe"), dict):
+        lines.append(render_probe(data["probe"]))
     return "\n".join(lines)

@@ -25,6 +25,7 @@ import importlib
 import logging
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import ModuleType
@@ -35,6 +36,13 @@ __all__ = ["DEFAULT_FLOOR", "Pool", "WorkerMap"]
 #: CUDA context and handles of one worker process: comfy-env measured
 #: 276-300 MiB per live worker before any model (docs/comfyui.md).
 DEFAULT_FLOOR = 300 << 20
+
+#: Two pressure notices inside this window are one event (comfy-env's
+#: pool uses the same 2 s): ComfyUI's eviction loop may ask several
+#: stand-ins in one pass, and each ask is the same news.
+PRESSURE_DEBOUNCE_SECONDS = 2.0
+#: comfy-aimdo's compiled-in headroom when ComfyUI seeds none.
+AIMDO_DEFAULT_HEADROOM = 256 << 20
 
 _VALUE_MAX = 2**63 - 1
 _REPORT_FIGURES = ("held", "pinned", "overhead")
@@ -147,6 +155,13 @@ class Pool:
         # Strong references to stand-ins of dead or restarted workers,
         # dropped at the next boundary().
         self._graveyard: dict[int, Any] = {}
+        # Strong references to registered stand-ins (register()): ComfyUI's
+        # list holds its models only weakly, so without this a stand-in
+        # whose caller dropped it would leave the list with no command
+        # reaching its worker.  Released at a boundary() once ComfyUI no
+        # longer lists it, its worker lost the model, or the worker is
+        # gone or restarted (docs/semantics.md "The pool").
+        self._held: dict[int, Any] = {}
         self.on_pressure: Callable[[int], object] | None = None
         # id(worker) -> (worker, the host side of its residency board).
         self._boards: dict[int, tuple[Any, Any]] = {}
@@ -154,6 +169,15 @@ class Pool:
         # still held (weakly; each holds its worker, so the id stays that
         # worker's while any is alive): worker_gone() still reaches them.
         self._forgotten: dict[int, weakref.WeakSet[Any]] = {}
+        # publish_reserve(): ComfyUI's own reserve, read once; the value
+        # last written there and into comfy-aimdo's headroom.
+        self._reserve_base: int | None = None
+        self._published: int | None = None
+        self._headroom_written: int | None = None
+        # release_idle_on_pressure(): debounce and the last asking thread.
+        self._pressure_debounce = PRESSURE_DEBOUNCE_SECONDS
+        self._last_pressure_ask: float | None = None
+        self._pressure_thread: threading.Thread | None = None
 
     def __repr__(self) -> str:
         return (
@@ -219,37 +243,105 @@ class Pool:
         with self._lock:
             return len(self._graveyard)
 
+    def _hold(self, standin: Any) -> None:
+        """Called by ``register()``: keep `standin` alive while ComfyUI
+        lists it (see ``boundary``).  Idempotent."""
+        with self._lock:
+            self._held[id(standin)] = standin
+
+    def held(self) -> list[Any]:
+        """Registered stand-ins the pool keeps alive; a snapshot."""
+        with self._lock:
+            return list(self._held.values())
+
+    def _held_items(self) -> list[tuple[int, Any]]:
+        with self._lock:
+            return list(self._held.items())
+
+    def _dead_workers_held(self) -> list[Any]:
+        """Workers of live held stand-ins whose ``is_alive()`` says False
+        (a raising probe counts as alive, as in the stand-in)."""
+        seen: dict[int, Any] = {}
+        for _, s in self._held_items():
+            try:
+                if not s.stale:
+                    seen.setdefault(id(s.worker), s.worker)
+            except Exception:  # noqa: BLE001 - a broken read: keep it
+                continue
+        dead = []
+        for worker in seen.values():
+            try:
+                alive = bool(worker.is_alive())
+            except Exception:  # noqa: BLE001 - undecidable: alive
+                alive = True
+            if not alive:
+                dead.append(worker)
+        return dead
+
+    def _release_held_locked(self, doomed: Callable[[Any], bool]) -> None:
+        """Moves held stand-ins to the graveyard (dropped at the next
+        boundary, so no finalizer runs inside ``free_memory``)."""
+        for key, standin in list(self._held.items()):
+            if doomed(standin):
+                del self._held[key]
+                self._graveyard[key] = standin
+
     def boundary(self, mm: Any = None) -> list[Any]:
         """Node-boundary housekeeping.  Call it between nodes, never inside
         ComfyUI's ``free_memory`` (its loop pops entries by index).
 
+        - Marks gone the workers of held stand-ins whose ``is_alive()``
+          now says False (``worker_gone``).
         - With `mm` (``comfy.model_management``): puts back every live
-          stand-in whose eviction a live worker refused
-          (``eviction_deferred``) and that ComfyUI dropped from its list
-          anyway (``LoadedModel.model_unload`` pops an entry even when
-          ``detach`` freed nothing); the weights are still on the card, so
-          ComfyUI must keep seeing them.  Returns those stand-ins.
+          stand-in that ComfyUI dropped from its list although its worker
+          still holds it: one whose eviction a live worker refused
+          (``eviction_deferred``; ``LoadedModel.model_unload`` pops an
+          entry even when ``detach`` freed nothing), or a registered one
+          whose receipt still says bytes are loaded (a census after the
+          refusal cleared the flag).  The weights are still on the card,
+          so ComfyUI must keep seeing them.  Returns those stand-ins.
+        - Releases registered stand-ins (``register()`` holds them) that
+          are stale (worker gone or restarted), whose worker lost the model
+          (receipt source "worker gone"), or, with `mm`, that ComfyUI no
+          longer lists (it unloaded them: ``model_unload`` or a clone pop
+          ran ``detach``).
         - Drops the graveyard, then the books of gone workers nobody holds
           a stand-in of any more (a restart under a new worker object
           would otherwise keep every dead one on the books forever).
         """
         restored: list[Any] = []
+        # A worker that died since its last command: its held stand-ins
+        # would otherwise stay listed until ComfyUI happens to evict them.
+        for worker in self._dead_workers_held():
+            self.worker_gone(worker)
         if mm is not None:
             from ._register import register
 
             listed = {
                 id(entry.model) for entry in list(mm.current_loaded_models)
             }
+            held = {key for key, _ in self._held_items()}
             for members in self.standins().values():
                 for s in members:
-                    if (
-                        s.eviction_deferred
-                        and not s.stale
-                        and id(s) not in listed
+                    if s.stale or id(s) in listed:
+                        continue
+                    if s.eviction_deferred or (
+                        id(s) in held and _still_resident(s)
                     ):
                         register(mm, s)
                         restored.append(s)
+        listed = None
+        if mm is not None:
+            listed = {
+                id(entry.model) for entry in list(mm.current_loaded_models)
+            }
+        # Decided outside the lock: the reads may log.
+        done = {
+            key for key, s in self._held_items()
+            if _registration_over(s, listed)
+        }
         with self._lock:
+            self._release_held_locked(lambda s: id(s) in done)
             buried, self._graveyard = self._graveyard, {}
             for key in [k for k, v in self._forgotten.items() if not v]:
                 del self._forgotten[key]
@@ -272,11 +364,13 @@ class Pool:
         self, worker: Any, slots: int = 64, heartbeat_limit: float = 5.0
     ) -> Any:
         """The host side of `worker`'s live residency board, created on the
-        first call and owned by the pool: it is closed (its shared memory
-        unlinked) when the worker is gone, restarted or forgotten, and
-        when the pool is.  Hand ``board.name`` to the worker, have each
-        stand-in ``attach_board(board)``, and ``board.unlink()`` once the
-        worker has opened it."""
+        first call and owned by the pool: it is closed (unmapped, its
+        descriptor dropped) when the worker is gone, restarted or forgotten,
+        and when the pool is.  Hand the worker ``board.fd`` (``pass_fds`` at
+        spawn, or SCM_RIGHTS; ``board.name`` where boards have names),
+        have each stand-in ``attach_board(board)`` and tell the worker
+        ``(slot, board.tag(slot))``, and ``board.unlink()`` once the worker
+        has mapped it."""
         from ._core import Board  # shared memory is C in both impls
 
         with self._lock:
@@ -304,7 +398,7 @@ class Pool:
         with self._lock:
             held = self._boards.pop(id(worker), None)
         if held is not None:
-            held[1].close()  # unmaps and unlinks; stand-ins fall back
+            held[1].close()  # unmaps, drops the fd; stand-ins fall back
 
     # ---- workers ----------------------------------------------------------
 
@@ -322,6 +416,7 @@ class Pool:
             ]
             for standin in orphans:
                 self._graveyard[id(standin)] = standin
+            self._release_held_locked(lambda s: s.worker is worker)
         for standin in orphans:
             standin._worker_gone()
         self._close_board(worker)
@@ -336,6 +431,10 @@ class Pool:
         with self._lock:
             self._bury_locked(
                 worker, lambda s: s.worker_generation < generation
+            )
+            self._release_held_locked(
+                lambda s: s.worker is worker
+                and s.worker_generation < generation
             )
             slot = self._adopted.get(id(worker))
             if slot is not None:
@@ -355,6 +454,7 @@ class Pool:
                 )
                 for standin in slot[1]:
                     held.add(standin)
+            self._release_held_locked(lambda s: s.worker is worker)
         self._close_board(worker)
 
     def begin_call(self, worker: Any) -> None:
@@ -434,7 +534,7 @@ class Pool:
     # ---- charges ----------------------------------------------------------
 
     def worker_charges(self) -> WorkerMap:
-        """{worker: bytes it costs the card} (DESIGN.md 3.5), keyed by
+        """{worker: bytes it costs the card} (docs/reserve.md), keyed by
         identity (``WorkerMap``: unhashable workers work too)."""
         charges: list[tuple[Any, int]] = []
         for worker in self._ledger.keys():
@@ -505,6 +605,106 @@ class Pool:
                 books.set_reading(0)
         return WorkerMap(readings)
 
+    # ---- standalone parity with comfy-env's pool ---------------------------
+
+    def publish_reserve(
+        self, mm: Any, device: Any = None, total: int | None = None
+    ) -> int:
+        """Writes ``reserve()`` into ComfyUI's ``mm.EXTRA_RESERVED_VRAM``
+        and forwards it to comfy-aimdo's pager headroom, for a pool used
+        without comfy-env (which publishes its own).  Call it at a
+        boundary.  ComfyUI's own reserve is read once, at the first call,
+        as the base (re-reading it would add the last reserve back).
+
+        The pager ignores EXTRA_RESERVED_VRAM, so when ComfyUI runs it the
+        headroom becomes ComfyUI's seed plus what the pool added on top of
+        the base (never the base again: the seed already carries it), set
+        with ``set_simple_vram_headroom`` only when it changed.  Returns
+        the reserve published."""
+        if self._reserve_base is None:
+            self._reserve_base = int(mm.EXTRA_RESERVED_VRAM)
+        base = self._reserve_base
+        if device is None:
+            device = mm.get_torch_device()
+        value = self.reserve(device, base, total)
+        if value != self._published:
+            mm.EXTRA_RESERVED_VRAM = value
+            self._published = value
+        setter = _aimdo_setter()
+        if setter is not None:
+            headroom = _aimdo_seed() + max(0, value - base)
+            if headroom != self._headroom_written:
+                try:
+                    setter(int(headroom))
+                    self._headroom_written = headroom
+                except Exception:  # noqa: BLE001 - never fail a boundary
+                    log.warning("comfy_standin: pager headroom not set",
+                                exc_info=True)
+        return value
+
+    def release_idle_on_pressure(
+        self, debounce: float = PRESSURE_DEBOUNCE_SECONDS
+    ) -> None:
+        """Sets ``on_pressure`` so that a stand-in freeing less than
+        ComfyUI asked makes idle workers give VRAM back, as comfy-env's
+        pool does: ``partial_release(size=...)`` to every idle worker that
+        advertises it (``supports_partial_release``), largest holder
+        first, each asked only for what is still missing; then
+        ``release_pins(size=pinned)`` to those advertising
+        ``supports_release_pins`` with pinned bytes reported.
+
+        Notices inside `debounce` seconds of the last ask are one event.
+        The stand-in calls ``on_pressure`` inside ComfyUI's
+        ``free_memory``: nothing is sent there, a daemon thread asks (a
+        comfy-env worker through ``send_command_no_spawn(...,
+        lock_timeout=2.0)``; a busy one answers "busy" and is skipped)."""
+        self._pressure_debounce = float(debounce)
+        self.on_pressure = self._pressure_noticed
+
+    def _pressure_noticed(self, shortfall: int) -> None:
+        now = time.monotonic()
+        with self._lock:
+            last = self._last_pressure_ask
+            if last is not None and now - last < self._pressure_debounce:
+                return
+            self._last_pressure_ask = now
+        thread = threading.Thread(
+            target=self._ask_idle_workers, args=(int(shortfall),),
+            name="comfy-standin-pressure", daemon=True,
+        )
+        self._pressure_thread = thread
+        thread.start()
+
+    def _ask_idle_workers(self, shortfall: int) -> int:
+        """Runs on the pressure thread; returns the bytes given back."""
+        candidates = []
+        for worker in self._ledger.keys():
+            books = self._ledger.find(worker)
+            if books is None or not books.alive or books.in_flight:
+                continue
+            charge = books.charge()
+            held = max(charge.get("held", 0), charge.get("sum_loaded", 0))
+            candidates.append((held, _pinned_of(books), worker))
+        candidates.sort(key=lambda c: -c[0])
+        remaining, freed = shortfall, 0
+        for held, pinned, worker in candidates:
+            if remaining > 0 and held > 0 and getattr(
+                worker, "supports_partial_release", False
+            ):
+                ask = min(held, remaining)
+                reply = _ask(worker, "partial_release", ask)
+                receipt = (
+                    reply.get("receipt") if isinstance(reply, dict) else None
+                )
+                got = receipt.get("freed_bytes") if isinstance(
+                    receipt, dict) else None
+                if _is_byte_value(got):
+                    freed += got
+                    remaining -= min(remaining, got)
+            if pinned > 0 and getattr(worker, "supports_release_pins", False):
+                _ask(worker, "release_pins", pinned)
+        return freed
+
     def reserve(self, device: Any, base: int, total: int | None = None) -> int:
         """The EXTRA_RESERVED_VRAM to publish for `device`.
 
@@ -519,6 +719,81 @@ class Pool:
         return self._ledger.reserve(
             base, 0 if total is None else total, self._process_local
         )
+
+
+def _aimdo_setter() -> Callable[[int], object] | None:
+    """comfy-aimdo's ``set_simple_vram_headroom`` when ComfyUI runs the
+    pager (``comfy.memory_management.aimdo_enabled``), else None.  The
+    module-level wrapper first, then the C export on ``control.lib``
+    (older wheels ship only that), as comfy-env 0.4.46 looks it up."""
+    try:
+        cmm = importlib.import_module("comfy.memory_management")
+        if not getattr(cmm, "aimdo_enabled", False):
+            return None
+        control = importlib.import_module("comfy_aimdo.control")
+    except Exception:  # noqa: BLE001 - no pager: nothing to forward
+        return None
+    setter = getattr(control, "set_simple_vram_headroom", None)
+    if setter is None:
+        setter = getattr(getattr(control, "lib", None),
+                         "set_simple_vram_headroom", None)
+    return setter if callable(setter) else None
+
+
+def _aimdo_seed() -> int:
+    """The headroom ComfyUI seeded the pager with: ``--reserve-vram`` GiB
+    in bytes, else comfy-aimdo's default."""
+    try:
+        args = importlib.import_module("comfy.cli_args").args
+        value = getattr(args, "reserve_vram", None)
+        if value is not None:
+            return max(0, int(float(value) * (1 << 30)))
+    except Exception:  # noqa: BLE001 - no ComfyUI args: the default
+        pass
+    return AIMDO_DEFAULT_HEADROOM
+
+
+def _still_resident(s: Any) -> bool:
+    """A registered stand-in ComfyUI dropped while its worker still holds
+    bytes of it: the eviction did not happen (a refused detach whose
+    deferral a later census cleared, for instance)."""
+    try:
+        return s.loaded_size() > 0 and s.receipt()[3] != "worker gone"
+    except Exception:  # noqa: BLE001 - unreadable: leave it be
+        return False
+
+
+def _registration_over(s: Any, listed: set[int] | None) -> bool:
+    """Whether a registered stand-in may be let go (see boundary())."""
+    try:
+        if s.stale or s.receipt()[3] == "worker gone":
+            return True
+    except Exception:  # noqa: BLE001 - a broken read keeps the hold
+        log.warning("comfy_standin: could not read %r", s, exc_info=True)
+        return False
+    return listed is not None and id(s) not in listed
+
+
+def _pinned_of(books: Any) -> int:
+    """The pinned bytes of the worker's last report (C: ``report``;
+    the reference keeps it as ``_pinned``)."""
+    report = getattr(books, "report", None)
+    if isinstance(report, tuple) and len(report) == 3:
+        return int(report[1])
+    value = getattr(books, "_pinned", 0)
+    return value if _is_byte_value(value) else 0
+
+
+def _ask(worker: Any, command: str, size: int) -> object:
+    """One release ask from the pressure thread; never raises."""
+    try:
+        no_spawn = getattr(worker, "send_command_no_spawn", None)
+        if callable(no_spawn):
+            return no_spawn(command, size=int(size), lock_timeout=2.0)
+        return worker.send_command(command, size=int(size))
+    except Exception as exc:  # noqa: BLE001 - an ask is best effort
+        log.info("comfy_standin: %s to %r failed: %s", command, worker, exc)
+        return None
 
 
 def _probe(impl: ModuleType) -> Mapping[str, Any]:

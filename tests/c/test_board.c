@@ -87,7 +87,7 @@ open_worker(cs_board *host)
 {
     cs_board *worker = NULL;
     int err = 0;
-    cs_board_status st = cs_board_open(cs_board_name(host), &worker, &err);
+    cs_board_status st = cs_board_open_fd(cs_board_fd(host), &worker, &err);
     CHECK_EQ(st, CS_BOARD_OK);
     if (worker == NULL) {
         fprintf(stderr, "open failed: %s (errno %d)\n",
@@ -101,7 +101,19 @@ static cs_board_reading
 read_status(cs_board *host, uint32_t slot, uint64_t size, uint64_t *loaded,
             uint64_t *stamp)
 {
-    return cs_board_read_slot_status(host, slot, size, loaded, stamp);
+    return cs_board_read_slot_status(host, slot, 0, size, loaded, stamp);
+}
+
+/* Assigns `id` on the host and binds the slot's tag on the worker. */
+static uint32_t
+assign_bound(cs_board *host, cs_board *worker, const char *id,
+             size_t id_len, uint64_t size)
+{
+    uint32_t slot = UINT32_MAX;
+    CHECK_EQ(cs_board_assign(host, id, id_len, size, &slot), CS_BOARD_OK);
+    CHECK_EQ(cs_board_bind(worker, slot, cs_board_tag(host, slot)),
+             CS_BOARD_OK);
+    return slot;
 }
 
 static void
@@ -109,9 +121,10 @@ test_create_layout(void)
 {
     cs_board *host = make_host(4, 0);
     const char *name = cs_board_name(host);
-    CHECK(name[0] == '/');
+    CHECK(strncmp(name, "memfd:csb-", 10) == 0);
     CHECK(strlen(name) < CS_BOARD_NAME_MAX);
     CHECK(cs_board_is_host(host));
+    CHECK(cs_board_is_own(host));
     CHECK(cs_board_linked(host));
     CHECK(!cs_board_attached(host));
     CHECK_EQ(cs_board_slot_count(host), 4);
@@ -123,30 +136,25 @@ test_create_layout(void)
     CHECK_EQ(atomic_load(word_at(host, CS_BOARD_OFF_VERSION)),
              CS_BOARD_LAYOUT_VERSION);
     CHECK_EQ(atomic_load(word_at(host, CS_BOARD_OFF_SLOT_COUNT)), 4);
-    CHECK_EQ(atomic_load(word_at(host, CS_BOARD_OFF_HOST_PID)),
-             (uint64_t)getpid());
 
-    /* Owner-only: the segment's mode is exactly 0600. */
-    int fd = shm_open(name, O_RDONLY, 0);
+    /* A sealed memfd: nobody can resize it, nor unseal it. */
+    int fd = cs_board_fd(host);
     CHECK(fd >= 0);
-    if (fd >= 0) {
-        struct stat st;
-        CHECK(fstat(fd, &st) == 0);
-        CHECK_EQ(st.st_mode & 0777, 0600);
-        close(fd);
-    }
-
-    /* Two boards never share a name. */
-    cs_board *other = make_host(1, 0);
-    CHECK(strcmp(cs_board_name(other), name) != 0);
-    cs_board_close(other);
+    int seals = fcntl(fd, F_GET_SEALS);
+    CHECK((seals & (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)) ==
+          (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL));
+    CHECK(ftruncate(fd, 0) != 0 && errno == EPERM);
+    CHECK(ftruncate(fd, 1 << 20) != 0 && errno == EPERM);
+    CHECK(fcntl(fd, F_GETFD) & FD_CLOEXEC);
 
     cs_board *none = NULL;
     int err = 0;
     CHECK_EQ(cs_board_create(0, 0, 0, &none, &err), CS_BOARD_ERR_RANGE);
     CHECK_EQ(cs_board_create(CS_BOARD_MAX_SLOTS + 1, 0, 0, &none, &err),
              CS_BOARD_ERR_RANGE);
+    CHECK_EQ(cs_board_create(1, 0, 1, &none, &err), CS_BOARD_ERR_RANGE);
     CHECK(none == NULL);
+    CHECK_EQ(cs_board_open("/csb0", &none, &err), CS_BOARD_ERR_UNSUPPORTED);
     cs_board_close(host);
 }
 
@@ -180,10 +188,14 @@ test_assign_publish_read(void)
     CHECK(!cs_board_is_host(worker));
     CHECK_EQ(cs_board_slot_count(worker), 2);
     CHECK_EQ(cs_board_generation(worker), 7);
-    found = 99;
-    CHECK_EQ(cs_board_find(worker, ID("unet-0"), &found), CS_BOARD_OK);
-    CHECK_EQ(found, a);
-    CHECK_EQ(cs_board_find(worker, ID("unet-1"), &found), CS_BOARD_ERR_RANGE);
+    CHECK_EQ(cs_board_fd(worker), -1);
+    /* The segment holds no ids: the worker is told (slot, tag). */
+    CHECK_EQ(cs_board_find(worker, ID("unet-0"), &found), CS_BOARD_ERR_ROLE);
+    CHECK_EQ(cs_board_publish(worker, a, 1), CS_BOARD_ERR_UNBOUND);
+    CHECK_EQ(cs_board_bind(worker, a, cs_board_tag(host, a)), CS_BOARD_OK);
+    CHECK_EQ(cs_board_bind(worker, b, cs_board_tag(host, b)), CS_BOARD_OK);
+    CHECK_EQ(cs_board_bound_tag(worker, a), cs_board_tag(host, a));
+    CHECK(cs_board_tag(host, a) != cs_board_tag(host, b));
 
     /* Assigned, never published. */
     CHECK_EQ(read_status(host, a, 8 * GIB, &loaded, &stamp),
@@ -199,7 +211,11 @@ test_assign_publish_read(void)
              CS_BOARD_VALID);
     CHECK_EQ(loaded, 3 * GIB);
     CHECK(stamp >= before);
-    CHECK(cs_board_read_slot(host, a, 8 * GIB, &loaded, &stamp));
+    CHECK(cs_board_read_slot(host, a, 0, 8 * GIB, &loaded, &stamp));
+    CHECK(cs_board_read_slot(host, a, cs_board_tag(host, a), 8 * GIB,
+                             &loaded, &stamp));
+    CHECK(!cs_board_read_slot(host, a, cs_board_tag(host, b), 8 * GIB,
+                              &loaded, &stamp));
 
     /* The caller's size bounds the value, whatever the worker wrote. */
     CHECK_EQ(cs_board_publish(worker, b, 5 * GIB), CS_BOARD_OK);
@@ -223,22 +239,35 @@ test_assign_publish_read(void)
     int err;
     CHECK_EQ(cs_board_unlink(worker, &err), CS_BOARD_ERR_ROLE);
 
-    /* Release: the slot reads unassigned, the worker no longer finds it,
-     * and a new model may take it (with no stale reading). */
+    /* Release: the slot reads unassigned, and a new model may take it
+     * under a new tag: the old model's reading is never the new one's. */
+    uint64_t old_tag = cs_board_tag(host, b);
     CHECK_EQ(cs_board_release(host, b), CS_BOARD_OK);
+    CHECK_EQ(cs_board_tag(host, b), 0);
     CHECK_EQ(read_status(host, b, 2 * GIB, &loaded, &stamp),
              CS_BOARD_UNASSIGNED);
-    CHECK_EQ(cs_board_find(worker, ID("clip-0"), &found), CS_BOARD_ERR_RANGE);
+    CHECK_EQ(cs_board_find(host, ID("clip-0"), &found), CS_BOARD_ERR_RANGE);
     CHECK_EQ(cs_board_assign(host, ID("vae-0"), GIB, &again), CS_BOARD_OK);
     CHECK_EQ(again, b);
+    CHECK(cs_board_tag(host, b) != old_tag);
     CHECK_EQ(read_status(host, b, GIB, &loaded, &stamp),
-             CS_BOARD_NO_READING);
+             CS_BOARD_TAG_MISMATCH);
+    CHECK_EQ(cs_board_read_slot_status(host, b, old_tag, GIB, &loaded,
+                                       &stamp),
+             CS_BOARD_UNASSIGNED);
+    CHECK_EQ(cs_board_bind(worker, b, cs_board_tag(host, b)), CS_BOARD_OK);
+    CHECK_EQ(cs_board_publish(worker, b, 7), CS_BOARD_OK);
+    CHECK_EQ(read_status(host, b, GIB, &loaded, &stamp), CS_BOARD_VALID);
+    CHECK_EQ(loaded, 7);
 
-    /* One worker per board. */
+    /* One worker per board; a refused open leaves the heartbeat. */
     cs_board *second = NULL;
-    CHECK_EQ(cs_board_open(cs_board_name(host), &second, &err),
+    atomic_store(word_at(host, CS_BOARD_OFF_HEARTBEAT), 12345);
+    CHECK_EQ(cs_board_open_fd(cs_board_fd(host), &second, &err),
              CS_BOARD_ERR_OWNED);
     CHECK(second == NULL);
+    CHECK_EQ(atomic_load(word_at(host, CS_BOARD_OFF_HEARTBEAT)), 12345);
+    CHECK_EQ(cs_board_heartbeat(worker), CS_BOARD_OK);
 
     /* A worker that closes detaches: reads stop being valid. */
     cs_board_close(worker);
@@ -255,24 +284,28 @@ test_untrusted_header(void)
     cs_board *worker = open_worker(host);
     uint32_t slot;
     uint64_t loaded, stamp;
-    CHECK_EQ(cs_board_assign(host, ID("m"), 100, &slot), CS_BOARD_OK);
+    slot = assign_bound(host, worker, ID("m"), 100);
     CHECK_EQ(cs_board_publish(worker, slot, 40), CS_BOARD_OK);
     CHECK_EQ(read_status(host, slot, 100, &loaded, &stamp), CS_BOARD_VALID);
 
+    /* The host never reads what it wrote for the worker (bounds come
+     * from its own records), so rewriting those words changes nothing. */
     struct {
         size_t off;
         uint64_t bad;
         cs_board_reading want;
     } cases[] = {
-        {CS_BOARD_OFF_MAGIC, 0x1234, CS_BOARD_BAD_HEADER},
-        {CS_BOARD_OFF_VERSION, 2, CS_BOARD_BAD_HEADER},
-        {CS_BOARD_OFF_GENERATION, 8, CS_BOARD_BAD_HEADER},
-        {CS_BOARD_OFF_OWNER_PID, UINT64_MAX, CS_BOARD_BAD_HEADER},
+        {CS_BOARD_OFF_MAGIC, 0x1234, CS_BOARD_VALID},
+        {CS_BOARD_OFF_VERSION, 2, CS_BOARD_VALID},
+        {CS_BOARD_OFF_SLOT_COUNT, UINT64_MAX, CS_BOARD_VALID},
+        {CS_BOARD_OFF_GENERATION, 8, CS_BOARD_VALID},
+        {CS_BOARD_OFF_OWNER_PID, UINT64_MAX, CS_BOARD_VALID},
         {CS_BOARD_OFF_OWNER_PID, 0, CS_BOARD_NOT_ATTACHED},
         {CS_BOARD_OFF_HEARTBEAT, 0, CS_BOARD_STALE},
         {CS_BOARD_OFF_HEARTBEAT, UINT64_MAX, CS_BOARD_STALE},
         {slot_off(slot, CS_BOARD_SLOT_OFF_SEQ), 1, CS_BOARD_TORN},
-        {slot_off(slot, CS_BOARD_SLOT_OFF_KEY), 42, CS_BOARD_KEY_MISMATCH},
+        {slot_off(slot, CS_BOARD_SLOT_OFF_TAG), 42, CS_BOARD_TAG_MISMATCH},
+        {slot_off(slot, CS_BOARD_SLOT_OFF_TAG), 0, CS_BOARD_NO_READING},
         {slot_off(slot, CS_BOARD_SLOT_OFF_UPDATED), 0, CS_BOARD_NO_READING},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
@@ -282,7 +315,7 @@ test_untrusted_header(void)
         loaded = 7;
         CHECK_EQ(read_status(host, slot, 100, &loaded, &stamp),
                  cases[i].want);
-        CHECK_EQ(loaded, 7);
+        CHECK_EQ(loaded, cases[i].want == CS_BOARD_VALID ? 40 : 7);
         atomic_store(word, saved);
         CHECK_EQ(read_status(host, slot, 100, &loaded, &stamp),
                  CS_BOARD_VALID);
@@ -295,7 +328,9 @@ test_untrusted_header(void)
                  UINT64_MAX);
     CHECK_EQ(read_status(host, slot, 100, &loaded, &stamp), CS_BOARD_VALID);
     CHECK_EQ(loaded, 100);
-    CHECK(stamp < UINT64_MAX);
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    CHECK(stamp <= (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec);
 
     /* The pid the host expects. */
     cs_board_expect_owner(host, (int64_t)getpid() + 1);
@@ -305,7 +340,14 @@ test_untrusted_header(void)
     CHECK_EQ(cs_board_expected_owner(host), getpid());
     CHECK_EQ(read_status(host, slot, 100, &loaded, &stamp), CS_BOARD_VALID);
 
-    /* A seqlock word left odd also blocks writers, boundedly. */
+    /* The host learned the worker died (its pool reaped it). */
+    cs_board_owner_gone(host);
+    CHECK(cs_board_owner_is_gone(host));
+    CHECK_EQ(read_status(host, slot, 100, &loaded, &stamp),
+             CS_BOARD_DEAD_OWNER);
+
+    /* A seqlock word left odd blocks writers (of the worker) boundedly;
+     * host calls never wait on it. */
     _Atomic uint64_t *seq = word_at(host, slot_off(slot, 0));
     uint64_t saved = atomic_load(seq);
     atomic_store(seq, saved | 1);
@@ -320,25 +362,38 @@ test_untrusted_header(void)
 static void
 test_heartbeat_limit(void)
 {
-    /* A 1 ms limit; an old beat (1 ns after boot) is stale, a fresh one
+    /* A 10 ms limit; an old beat (1 ns after boot) is stale, a fresh one
      * is not.  No timing: the old beat is written, not waited for. */
-    cs_board *host = make_host(1, 1000000);
+    cs_board *host = make_host(1, CS_BOARD_HEARTBEAT_LIMIT_MIN_NS);
     cs_board *worker = open_worker(host);
     uint32_t slot;
     uint64_t loaded, stamp;
-    CHECK_EQ(cs_board_heartbeat_limit(host), 1000000);
-    CHECK_EQ(cs_board_assign(host, ID("m"), 10, &slot), CS_BOARD_OK);
+    CHECK_EQ(cs_board_heartbeat_limit(host), CS_BOARD_HEARTBEAT_LIMIT_MIN_NS);
+    slot = assign_bound(host, worker, ID("m"), 10);
     CHECK_EQ(cs_board_publish(worker, slot, 5), CS_BOARD_OK);
     atomic_store(word_at(host, CS_BOARD_OFF_HEARTBEAT), 1);
     CHECK_EQ(read_status(host, slot, 10, &loaded, &stamp), CS_BOARD_STALE);
     CHECK_EQ(cs_board_heartbeat(worker), CS_BOARD_OK);
     CHECK_EQ(cs_board_heartbeat(host), CS_BOARD_ERR_ROLE);
     cs_board_reading r = read_status(host, slot, 10, &loaded, &stamp);
-    /* Valid unless this thread was descheduled for over 1 ms in between;
+    /* Valid unless this thread was descheduled for over 10 ms between;
      * then stale is right too, and never anything else. */
     CHECK(r == CS_BOARD_VALID || r == CS_BOARD_STALE);
     cs_board_close(worker);
     cs_board_close(host);
+}
+
+/* A memfd of `length` bytes; sealed against resizing when `seal`. */
+static int
+make_memfd(size_t length, bool seal)
+{
+    int fd = memfd_create("test", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    CHECK(fd >= 0);
+    CHECK(ftruncate(fd, (off_t)length) == 0);
+    if (seal) {
+        CHECK(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) == 0);
+    }
+    return fd;
 }
 
 static void
@@ -346,14 +401,12 @@ test_open_refusals(void)
 {
     cs_board *board = NULL;
     int err = 0;
-    CHECK_EQ(cs_board_open("no-slash", &board, &err), CS_BOARD_ERR_NAME);
-    CHECK_EQ(cs_board_open("/a/b", &board, &err), CS_BOARD_ERR_NAME);
-    CHECK_EQ(cs_board_open("/", &board, &err), CS_BOARD_ERR_NAME);
-    CHECK_EQ(cs_board_open("/csb-no-such-board", &board, &err),
-             CS_BOARD_ERR_SYSTEM);
-    CHECK_EQ(err, ENOENT);
+    CHECK_EQ(cs_board_open_fd(-1, &board, &err), CS_BOARD_ERR_RANGE);
+    CHECK_EQ(cs_board_open_fd(999999, &board, &err), CS_BOARD_ERR_SYSTEM);
+    CHECK_EQ(err, EBADF);
     CHECK(board == NULL);
 
+    /* Header words the worker checks. */
     struct {
         size_t off;
         uint64_t bad;
@@ -371,55 +424,59 @@ test_open_refusals(void)
         _Atomic uint64_t *word = word_at(host, cases[i].off);
         uint64_t saved = atomic_load(word);
         atomic_store(word, cases[i].bad);
-        CHECK_EQ(cs_board_open(cs_board_name(host), &board, &err),
+        CHECK_EQ(cs_board_open_fd(cs_board_fd(host), &board, &err),
                  cases[i].want);
         CHECK(board == NULL);
         atomic_store(word, saved);
     }
-
-    /* A segment of the wrong length is refused before it is mapped. */
-    int fd = shm_open(cs_board_name(host), O_RDWR, 0);
-    CHECK(fd >= 0);
-    if (fd >= 0) {
-        CHECK(ftruncate(fd, 16) == 0);
-        CHECK_EQ(cs_board_open(cs_board_name(host), &board, &err),
-                 CS_BOARD_ERR_SIZE);
-        close(fd);
-    }
+    CHECK(!cs_board_attached(host));
     cs_board_close(host);
+
+    /* Not sealed: refused before it is mapped (it could be shrunk). */
+    int fd = make_memfd(CS_BOARD_HEADER_SIZE + CS_BOARD_SLOT_SIZE, false);
+    CHECK_EQ(cs_board_open_fd(fd, &board, &err), CS_BOARD_ERR_SEALS);
+    close(fd);
+    /* Sealed, but too short or too long to be a board. */
+    fd = make_memfd(16, true);
+    CHECK_EQ(cs_board_open_fd(fd, &board, &err), CS_BOARD_ERR_SIZE);
+    close(fd);
+    fd = make_memfd(CS_BOARD_HEADER_SIZE +
+                        (CS_BOARD_MAX_SLOTS + 1) * CS_BOARD_SLOT_SIZE,
+                    true);
+    CHECK_EQ(cs_board_open_fd(fd, &board, &err), CS_BOARD_ERR_SIZE);
+    close(fd);
+    /* Not a regular file. */
+    int fds[2];
+    CHECK(pipe(fds) == 0);
+    CHECK_EQ(cs_board_open_fd(fds[0], &board, &err), CS_BOARD_ERR_SIZE);
+    close(fds[0]);
+    close(fds[1]);
+    CHECK(board == NULL);
 }
 
 static void
 test_unlink_and_close(void)
 {
     cs_board *host = make_host(1, 0);
-    char name[CS_BOARD_NAME_MAX];
-    memcpy(name, cs_board_name(host), strlen(cs_board_name(host)) + 1);
     cs_board *worker = open_worker(host);
-    uint32_t slot;
     uint64_t loaded, stamp;
     int err;
-    CHECK_EQ(cs_board_assign(host, ID("m"), 10, &slot), CS_BOARD_OK);
+    uint32_t slot = assign_bound(host, worker, ID("m"), 10);
+    int fd = cs_board_fd(host);
 
-    /* Unlinking once the worker is attached: the name is gone, the
+    /* Unlinking once the worker has it: the host's descriptor goes, the
      * mappings still work. */
     CHECK_EQ(cs_board_unlink(host, &err), CS_BOARD_OK);
     CHECK(!cs_board_linked(host));
+    CHECK_EQ(cs_board_fd(host), -1);
+    CHECK(fcntl(fd, F_GETFD) < 0 && errno == EBADF);
     CHECK_EQ(cs_board_unlink(host, &err), CS_BOARD_OK); /* idempotent */
-    int fd = shm_open(name, O_RDONLY, 0);
-    CHECK(fd < 0 && errno == ENOENT);
+    CHECK_EQ(cs_board_unlink(worker, &err), CS_BOARD_ERR_ROLE);
     CHECK_EQ(cs_board_publish(worker, slot, 6), CS_BOARD_OK);
     CHECK_EQ(read_status(host, slot, 10, &loaded, &stamp), CS_BOARD_VALID);
     CHECK_EQ(loaded, 6);
     cs_board_close(worker);
     cs_board_close(host);
-
-    /* Closing a host that never unlinked removes the name. */
-    host = make_host(1, 0);
-    memcpy(name, cs_board_name(host), strlen(cs_board_name(host)) + 1);
-    cs_board_close(host);
-    fd = shm_open(name, O_RDONLY, 0);
-    CHECK(fd < 0 && errno == ENOENT);
     cs_board_close(NULL);
 }
 
@@ -427,19 +484,22 @@ static void
 test_dead_owner(void)
 {
     /* A child process opens the board, publishes and dies without
-     * closing (as after SIGKILL).  Once reaped, its pid is gone. */
+     * closing (as after SIGKILL).  Reads do no liveness system call: the
+     * host learns of the death from its pool (here: waitpid). */
     cs_board *host = make_host(1, 0);
     uint32_t slot;
     uint64_t loaded, stamp;
     CHECK_EQ(cs_board_assign(host, ID("m"), 10, &slot), CS_BOARD_OK);
+    uint64_t tag = cs_board_tag(host, slot);
+    int fd = cs_board_fd(host); /* inherited: a handle is per process */
     fflush(NULL);
     pid_t child = fork();
     CHECK(child >= 0);
     if (child == 0) {
         cs_board *worker = NULL;
         int err;
-        if (cs_board_open(cs_board_name(host), &worker, &err) !=
-                CS_BOARD_OK ||
+        if (cs_board_open_fd(fd, &worker, &err) != CS_BOARD_OK ||
+            cs_board_bind(worker, slot, tag) != CS_BOARD_OK ||
             cs_board_publish(worker, slot, 9) != CS_BOARD_OK) {
             _exit(1);
         }
@@ -449,9 +509,73 @@ test_dead_owner(void)
     CHECK(waitpid(child, &wstatus, 0) == child);
     CHECK(WIFEXITED(wstatus) && WEXITSTATUS(wstatus) == 0);
     CHECK_EQ(cs_board_owner_pid(host), child);
+    CHECK_EQ(read_status(host, slot, 10, &loaded, &stamp), CS_BOARD_VALID);
+    cs_board_owner_gone(host);
     CHECK_EQ(read_status(host, slot, 10, &loaded, &stamp),
              CS_BOARD_DEAD_OWNER);
-    CHECK(!cs_board_read_slot(host, slot, 10, &loaded, &stamp));
+    CHECK(!cs_board_read_slot(host, slot, 0, 10, &loaded, &stamp));
+    cs_board_close(host);
+}
+
+/* ---- fork: a handle belongs to the process that made it ------------ */
+
+static int
+noop_sampler(void *context, uint64_t *loaded)
+{
+    (void)context;
+    *loaded = 5;
+    return 0;
+}
+
+static void
+test_fork(void)
+{
+    cs_board *host = make_host(2, 0);
+    cs_board *worker = open_worker(host);
+    uint32_t slot = assign_bound(host, worker, ID("m"), 10);
+    uint64_t loaded, stamp;
+    int err;
+    CHECK_EQ(cs_board_set_period(worker, 1000000), CS_BOARD_OK);
+    CHECK_EQ(cs_board_add_sampler(worker, slot, noop_sampler, NULL, &err),
+             CS_BOARD_OK);
+    while (cs_board_sampler_passes(worker) < 2) {
+        sched_yield();
+    }
+    for (int round = 0; round < 20; round++) {
+        fflush(NULL);
+        pid_t child = fork(); /* the sampler thread runs meanwhile */
+        CHECK(child >= 0);
+        if (child == 0) {
+            uint32_t other;
+            int bad = 0;
+            bad |= cs_board_is_own(host) || cs_board_is_own(worker);
+            bad |= read_status(host, slot, 10, &loaded, &stamp) !=
+                   CS_BOARD_OTHER_PROCESS;
+            bad |= cs_board_assign(host, ID("x"), 1, &other) !=
+                   CS_BOARD_ERR_FORKED;
+            bad |= cs_board_publish(worker, slot, 1) != CS_BOARD_ERR_FORKED;
+            bad |= cs_board_unlink(host, &err) != CS_BOARD_ERR_FORKED;
+            bad |= cs_board_fd(host) != -1;
+            /* Neither close may detach, drop the parent's descriptor, or
+             * join the parent's sampler thread (which would hang). */
+            cs_board_close(worker);
+            cs_board_close(host);
+            _exit(bad ? 1 : 0);
+        }
+        int wstatus = 0;
+        CHECK(waitpid(child, &wstatus, 0) == child);
+        CHECK(WIFEXITED(wstatus) && WEXITSTATUS(wstatus) == 0);
+    }
+    CHECK(cs_board_attached(host));
+    CHECK_EQ(cs_board_owner_pid(host), getpid());
+    CHECK(cs_board_fd(host) >= 0 && fcntl(cs_board_fd(host), F_GETFD) >= 0);
+    uint64_t passes = cs_board_sampler_passes(worker);
+    while (cs_board_sampler_passes(worker) < passes + 2) {
+        sched_yield();
+    }
+    CHECK_EQ(read_status(host, slot, 10, &loaded, &stamp), CS_BOARD_VALID);
+    CHECK_EQ(loaded, 5);
+    cs_board_close(worker);
     cs_board_close(host);
 }
 
@@ -522,8 +646,7 @@ test_seqlock_threads(void)
     cs_board *host = make_host(1, 0);
     cs_board *worker = open_worker(host);
     seqlock_run run = {.host = host, .worker = worker, .rounds = 200000};
-    CHECK_EQ(cs_board_assign(host, ID("m"), CS_BOARD_VALUE_MAX, &run.slot),
-             CS_BOARD_OK);
+    run.slot = assign_bound(host, worker, ID("m"), CS_BOARD_VALUE_MAX);
     atomic_init(&run.writers_left, 2);
     /* Two writers (odd and even values) on one slot: the seqlock word
      * must also keep writers apart. */
@@ -581,7 +704,7 @@ scribbler(void *arg)
     while (!atomic_load(&run->stop)) {
         uint64_t r = xorshift(&run->state);
         /* Half the time a plausible small value, so reads also reach the
-         * key, clamp and stamp checks. */
+         * tag, clamp and stamp checks. */
         uint64_t value = (r >> 40) & 1 ? xorshift(&run->state)
                                        : xorshift(&run->state) & 0xff;
         size_t off;
@@ -613,8 +736,7 @@ test_scribbled_board(void)
     uint64_t sizes[4] = {1, 100, GIB, CS_BOARD_VALUE_MAX};
     for (uint32_t i = 0; i < 4; i++) {
         char id[8] = {'m', (char)('0' + i), 0};
-        CHECK_EQ(cs_board_assign(host, id, 2, sizes[i], &slots[i]),
-                 CS_BOARD_OK);
+        slots[i] = assign_bound(host, worker, id, 2, sizes[i]);
         CHECK_EQ(cs_board_publish(worker, slots[i], sizes[i] / 2),
                  CS_BOARD_OK);
     }
@@ -701,7 +823,7 @@ test_sampler(void)
     sample_source src = {.notify = fds[1]};
     atomic_init(&src.value, 11);
     atomic_init(&src.fail, false);
-    CHECK_EQ(cs_board_assign(host, ID("m"), 100, &slot), CS_BOARD_OK);
+    slot = assign_bound(host, worker, ID("m"), 100);
     CHECK_EQ(cs_board_set_period(worker, 1000), CS_BOARD_ERR_RANGE);
     CHECK_EQ(cs_board_set_period(worker, 1000000), CS_BOARD_OK);
     CHECK_EQ(cs_board_period(worker), 1000000);
@@ -761,6 +883,7 @@ main(void)
     test_open_refusals();
     test_unlink_and_close();
     test_dead_owner();
+    test_fork();
     test_seqlock_threads();
     test_scribbled_board();
     test_sampler();

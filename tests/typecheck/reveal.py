@@ -22,7 +22,7 @@ def check(s: cs.StandIn, pool: cs.Pool, worker: Any) -> None:
     reveal_type(cs.apply_residency({"m": s}, []))  # int
     reveal_type(cs.default_pool())  # comfy_standin.Pool
     reveal_type(pool.reserve("cuda:0", 400 << 20))  # int
-    reveal_type(pool.worker_charges())  # dict[comfy_standin.Worker, int]
+    reveal_type(pool.worker_charges())  # typing.Mapping[comfy_standin.Worker, int]
     reveal_type(pool.boundary())  # list[comfy_standin.StandIn]
     reveal_type(pool.on_pressure)  # (def (int) -> object) | None
     reveal_type(cs.probe())  # dict[str, Any]

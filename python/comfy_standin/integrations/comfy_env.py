@@ -20,6 +20,18 @@ What it swaps, all reversibly (``uninstall()``):
   entries are then applied one by one, as comfy-env did), and
   ``apply_residency`` returns the ids whose receipt changed.
 
+- ``comfy_env.isolation.pool._insert_loaded_model`` lists comfy_standin
+  stand-ins through ``comfy_standin.register`` (so the pool holds them
+  while ComfyUI lists them) and other patchers as before;
+  ``_register_new_patchers`` (comfy-env's node boundary) is followed by
+  ``default_pool().boundary(comfy.model_management)``: a stand-in ComfyUI
+  dropped while its worker still holds it is listed again, finished
+  registrations are released.
+- The default pool's ``on_pressure`` (unset before) forwards the shortfall
+  to comfy-env's own pressure hook (``model_patcher._ON_PRESSURE``, which
+  asks idle workers to release from a thread), as comfy-env's patcher
+  does in its ``partially_unload``.
+
 comfy-env reads ``_residency_peak``, ``_residency_seq``,
 ``_worker_generation`` and friends off its stand-ins; ``StandIn`` answers
 them read-only from the C ledger, so comfy-env's pool arithmetic runs
@@ -41,6 +53,8 @@ log = logging.getLogger("comfy_standin")
 _PATCHER_MODULE = "comfy_env.isolation.model_patcher"
 _SYNC_MODULE = "comfy_env.state_sync"
 _SYNC_NAMES = ("apply_echo", "apply_residency", "apply_peak_raise")
+_POOL_MODULE = "comfy_env.isolation.pool"
+_POOL_NAMES = ("_insert_loaded_model", "_register_new_patchers")
 
 # (module, attribute) -> the original object, while installed.
 _originals: dict[tuple[str, str], Any] = {}
@@ -75,10 +89,21 @@ def install() -> bool:
         "apply_residency": _wrap_apply_residency,
         "apply_peak_raise": _wrap_apply_peak_raise,
     }
+    pool_module = importlib.import_module(_POOL_MODULE)
+    for name in _POOL_NAMES:
+        if hasattr(pool_module, name):
+            originals[(_POOL_MODULE, name)] = getattr(pool_module, name)
+    wrappers["_insert_loaded_model"] = _wrap_insert_loaded_model
+    wrappers["_register_new_patchers"] = _wrap_register_new_patchers
     patcher_module.SubprocessModelPatcher = cs.StandIn
     for (module_name, name), original in originals.items():
         if module_name == _SYNC_MODULE:
             setattr(sync_module, name, wrappers[name](original))
+        elif module_name == _POOL_MODULE:
+            setattr(pool_module, name, wrappers[name](original))
+    pool = cs.default_pool()
+    if pool.on_pressure is None:
+        pool.on_pressure = _forward_pressure
     _originals.update(originals)
     log.info("comfy_standin: installed into comfy-env")
     return True
@@ -89,6 +114,9 @@ def uninstall() -> None:
     while _originals:
         (module_name, name), original = _originals.popitem()
         setattr(importlib.import_module(module_name), name, original)
+    pool = cs.default_pool()
+    if pool.on_pressure is _forward_pressure:
+        pool.on_pressure = None
 
 
 def _is_ours(p: Any) -> bool:
@@ -176,6 +204,51 @@ def _wrap_apply_peak_raise(original: Any) -> Any:
 
     apply_peak_raise.__wrapped__ = original  # type: ignore[attr-defined]
     return apply_peak_raise
+
+
+def _forward_pressure(shortfall: int) -> None:
+    """A stand-in freed less than ComfyUI asked: comfy-env's hook posts
+    the ask to idle workers and returns (it is debounced)."""
+    hook = getattr(
+        importlib.import_module(_PATCHER_MODULE), "_ON_PRESSURE", None
+    )
+    if hook is not None:
+        hook(shortfall)
+
+
+def _wrap_insert_loaded_model(original: Any) -> Any:
+    def _insert_loaded_model(p: Any) -> Any:
+        if not _is_ours(p):
+            return original(p)
+        return cs.register(
+            importlib.import_module("comfy.model_management"), p
+        )
+
+    _insert_loaded_model.__wrapped__ = original  # type: ignore[attr-defined]
+    return _insert_loaded_model
+
+
+def _wrap_register_new_patchers(original: Any) -> Any:
+    def _register_new_patchers(env_dir: Any, worker: Any,
+                               generation: Any) -> Any:
+        try:
+            return original(env_dir, worker, generation)
+        finally:
+            # comfy-env's boundary: outside free_memory by construction.
+            try:
+                restored = cs.default_pool().boundary(
+                    importlib.import_module("comfy.model_management")
+                )
+                for s in restored:
+                    log.warning(
+                        "comfy_standin: listed %r again: ComfyUI dropped "
+                        "it while its worker still holds it", s.model_id,
+                    )
+            except Exception:
+                log.exception("comfy_standin: boundary failed (ignored)")
+
+    _register_new_patchers.__wrapped__ = original  # type: ignore[attr-defined]
+    return _register_new_patchers
 
 
 def _note(log_fn: Any, message: str) -> None:

@@ -1,0 +1,159 @@
+/*
+ * fuzz_board.c -- libFuzzer harness for the board's host reader and the
+ * worker's open-time validation (src/board.c).
+ *
+ * Each input is a host table and a segment: the first bytes choose the
+ * slot count, the heartbeat limit, the expected owner and, per slot,
+ * whether the host assigned it, its size and which tag the reader passes;
+ * the rest is written over the whole segment, as a hostile worker could.
+ * The reader must never read outside the mapping, never return a valid
+ * reading above the caller's size or stamped after now (plus the coarse
+ * clock's tick), and never take a
+ * reading for a tag the host did not give; opening the fuzzed segment as
+ * a worker must refuse or succeed cleanly.
+ *
+ * Build and run (see tests/fuzz/):
+ *   clang -g -O1 -fsanitize=fuzzer,address,undefined -Iinclude \
+ *       -D_GNU_SOURCE tests/fuzz/fuzz_board.c src/board.c -o /tmp/fb
+ *   /tmp/fb tests/fuzz/corpus/fuzz_board -max_total_time=30
+ */
+#include "comfy_standin/board.h"
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define FUZZ_MAX_SLOTS 8
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+
+/* One host board per slot count, made once: a board per input would
+ * spend the run in memfd_create and mmap. */
+static cs_board *hosts[FUZZ_MAX_SLOTS + 1][2];
+
+static uint64_t
+take(const uint8_t **data, size_t *size, size_t n)
+{
+    uint64_t value = 0;
+    for (size_t i = 0; i < n && *size > 0; i++) {
+        value |= (uint64_t)**data << (8 * i);
+        (*data)++;
+        (*size)--;
+    }
+    return value;
+}
+
+static uint64_t
+now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * UINT64_C(1000000000) + (uint64_t)ts.tv_nsec;
+}
+
+int
+LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    uint64_t tick = 0;
+#if defined(CLOCK_MONOTONIC_COARSE)
+    struct timespec res;
+    if (clock_getres(CLOCK_MONOTONIC_COARSE, &res) == 0) {
+        tick = (uint64_t)res.tv_sec * UINT64_C(1000000000) +
+               (uint64_t)res.tv_nsec;
+    }
+#endif
+    uint64_t config = take(&data, &size, 2);
+    uint32_t slots = 1 + (uint32_t)(config % FUZZ_MAX_SLOTS);
+    int limited = (int)((config >> 3) & 1);
+    cs_board **slot_host = &hosts[slots][limited];
+    if (*slot_host == NULL) {
+        int err = 0;
+        if (cs_board_create(slots, 1,
+                            limited ? CS_BOARD_HEARTBEAT_LIMIT_MIN_NS : 0,
+                            slot_host, &err) != CS_BOARD_OK) {
+            abort();
+        }
+    }
+    cs_board *host = *slot_host;
+    cs_board_expect_owner(host, (config >> 4) & 1 ? (int64_t)(config >> 5)
+                                                   : 0);
+
+    /* The host's table: which slots are assigned, with which sizes. */
+    uint64_t sizes[FUZZ_MAX_SLOTS] = {0};
+    uint64_t pass_tag[FUZZ_MAX_SLOTS] = {0};
+    for (uint32_t i = 0; i < slots; i++) {
+        (void)cs_board_release(host, i);
+    }
+    uint64_t specs[FUZZ_MAX_SLOTS];
+    for (uint32_t i = 0; i < slots; i++) {
+        char id[2] = {'m', (char)('0' + i)};
+        uint32_t got = 0;
+        specs[i] = take(&data, &size, 2);
+        sizes[i] = (specs[i] >> 2) * UINT64_C(0x10001);
+        if (cs_board_assign(host, id, 2, sizes[i], &got) != CS_BOARD_OK ||
+            got != i) {
+            abort(); /* all released above: slot i is the lowest free */
+        }
+    }
+    for (uint32_t i = 0; i < slots; i++) {
+        uint64_t spec = specs[i];
+        if ((spec & 3) == 0) {
+            (void)cs_board_release(host, i); /* unassigned */
+            sizes[i] = 0;
+            continue;
+        }
+        switch ((spec >> 1) & 1 ? 1 : spec & 3) {
+        case 1:
+            pass_tag[i] = 0; /* the slot's current tag */
+            break;
+        case 2:
+            pass_tag[i] = cs_board_tag(host, i);
+            break;
+        default:
+            pass_tag[i] = spec * UINT64_C(0x9e3779b97f4a7c15) | 1;
+            break;
+        }
+    }
+
+    /* The segment: whatever the worker wrote. */
+    size_t length = 0;
+    unsigned char *mem = cs_board_memory(host, &length);
+    size_t n = size < length ? size : length;
+    memset(mem, 0, length);
+    memcpy(mem, data, n);
+
+    for (uint32_t i = 0; i < slots + 1; i++) {
+        uint64_t loaded = 0, stamp = 0;
+        uint64_t want = i < slots ? cs_board_tag(host, i) : 0;
+        uint64_t cap = i < slots ? sizes[i] : 0;
+        uint64_t tag = i < slots ? pass_tag[i] : 0;
+        cs_board_reading r = cs_board_read_slot_status(host, i, tag, cap,
+                                                       &loaded, &stamp);
+        if (r == CS_BOARD_VALID) {
+            /* A stamp may be up to one coarse-clock tick ahead. */
+            if (i >= slots || want == 0 || loaded > cap ||
+                stamp > now_ns() + tick || (tag != 0 && tag != want)) {
+                abort();
+            }
+        }
+        if ((unsigned)r >= CS_BOARD_READING_COUNT) {
+            abort();
+        }
+    }
+
+    /* The same bytes as a segment a worker is handed. */
+    cs_board *worker = NULL;
+    int err = 0;
+    cs_board_status st = cs_board_open_fd(cs_board_fd(host), &worker, &err);
+    if (st == CS_BOARD_OK) {
+        if (cs_board_slot_count(worker) != slots) {
+            abort(); /* validated against the segment's real length */
+        }
+        /* No publish: on a slot left odd a worker's writer waits (up to
+         * 100 ms, by design), which would only slow the fuzzer. */
+        (void)cs_board_bind(worker, 0, 1);
+        cs_board_close(worker);
+    }
+    return 0;
+}

@@ -1,0 +1,222 @@
+"""``install-node`` / ``uninstall-node`` and the node entry they write.
+
+The entry is loaded here the way ComfyUI loads a custom node (a module
+spec from the folder's ``__init__.py`` under the folder's name), with the
+mock ``comfy`` package (tests/mockcomfy) and the real comfy-env.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import io
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+from comfy_standin import __main__ as cli
+from comfy_standin import _node, _server_route
+from comfy_standin.integrations import comfy_env as adapter
+
+MOCK_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                         "mockcomfy")
+
+
+@pytest.fixture
+def comfyui(tmp_path):
+    root = tmp_path / "ComfyUI"
+    (root / "custom_nodes").mkdir(parents=True)
+    (root / "main.py").write_text("# ComfyUI\n")
+    return root
+
+
+def run(*argv):
+    out = io.StringIO()
+    err = io.StringIO()
+    old = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = out, err
+    try:
+        code = cli.main(list(argv))
+    finally:
+        sys.stdout, sys.stderr = old
+    return code, out.getvalue() + err.getvalue()
+
+
+def entry(comfyui):
+    return comfyui / "custom_nodes" / _node.NODE_DIR
+
+
+def test_install_is_idempotent_and_says_what_it_did(comfyui):
+    code, out = run("install-node", str(comfyui))
+    assert code == 0
+    assert "installed" in out and str(entry(comfyui)) in out
+    assert "uninstall-node" in out
+    assert sorted(os.listdir(entry(comfyui))) == ["__init__.py"]
+    assert (entry(comfyui) / "__init__.py").read_text() == _node.template()
+    code, out = run("install-node", str(comfyui))
+    assert code == 0 and "already installed" in out
+    # an older entry of ours is rewritten
+    (entry(comfyui) / "__init__.py").write_text(
+        f'"""{_node.MARKER}, format 0"""\n')
+    code, out = run("install-node", str(comfyui))
+    assert code == 0 and "updated" in out
+    assert (entry(comfyui) / "__init__.py").read_text() == _node.template()
+
+
+@pytest.mark.parametrize("missing", ["main.py", "custom_nodes"])
+def test_install_refuses_what_is_not_a_comfyui(comfyui, missing):
+    target = comfyui / missing
+    if target.is_dir():
+        target.rmdir()
+    else:
+        target.unlink()
+    code, out = run("install-node", str(comfyui))
+    assert code == _node.EXIT_REFUSED
+    assert "not a ComfyUI folder" in out and missing in out
+    assert not entry(comfyui).exists()
+    code, out = run("uninstall-node", str(comfyui))
+    assert code == _node.EXIT_REFUSED
+
+
+def test_install_refuses_a_foreign_folder(comfyui):
+    entry(comfyui).mkdir()
+    (entry(comfyui) / "__init__.py").write_text("NODE_CLASS_MAPPINGS = {}\n")
+    code, out = run("install-node", str(comfyui))
+    assert code == _node.EXIT_REFUSED and "not written" in out
+    code, out = run("uninstall-node", str(comfyui))
+    assert code == _node.EXIT_REFUSED
+    assert (entry(comfyui) / "__init__.py").exists()
+
+
+def test_uninstall_removes_and_is_idempotent(comfyui):
+    assert run("install-node", str(comfyui))[0] == 0
+    (entry(comfyui) / "__pycache__").mkdir()
+    (entry(comfyui) / "__pycache__" / "x.pyc").write_bytes(b"")
+    code, out = run("uninstall-node", str(comfyui))
+    assert code == 0 and "removed" in out
+    assert not entry(comfyui).exists()
+    code, out = run("uninstall-node", str(comfyui))
+    assert code == 0 and "not installed" in out
+
+
+def test_uninstall_keeps_files_it_did_not_write(comfyui):
+    assert run("install-node", str(comfyui))[0] == 0
+    (entry(comfyui) / "notes.txt").write_text("mine")
+    code, out = run("uninstall-node", str(comfyui))
+    assert code == 0 and "kept" in out
+    assert sorted(os.listdir(entry(comfyui))) == ["notes.txt"]
+
+
+class _Routes:
+    def __init__(self):
+        self.added = []
+
+    def get(self, path):
+        def add(handler):
+            self.added.append(("GET", path, handler))
+            return handler
+
+        return add
+
+
+def load_like_comfyui(folder):
+    """ComfyUI's custom-node import: a spec from the folder's __init__."""
+    name = os.path.basename(folder)
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(folder, "__init__.py"),
+        submodule_search_locations=[str(folder)],
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[name]
+    return module
+
+
+def test_the_entry_switches_on_and_adds_the_route(comfyui, mm,
+                                                   monkeypatch):
+    from comfy_env.isolation import model_patcher
+
+    import comfy_standin as cs
+
+    routes = _Routes()
+    server = types.ModuleType("server")
+    server.PromptServer = types.SimpleNamespace(
+        instance=types.SimpleNamespace(routes=routes))
+    monkeypatch.setitem(sys.modules, "server", server)
+    monkeypatch.setattr(_server_route, "_registered_on", [])
+    assert run("install-node", str(comfyui))[0] == 0
+    assert not adapter.installed()
+    try:
+        module = load_like_comfyui(entry(comfyui))
+        assert module.NODE_CLASS_MAPPINGS == {}
+        assert adapter.installed()
+        assert model_patcher.SubprocessModelPatcher is cs.StandIn
+        assert routes.added == [
+            ("GET", "/comfy_standin/status", _server_route.handle)
+        ]
+        load_like_comfyui(entry(comfyui))  # a second load adds nothing
+        assert len(routes.added) == 1
+    finally:
+        adapter.uninstall()
+    assert model_patcher.SubprocessModelPatcher is not cs.StandIn
+
+
+def test_the_entry_never_breaks_comfyui_start(comfyui, monkeypatch,
+                                               caplog):
+    """comfy-env (or comfy) missing: one warning, ComfyUI goes on."""
+    assert run("install-node", str(comfyui))[0] == 0
+
+    def refuse():
+        raise ImportError("No module named 'comfy_env'")
+
+    monkeypatch.setattr(adapter, "install", refuse)
+    caplog.set_level("WARNING", logger="comfy_standin")
+    module = load_like_comfyui(entry(comfyui))
+    assert module.NODE_CLASS_MAPPINGS == {}
+    assert "not switched on" in caplog.text
+    assert not adapter.installed()
+
+
+def test_importing_the_package_changes_nothing_in_comfy_env():
+    """No .pth, no import side effect: a process that imports
+    comfy_standin and comfy-env keeps comfy-env's own stand-in class."""
+    code = (
+        "import comfy_standin, comfy_standin.integrations.comfy_env as a\n"
+        "from comfy_env.isolation import model_patcher as m\n"
+        "assert m.SubprocessModelPatcher is not comfy_standin.StandIn\n"
+        "assert not a.installed()\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=MOCK_ROOT)
+    done = subprocess.run([sys.executable, "-c", code], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+
+
+def test_no_pth_file_of_ours_in_the_environment():
+    import site
+
+    dirs = site.getsitepackages() + [site.getusersitepackages()]
+    ours = [
+        os.path.join(d, name)
+        for d in dirs if os.path.isdir(d)
+        for name in os.listdir(d)
+        if name.endswith(".pth")
+        and "comfy_standin" in open(os.path.join(d, name)).read()
+        and "editable" not in name  # meson-python's editable loader
+    ]
+    assert ours == []
+
+
+def test_the_comfy_env_plugin_entry_point_is_declared():
+    points = importlib.metadata.entry_points(group="comfy_env.plugins")
+    ours = [p for p in points if p.name == "comfy_standin"]
+    assert len(ours) == 1
+    assert ours[0].load() is adapter.install
