@@ -102,8 +102,12 @@ PRELUDE = textwrap.dedent(
         class LoadedModel:
             def __init__(self, model):
                 self.model = model
+        EXTRA_RESERVED_VRAM = 0
         def __init__(self):
             self.current_loaded_models = []
+        @staticmethod
+        def get_torch_device():
+            return "cuda:0"
         # a module function in ComfyUI: not bound to the list's owner
         @staticmethod
         def cleanup_models():
@@ -508,6 +512,15 @@ WORKLOADS = {
         pool.worker_gone(w)
         pool.forget(v)
         bad(pool.forget)
+        pool.held()
+        bad(pool.held, 1)
+        pool.publish_reserve(mm)
+        pool.publish_reserve(mm, "cuda:0", 4000)
+        bad(pool.publish_reserve, object())
+        bad(pool.publish_reserve)
+        pool.release_idle_on_pressure(0.5)
+        bad(pool.release_idle_on_pressure, 1, 2)
+        pool.on_pressure = None
         cs.default_pool()
         bad(cs.default_pool, 1)
         bad(cs.Pool, floor=-1)
@@ -574,24 +587,33 @@ WORKLOADS = {
     # The board's surface, open/close errors included.
     "board_surface": ("""
         board = cs.Board.create(4, generation=1, heartbeat_limit=2.0)
-        (board.name, board.is_host, board.slots, board.generation,
-         board.closed, board.attached, board.linked, board.owner_pid,
-         board.expected_owner, board.heartbeat_limit, board.period,
-         board.sampler_passes)
+        (board.name, board.fd, board.owner_is_gone, board.is_host,
+         board.slots, board.generation, board.closed, board.attached,
+         board.linked, board.owner_pid, board.expected_owner,
+         board.heartbeat_limit, board.period, board.sampler_passes)
         slot = board.assign("m", 1000)
         bad(board.assign, "m", -1)
         bad(board.assign, 5, 10)
         bad(board.assign)
         board.assigned_size(slot); board.find("m"); board.find("zz")
         bad(board.assigned_size, 99); bad(board.find)
-        worker_side = cs.Board.open(board.name)
+        tag = board.tag(slot)
+        bad(board.tag, 99)
+        board.poll_owner()
+        bad(board.poll_owner, 1)
+        worker_side = cs.Board.open(board.fd)
+        bad(worker_side.publish, slot, 1)  # not bound yet
+        worker_side.bind(slot, tag)
+        bad(worker_side.bind, 99, tag)
+        bad(board.bind, slot, tag)
         worker_side.publish(slot, 500)
         bad(worker_side.publish, slot, -1)
         bad(worker_side.publish, 99, 1)
         bad(board.publish, slot, 1)
         worker_side.heartbeat()
         bad(board.heartbeat)
-        board.read(slot); board.read(slot, 1000); board.status(slot)
+        board.read(slot); board.read(slot, 1000, tag)
+        board.status(slot); board.status(slot, 1000, tag)
         bad(board.read, 99); bad(board.status, 99); bad(board.read)
         worker_side.add_sampler(slot, SAMPLER_FN, SAMPLER_CTX)
         worker_side.remove_sampler(slot)
@@ -607,6 +629,9 @@ WORKLOADS = {
         bad(s.detach_board, 1)
         board.release(slot)
         bad(board.release, 99)
+        bad(worker_side.worker_gone)
+        board.worker_gone()
+        bad(board.worker_gone, 1)
         worker_side.close(); worker_side.close()
         bad(worker_side.read, 0)
         board.unlink()
@@ -614,19 +639,18 @@ WORKLOADS = {
         bad(board.close, 1)
         board.__enter__()
         bad(board.__enter__, 1)
-        name = board.name
+        fd = board.fd
         board.__exit__(None, None, None)
         bad(board.read, 0)
-        bad(cs.Board.open, name)
         bad(cs.Board.open, "not a name")
-        bad(cs.Board.open, "/cs-nonexistent-board", period=-1)
+        bad(cs.Board.open, -1)
+        bad(cs.Board.open, 0, period=-1)
         bad(cs.Board.open)
         bad(cs.Board.create, -1)
         bad(cs.Board.create, 2**32 + 3)
         bad(cs.Board.create, 2, generation=-1)
         bad(cs.Board.create, 2, heartbeat_limit=-1.0)
-        bad(cs.Board.create)
-        bad(cs.Board)
+        bad(cs.Board.create, "x")
         with cs.Board.create(1, heartbeat_limit=None) as scoped:
             scoped.assign("x", 1)
         cs.probe()
@@ -712,7 +736,7 @@ def _pyi_surface() -> tuple[set[str], set[str]]:
                 decorators = {getattr(d, "id", getattr(d, "attr", None))
                               for d in item.decorator_list}
                 qual = f"{node.name}.{item.name}"
-                if "property" in decorators:
+                if decorators & {"property", "setter", "deleter"}:
                     attributes.add(qual)
                 elif item.name != "__init__":
                     callables.add(qual)
