@@ -130,8 +130,8 @@ static const char *const status_messages[] = {
     [CS_BOARD_ERR_MAGIC] = "not a comfy-standin board (wrong magic)",
     [CS_BOARD_ERR_VERSION] = "a board of another layout version",
     [CS_BOARD_ERR_SIZE] =
-        "board size is inconsistent (slot size, slot count or segment "
-        "size)",
+        ("board size is inconsistent (slot size, slot count or segment "
+         "size)"),
     [CS_BOARD_ERR_OWNED] = "the board is already open in another worker",
     [CS_BOARD_ERR_RANGE] = "slot, tag or value out of range",
     [CS_BOARD_ERR_ROLE] = "not allowed on this side of the board",
@@ -140,11 +140,11 @@ static const char *const status_messages[] = {
     [CS_BOARD_ERR_UNBOUND] =
         "the slot has no tag: bind(slot, tag) with the host's tag first",
     [CS_BOARD_ERR_SEALS] =
-        "the segment is not sealed against resizing (a worker could "
-        "shrink it under the host)",
+        ("the segment is not sealed against resizing (a worker could "
+         "shrink it under the host)"),
     [CS_BOARD_ERR_FORKED] =
-        "the board handle belongs to another process (inherited across "
-        "fork)",
+        ("the board handle belongs to another process (inherited across "
+         "fork)"),
     [CS_BOARD_ERR_UNSUPPORTED] = "not supported on this platform",
 };
 
@@ -901,7 +901,8 @@ cs_board_open_fd(int fd, cs_board **out, int *os_error)
         return CS_BOARD_ERR_SYSTEM;
     }
     char name[CS_BOARD_NAME_MAX];
-    snprintf(name, sizeof(name), "fd:%d", fd);
+    /* "fd:" and an int always fit; a cut name would still be a label. */
+    (void)snprintf(name, sizeof(name), "fd:%d", fd);
     cs_board_status status = board_open_segment(fd, name, out);
     if (status == CS_BOARD_ERR_SYSTEM) {
         *os_error = errno;

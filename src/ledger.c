@@ -28,8 +28,9 @@
 #include <time.h>
 #endif
 
-/* Marks a deleted slot of an open-addressing table. */
-#define TABLE_TOMBSTONE ((cs_model *)(uintptr_t)1)
+/* Marks a deleted slot of an open-addressing table: the address of an
+ * object no table ever holds (not a pointer made from an integer). */
+#define TABLE_TOMBSTONE (&table_tombstone)
 #define TABLE_MIN_CAPACITY 8
 
 struct cs_model {
@@ -63,6 +64,8 @@ struct cs_model {
     bool in_table;
     uint64_t census_stamp;
 };
+
+static cs_model table_tombstone; /* never read or written */
 
 struct cs_worker {
     _Atomic uint64_t refcount;
@@ -352,14 +355,16 @@ cs_model_incref(cs_model *model)
     atomic_fetch_add_explicit(&model->refcount, 1, memory_order_relaxed);
 }
 
-void
-cs_model_decref(cs_model *model)
+/* Drops `n` references at once (one atomic step, so a static analyser
+ * does not take the first of two separate drops for the last one). */
+static void
+model_decref_by(cs_model *model, uint64_t n)
 {
     if (model == NULL) {
         return;
     }
-    if (atomic_fetch_sub_explicit(&model->refcount, 1,
-                                  memory_order_acq_rel) != 1) {
+    if (atomic_fetch_sub_explicit(&model->refcount, n,
+                                  memory_order_acq_rel) != n) {
         return;
     }
     cs_worker *worker = model->worker;
@@ -367,6 +372,12 @@ cs_model_decref(cs_model *model)
     free(model);
     atomic_fetch_sub_explicit(&live_models, 1, memory_order_relaxed);
     cs_worker_decref(worker);
+}
+
+void
+cs_model_decref(cs_model *model)
+{
+    model_decref_by(model, 1);
 }
 
 const char *
@@ -477,6 +488,8 @@ table_grow(cs_worker *w)
     if (w->capacity && (w->count + 1) * 2 <= w->capacity) {
         capacity = w->capacity;
     }
+    /* An array of pointers: sizeof(cs_model *) is meant. */
+    /* NOLINTNEXTLINE(bugprone-sizeof-expression) */
     cs_model **slots = calloc(capacity, sizeof(*slots));
     if (slots == NULL) {
         return CS_ERR_NOMEM;
@@ -873,8 +886,7 @@ cs_worker_register_model(cs_worker *worker, uint64_t generation,
     if (status != CS_OK) {
         /* Both references go; m was never visible to anyone. */
         cs_mutex_unlock(&worker->lock);
-        cs_model_decref(m);
-        cs_model_decref(m);
+        model_decref_by(m, 2);
         drop_models(taken, n_taken);
         return status;
     }
@@ -897,8 +909,8 @@ cs_model_release_handle(cs_model *model)
         table_ref = table_remove(w, model);
     }
     cs_mutex_unlock(&w->lock);
-    cs_model_decref(table_ref);
-    cs_model_decref(model);
+    /* The table's reference (when it went) and the handle's, at once. */
+    model_decref_by(model, table_ref == model ? 2 : 1);
 }
 
 cs_model *
@@ -1149,8 +1161,11 @@ cs_ledger_add_worker(cs_ledger *ledger, uint64_t generation)
     cs_mutex_lock(&ledger->lock);
     if (ledger->count == ledger->capacity) {
         size_t capacity = ledger->capacity ? ledger->capacity * 2 : 4;
+        /* An array of pointers: sizeof(cs_worker *) is meant. */
+        /* NOLINTBEGIN(bugprone-sizeof-expression) */
         cs_worker **grown =
             realloc(ledger->workers, capacity * sizeof(*grown));
+        /* NOLINTEND(bugprone-sizeof-expression) */
         if (grown == NULL) {
             cs_mutex_unlock(&ledger->lock);
             cs_worker_decref(w);

@@ -2157,7 +2157,8 @@ apply_residency(PyObject *module, PyObject *args)
     if (cs_census_snapshot_take(state, census, &snapshot) < 0) {
         goto done;
     }
-    targets = PyMem_Calloc((size_t)snapshot.n + 1, sizeof(*targets));
+    targets = PyMem_Calloc((size_t)snapshot.n + 1,
+                           sizeof(StandInObject *));
     if (targets == NULL) {
         PyErr_NoMemory();
         goto done;
