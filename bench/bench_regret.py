@@ -52,6 +52,7 @@ import contextlib
 import gc
 import importlib
 import math
+import os
 import random
 import re
 import sys
@@ -212,9 +213,17 @@ HOSTS = [("clip", 3 * GiB // 2), ("vae", GiB // 2)]
 class Run:
     """One scenario in one mode: fresh mock, fresh workers and boards."""
 
-    def __init__(self, mode: str, comfy_env: Any = None) -> None:
+    def __init__(
+        self,
+        mode: str,
+        comfy_env: Any = None,
+        state_sync: Any = None,
+        heartbeat_limit: float = 3600.0,
+    ) -> None:
         self.mode = mode
         self.comfy_env = comfy_env
+        self.state_sync = state_sync
+        self.heartbeat_limit = heartbeat_limit
         mm.reset(total=TOTAL)
         self.card = mm.sim.card()
         self.card.strict = False  # the workers' bytes are synced in
@@ -234,7 +243,9 @@ class Run:
 
     def start(self) -> None:
         for name, specs in WORKERS.items():
-            board = Board.create(8, generation=1, heartbeat_limit=3600.0)
+            board = Board.create(
+                8, generation=1, heartbeat_limit=self.heartbeat_limit
+            )
             self.boards.append(board)
             worker = Worker(name, board)
             self.workers[name] = worker
@@ -376,6 +387,22 @@ class Run:
         if worker.is_alive():
             worker.send_command("refuse", on=on)
         (self.refusing.add if on else self.refusing.discard)(worker_name)
+
+    def census(self, worker_name: str) -> None:
+        """The worker's census at the end of its call (comfy-env's
+        ``_vram_report``) reaches the stand-ins."""
+        worker = self.workers[worker_name]
+        report = worker.send_command("report")["_vram_report"]
+        if self.mode == "comfy-env":
+            mine = {
+                m.name: m.patcher
+                for m in self.models.values()
+                if m.worker == worker_name
+            }
+            with worker._mem_lock:
+                self.state_sync.apply_residency(mine, report["residency"])
+        else:
+            self.pool.report(worker, report)
 
     def boundary(self) -> None:
         """A node boundary: ours put back what a refusing worker kept;
@@ -533,8 +560,11 @@ def _setup() -> list[Step]:
 
 
 def scenario_paging_in() -> list[Step]:
-    """B/unet pages itself in during a call (the receipt says 0.5 GiB);
-    then A/unet pages in while free_memory is running."""
+    """B/unet pages itself in to 3 GiB during a call; its receipt still
+    says 0.5 GiB, so receipts sort it as mostly offloaded, take it first
+    and, asked for more than that 0.5 GiB, detach all 3 GiB where the
+    oracle took 1 GiB of other models.  Then A/unet pages in while free_memory
+    runs (after the sort)."""
     return [
         *_setup(),
         ("page", "B/unet", 3 * GiB),
@@ -547,8 +577,9 @@ def scenario_paging_in() -> list[Step]:
 
 def scenario_paging_out() -> list[Step]:
     """A/unet is fully loaded per its receipt, then pages itself down to
-    0.5 GiB in a call; free_memory comes; then C/clip pages out while
-    free_memory is running."""
+    0.5 GiB in a call: receipts sort it last and take another model
+    instead of the 0.5 GiB the oracle takes first.  Then C/clip pages
+    out while free_memory runs."""
     return [
         *_setup(),
         ("load", "A/unet", 4 * GiB),
@@ -560,7 +591,10 @@ def scenario_paging_out() -> list[Step]:
 
 
 def scenario_killed() -> list[Step]:
-    """B is killed between two passes, then C in the middle of one."""
+    """B is killed between two passes, then C in the middle of one.  A
+    dead worker's bytes are back on the card before memory_to_free is
+    computed, and it frees nothing wherever it sorts, so the order of
+    the others is unchanged: no regret in any column."""
     return [
         *_setup(),
         ("page", "B/unet", 2 * GiB),
@@ -572,8 +606,11 @@ def scenario_killed() -> list[Step]:
 
 
 def scenario_refusing() -> list[Step]:
-    """A refuses (its lock is busy), then A starts refusing in the middle
-    of a pass; then it answers again after a boundary."""
+    """A refuses (its lock is busy), then starts refusing in the middle
+    of a pass, then answers again after a boundary.  A refusing worker
+    frees nothing whoever asks and ComfyUI moves on to the next
+    candidate; the boundary lists the model again, so the next pass
+    can take it."""
     return [
         *_setup(),
         ("load", "A/unet", 4 * GiB),
@@ -588,9 +625,43 @@ def scenario_refusing() -> list[Step]:
     ]
 
 
+def scenario_stale() -> list[Step]:
+    """B pages its unet in during a call that ends with no census, then
+    is quiet longer than its board's heartbeat limit (0.2 s here): the
+    board reads stale, the stand-in falls back to its receipt, and
+    boards regret exactly what receipts do.  A live pager publishes on
+    every change, so its board goes stale only when it is idle, which is
+    when a census at the end of its call has made the receipt right."""
+    return [
+        ("heartbeat_limit", 0.2),
+        *_setup(),
+        ("page", "B/unet", 3 * GiB),
+        ("wait", 0.3),
+        ("free", 2 * GiB, {}),
+    ]
+
+
+def scenario_census() -> list[Step]:
+    """As "board gone stale", but B's call ends with a census (the
+    `_vram_report` comfy-env's worker sends at a node boundary): every
+    receipt is right again, no regret in any column."""
+    return [
+        ("heartbeat_limit", 0.2),
+        *_setup(),
+        ("page", "B/unet", 3 * GiB),
+        ("census", "B"),
+        ("wait", 0.3),
+        ("free", 2 * GiB, {}),
+    ]
+
+
 def scenario_random(seed: int, steps: int = 10) -> list[Step]:
     """Seeded: pages in and out between and during passes, boundaries,
-    reloads; no kill (one per scenario above is enough)."""
+    reloads, no census.  Receipts' regret here is a model that paged
+    itself in with no message: its receipt is behind, so it sorts too
+    early and is detached whole (excess); or its receipt says 0 (it was
+    evicted, then paged back in), so the stand-in skips the detach as if
+    nothing were loaded and the pass ends short."""
     rng = random.Random(seed)
     names = [i for specs in WORKERS.values() for i, _, _ in specs]
     sizes = {i: s for specs in WORKERS.values() for i, s, _ in specs}
@@ -628,6 +699,8 @@ def scenarios(smoke: bool = False) -> dict[str, Callable[[], list[Step]]]:
         "paging out": scenario_paging_out,
         "worker killed": scenario_killed,
         "worker refusing": scenario_refusing,
+        "board gone stale": scenario_stale,
+        "census at call end": scenario_census,
     }
     for seed in RANDOM_SEEDS:
         out[f"random, seed {seed}"] = (
@@ -636,10 +709,19 @@ def scenarios(smoke: bool = False) -> dict[str, Callable[[], list[Step]]]:
     return out
 
 
-def run_scenario(name: str, steps: list[Step], mode: str,
-                 comfy_env: Any = None) -> ScenarioResult:
+def run_scenario(
+    name: str,
+    steps: list[Step],
+    mode: str,
+    comfy_env: Any = None,
+    state_sync: Any = None,
+) -> ScenarioResult:
     result = ScenarioResult(name, mode)
-    run = Run(mode, comfy_env)
+    limit = 3600.0
+    if steps and steps[0][0] == "heartbeat_limit":
+        limit = steps[0][1]
+        steps = steps[1:]
+    run = Run(mode, comfy_env, state_sync, limit)
     try:
         run.start()
         for step in steps:
@@ -652,6 +734,10 @@ def run_scenario(name: str, steps: list[Step], mode: str,
                 result.passes.append(run.free(step[1], step[2]))
             elif what == "boundary":
                 run.boundary()
+            elif what == "census":
+                run.census(step[1])
+            elif what == "wait":
+                time.sleep(step[1])
             elif what == "kill":
                 run.kill(step[1])
             elif what == "refuse":
@@ -666,7 +752,7 @@ def run_scenario(name: str, steps: list[Step], mode: str,
 
 
 def measure_regret(smoke: bool = False, progress=None):
-    patcher_type, _, label = load_comfy_env()
+    patcher_type, state_sync, label = load_comfy_env()
     modes = [m for m in MODES if m != "comfy-env" or patcher_type]
     results: list[ScenarioResult] = []
     for name, make in scenarios(smoke).items():
@@ -674,7 +760,9 @@ def measure_regret(smoke: bool = False, progress=None):
         for mode in modes:
             if progress:
                 progress(f"regret: {name}, {mode}")
-            results.append(run_scenario(name, steps, mode, patcher_type))
+            results.append(
+                run_scenario(name, steps, mode, patcher_type, state_sync)
+            )
     missing = None if patcher_type else label
     return results, missing, label
 
@@ -759,7 +847,7 @@ def _entries(objects: list) -> list:
     return entries
 
 
-def measure_pass(sizes=PASS_SIZES, rounds: int = 5, min_batch=0.02,
+def measure_pass(sizes=PASS_SIZES, rounds: int = 9, min_batch=0.05,
                  progress=None):
     """{impl: {n: seconds per pass}}: free_memory(0) over n entries."""
     impls = _pass_impls()
@@ -918,6 +1006,13 @@ def slope(points: dict[int, float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / den
 
 
+def marginal(points: dict[int, float]) -> tuple[float, float]:
+    """Between the two largest N: (ns per added candidate, exponent)."""
+    lo, hi = sorted(points)[-2:]
+    per = (points[hi] - points[lo]) / (hi - lo) * 1e9
+    return per, math.log(points[hi] / points[lo]) / math.log(hi / lo)
+
+
 def plot(results, timings) -> str | None:
     """Write the two PNGs; None, or why not."""
     try:
@@ -930,8 +1025,11 @@ def plot(results, timings) -> str | None:
             f"matplotlib is missing ({type(exc).__name__}: {exc}); "
             f"pip install matplotlib to get the plots"
         )
-    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=80)
+    fig, (ax, per) = plt.subplots(1, 2, figsize=(9.6, 4.2), dpi=80)
     for name, points in timings.items():
+        ns = sorted(points)
+        per.plot(ns, [points[n] / n * 1e9 for n in ns], marker="o",
+                 label=name)
         ns = sorted(points)
         ax.plot(ns, [points[n] * 1e6 for n in ns], marker="o",
                 label=f"{name} (slope {slope(points):.2f})")
@@ -939,9 +1037,16 @@ def plot(results, timings) -> str | None:
     ax.set_yscale("log")
     ax.set_xlabel("N registered models")
     ax.set_ylabel("us per free_memory pass")
-    ax.set_title("One free_memory pass (no eviction), mock ComfyUI")
+    ax.set_title("time per pass")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
+    per.set_xscale("log")
+    per.set_ylim(bottom=0)
+    per.set_xlabel("N registered models")
+    per.set_ylabel("ns per candidate (flat: linear)")
+    per.set_title("time per candidate")
+    per.grid(True, which="both", alpha=0.3)
+    fig.suptitle("One free_memory pass (no eviction), mock ComfyUI")
     fig.tight_layout()
     fig.savefig(PASS_PNG)
     plt.close(fig)
@@ -974,6 +1079,11 @@ def plot(results, timings) -> str | None:
 def format_section(results, missing, label, timings, plot_note, command,
                    seconds) -> str:
     slopes = ", ".join(f"{n} {slope(p):.2f}" for n, p in timings.items())
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    margins = ", ".join(
+        f"{n} {marginal(p)[0]:,.0f} ns, {marginal(p)[1]:.2f}"
+        for n, p in timings.items()
+    )
     lines = [
         BEGIN_MARKER,
         f"Command: `{command}` (took {seconds:.0f} s). What the columns "
@@ -990,18 +1100,34 @@ def format_section(results, missing, label, timings, plot_note, command,
     if missing:
         lines += [f"comfy-env not run: {missing}", ""]
     lines += [regret_table(results), ""]
+    lines += ["Scenarios (what happens, and why a column regrets):", ""]
+    for name, make in scenarios().items():
+        if not name.startswith("random"):
+            doc = " ".join((make.__doc__ or "").split())
+            lines.append(f"- **{name}**: {doc}")
+    seeds = ", ".join(str(x) for x in RANDOM_SEEDS)
+    doc = " ".join((scenario_random.__doc__ or "").split())
+    lines.append(f"- **random, seeds {seeds}**: {doc}")
+    lines.append("")
     details = regret_details(results)
     if details:
         lines += ["Passes with regret:", "", details, ""]
     lines += [
         "One whole free_memory pass over N registered models that need no "
-        "eviction (filter, sort key, loop), best of 5 rounds, the "
+        "eviction (filter, sort key, loop), best of 9 rounds, the "
         "implementations taking turns; in brackets per candidate. "
         "`mock HostModel` is the mock's own model, the floor of the loop.",
         "",
         pass_table(timings),
         "",
-        f"Fitted exponent of time against N (1 is linear): {slopes}.",
+        f"Fitted exponent of time against N over all N (1 is linear; "
+        f"the fixed cost of a pass pulls it below 1): {slopes}. Between "
+        f"the two largest N, ns per added candidate and exponent: "
+        f"{margins}. "
+        f"Load average when the bench ended: {load} on {os.cpu_count()} "
+        "CPUs (a shared machine: the columns wobble from run to run, and "
+        "most of a candidate's cost is the loop itself, as the mock's own "
+        "model shows).",
         "",
     ]
     if plot_note:
@@ -1050,8 +1176,8 @@ def main(argv: list[str] | None = None) -> int:
     results, missing, label = measure_regret(args.smoke, progress)
     timings = measure_pass(
         SMOKE_PASS_SIZES if args.smoke else PASS_SIZES,
-        rounds=1 if args.smoke else 5,
-        min_batch=0.0 if args.smoke else 0.02,
+        rounds=1 if args.smoke else 9,
+        min_batch=0.0 if args.smoke else 0.05,
         progress=progress,
     )
     seconds = time.monotonic() - t0

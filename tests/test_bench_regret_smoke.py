@@ -3,11 +3,13 @@
 One scenario with real worker processes in each mode, and a free_memory
 pass over N = 1 and 16 stand-ins, no plot.  No time is asserted (speed is
 measured by running the bench, bench/README.md).  The regret figures are
-asserted where they hold by construction: the bench's truth for a worker
-model is what the worker publishes on its board, and the worker publishes
-before every reply, so a stand-in reading that board decides exactly as
-the oracle does; and in "paging in" B/unet's receipt (0.5 GiB) is 2.5 GiB
-behind what B paged in, so receipts alone must show regret.
+asserted where they hold by construction: the demo worker publishes each
+change on its board before it replies, and the scenario's boards cannot go
+stale (an hour's heartbeat limit), so a stand-in reading the board sees
+the same residency as the oracle (the worker's own report) at every
+decision and must decide as it does; and in "paging in" B/unet's receipt
+(0.5 GiB) is 2.5 GiB behind what B paged in, so receipts alone must show
+regret.
 """
 
 from __future__ import annotations
