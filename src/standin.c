@@ -38,19 +38,24 @@ typedef struct {
     PyObject *weakreflist;
 } ModuleObject;
 
+/* The size and generation live in the record.  The inner module and the
+ * sentinel are made on first use (ComfyUI reads `.model` in a few places
+ * only) and kept from then on, so every access returns the same object;
+ * until the module exists no device was assigned and no board attached,
+ * and the stand-in answers from the record and its own devices. */
 typedef struct {
     PyObject_HEAD
     cs_model *record;   /* a handle (cs_model_release_handle); immutable */
-    PyObject *module;   /* strong ModuleObject; immutable */
-    PyObject *worker;   /* strong; immutable */
+    PyObject *module;   /* strong ModuleObject, or NULL until first use */
+    PyObject *worker;   /* strong; immutable; NULL once GC-cleared */
     PyObject *pool;     /* strong; immutable */
     PyObject *books;    /* strong WorkerBooks; immutable */
     PyObject *model_id; /* strong str; immutable */
     PyObject *kind;     /* strong str; immutable */
-    PyObject *sentinel; /* strong SentinelObject; immutable */
-    uint64_t generation;
-    uint64_t size;
-    uint64_t bad_replies; /* GIL */
+    PyObject *sentinel; /* strong SentinelObject, or NULL until first use */
+    PyObject *load_device;    /* strong; immutable */
+    PyObject *offload_device; /* strong; immutable */
+    uint64_t bad_replies;     /* GIL */
     PyObject *weakreflist;
 } StandInObject;
 
@@ -472,8 +477,6 @@ standin_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
         *offload_device, *kind = NULL, *pool_arg = NULL;
     PyObject *pool = NULL, *ledger = NULL, *books = NULL, *r = NULL;
     StandInObject *self = NULL;
-    ModuleObject *module = NULL;
-    SentinelObject *sentinel = NULL;
     uint64_t generation, size;
     cs_model *record = NULL;
     Py_ssize_t id_len;
@@ -535,39 +538,14 @@ standin_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
         goto error;
     }
 
-    module = PyObject_GC_New(ModuleObject, state->module_type);
-    if (module == NULL) {
-        goto error;
-    }
-    cs_model_incref(record);
-    module->record = record;
-    module->load_device = Py_NewRef(load_device);
-    module->offload_device = Py_NewRef(offload_device);
-    module->device_assigned = NULL;
-    module->device_assigned_at = 0;
-    module->board = NULL;
-    module->board_slot = 0;
-    module->board_tag = 0;
-    module->weakreflist = NULL;
-    PyObject_GC_Track(module);
-
-    sentinel = PyObject_GC_New(SentinelObject, state->sentinel_type);
-    if (sentinel == NULL) {
-        goto error;
-    }
-    sentinel->model_id = Py_NewRef(model_id);
-    PyObject_GC_Track(sentinel);
-
     self = (StandInObject *)type->tp_alloc(type, 0);
     if (self == NULL) {
         goto error;
     }
     self->record = record;
     record = NULL;
-    self->module = (PyObject *)module;
-    module = NULL;
-    self->sentinel = (PyObject *)sentinel;
-    sentinel = NULL;
+    self->load_device = Py_NewRef(load_device);
+    self->offload_device = Py_NewRef(offload_device);
     self->worker = Py_NewRef(worker);
     self->pool = pool;
     pool = NULL;
@@ -576,8 +554,6 @@ standin_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     self->model_id = Py_NewRef(model_id);
     self->kind = kind;
     kind = NULL;
-    self->generation = generation;
-    self->size = size;
 
     /* The pool keeps the stand-in for its graveyard (docs/architecture.md). */
     r = PyObject_CallMethod(self->pool, "_adopt", "O", (PyObject *)self);
@@ -590,8 +566,6 @@ standin_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 
 error:
     Py_XDECREF(self);
-    Py_XDECREF(sentinel);
-    Py_XDECREF(module);
     if (record != NULL) {
         cs_model_release_handle(record);
     }
@@ -611,6 +585,8 @@ standin_traverse(StandInObject *self, visitproc visit, void *arg)
     Py_VISIT(self->pool);
     Py_VISIT(self->books);
     Py_VISIT(self->sentinel);
+    Py_VISIT(self->load_device);
+    Py_VISIT(self->offload_device);
     Py_VISIT(self->model_id);
     Py_VISIT(self->kind);
     return 0;
@@ -627,6 +603,8 @@ standin_clear(StandInObject *self)
     Py_CLEAR(self->pool);
     Py_CLEAR(self->books);
     Py_CLEAR(self->sentinel);
+    Py_CLEAR(self->load_device);
+    Py_CLEAR(self->offload_device);
     return 0;
 }
 
@@ -648,11 +626,74 @@ standin_dealloc(StandInObject *self)
     Py_DECREF(tp);
 }
 
-/* A cleared (GC) stand-in has no module; every method guards on it. */
+/* The module if it was made, else NULL: no device was assigned and no
+ * board attached yet.  Readers answer from the record then. */
 static ModuleObject *
 standin_module(StandInObject *self)
 {
     return (ModuleObject *)self->module;
+}
+
+/* The module, made on first use; a new reference.  None for a GC-cleared
+ * stand-in (worker NULL), NULL with an exception on failure.  Allocation
+ * may run the collector, which may run Python that makes the module
+ * first or clears this stand-in: whoever made it first wins. */
+static PyObject *
+standin_module_get(StandInObject *self)
+{
+    if (self->module != NULL) {
+        return Py_NewRef(self->module);
+    }
+    if (self->worker == NULL) {
+        Py_RETURN_NONE;
+    }
+    cs_module_state *state = state_of((PyObject *)self);
+    ModuleObject *m = PyObject_GC_New(ModuleObject, state->module_type);
+    if (m == NULL) {
+        return NULL;
+    }
+    cs_model_incref(self->record);
+    m->record = self->record;
+    m->load_device = Py_XNewRef(self->load_device);
+    m->offload_device = Py_XNewRef(self->offload_device);
+    m->device_assigned = NULL;
+    m->device_assigned_at = 0;
+    m->board = NULL;
+    m->board_slot = 0;
+    m->board_tag = 0;
+    m->weakreflist = NULL;
+    PyObject_GC_Track(m);
+    if (self->module != NULL || self->worker == NULL) {
+        Py_DECREF(m);
+        return Py_NewRef(self->module ? self->module : Py_None);
+    }
+    self->module = Py_NewRef((PyObject *)m);
+    return (PyObject *)m;
+}
+
+/* The clone_base_uuid sentinel, made on first use; as standin_module_get. */
+static PyObject *
+standin_sentinel_get(StandInObject *self)
+{
+    if (self->sentinel != NULL) {
+        return Py_NewRef(self->sentinel);
+    }
+    if (self->worker == NULL) {
+        Py_RETURN_NONE;
+    }
+    cs_module_state *state = state_of((PyObject *)self);
+    SentinelObject *o = PyObject_GC_New(SentinelObject, state->sentinel_type);
+    if (o == NULL) {
+        return NULL;
+    }
+    o->model_id = Py_XNewRef(self->model_id);
+    PyObject_GC_Track(o);
+    if (self->sentinel != NULL || self->worker == NULL) {
+        Py_DECREF(o);
+        return Py_NewRef(self->sentinel ? self->sentinel : Py_None);
+    }
+    self->sentinel = Py_NewRef((PyObject *)o);
+    return (PyObject *)o;
 }
 
 /* ---- StandIn: what ComfyUI reads --------------------------------------- */
@@ -667,7 +708,7 @@ standin_loaded(StandInObject *self)
 static PyObject *
 standin_model_size(StandInObject *self, PyObject *unused)
 {
-    return PyLong_FromUnsignedLongLong(self->size);
+    return PyLong_FromUnsignedLongLong(cs_model_size(self->record));
 }
 
 static PyObject *
@@ -680,10 +721,16 @@ static PyObject *
 standin_current_loaded_device(StandInObject *self, PyObject *unused)
 {
     ModuleObject *m = standin_module(self);
-    if (m == NULL) {
-        Py_RETURN_NONE;
+    if (m != NULL) {
+        return module_device(m);
     }
-    return module_device(m);
+    if (self->worker == NULL) {
+        Py_RETURN_NONE; /* GC-cleared */
+    }
+    PyObject *device = cs_model_loaded(self->record) > 0
+                           ? self->load_device
+                           : self->offload_device;
+    return Py_NewRef(device != NULL ? device : Py_None);
 }
 
 static PyObject *
@@ -701,7 +748,9 @@ standin_is_clone(StandInObject *self, PyObject *other)
         Py_RETURN_FALSE;
     }
     StandInObject *o = (StandInObject *)other;
-    if (o->worker != self->worker || o->generation != self->generation) {
+    if (o->worker != self->worker ||
+        cs_model_generation(o->record) !=
+            cs_model_generation(self->record)) {
         Py_RETURN_FALSE;
     }
     int eq = PyUnicode_Compare(o->model_id, self->model_id);
@@ -1165,8 +1214,8 @@ decode_reply(StandInObject *self, PyObject *reply, const char *command,
         return -1;
     }
     if (required != NULL) {
-        r = reply_bytes(state, reply, required, command, self->size,
-                        required_value);
+        r = reply_bytes(state, reply, required, command,
+                        cs_model_size(self->record), required_value);
         if (r < 0) {
             return -1;
         }
@@ -1178,8 +1227,8 @@ decode_reply(StandInObject *self, PyObject *reply, const char *command,
         }
     }
     if (other != NULL) {
-        r = reply_bytes(state, reply, other, command, self->size,
-                        other_value);
+        r = reply_bytes(state, reply, other, command,
+                        cs_model_size(self->record), other_value);
         if (r < 0) {
             return -1;
         }
@@ -1203,7 +1252,8 @@ gone_error(StandInObject *self, PyObject *cause)
     PyObject *message = PyUnicode_FromFormat(
         "the worker of model %R (generation %llu) died or restarted; the "
         "model is no longer available: reload the node that loaded it.",
-        self->model_id, (unsigned long long)self->generation);
+        self->model_id,
+        (unsigned long long)cs_model_generation(self->record));
     if (message == NULL) {
         return NULL;
     }
@@ -1253,11 +1303,11 @@ standin_partially_load(StandInObject *self, PyObject *args, PyObject *kwargs)
         }
         return gone_error(self, NULL);
     }
-    if (self->size == 0) {
+    if (cs_model_size(self->record) == 0) {
         return PyLong_FromLong(0);
     }
     uint64_t before = standin_loaded(self);
-    if (requested_bytes(extra, self->size, &want) < 0) {
+    if (requested_bytes(extra, cs_model_size(self->record), &want) < 0) {
         return NULL;
     }
     want_obj = PyLong_FromUnsignedLongLong(want);
@@ -1305,8 +1355,8 @@ standin_partially_load(StandInObject *self, PyObject *args, PyObject *kwargs)
     if (!has_resident) {
         /* An older worker: derive it. */
         resident = before + loaded;
-        if (resident < before || resident > self->size) {
-            resident = self->size;
+        if (resident < before || resident > cs_model_size(self->record)) {
+            resident = cs_model_size(self->record);
         }
     }
     (void)cs_model_apply_echo(self->record, resident, seq,
@@ -1498,7 +1548,7 @@ detach_body(StandInObject *self)
         (void)standin_worker_gone(self);
         return;
     }
-    offload = standin_module(self)->offload_device;
+    offload = self->offload_device;
     device_str = PyObject_Str(offload != NULL ? offload : Py_None);
     if (device_str == NULL) {
         return;
@@ -1575,8 +1625,8 @@ standin_detach(StandInObject *self, PyObject *args, PyObject *kwargs)
     /* Never raises an Exception (runs inside free_memory); its arguments
      * (unpatch_all, unpatch_weights) mean nothing for a worker-held model
      * and are ignored, whatever they are.  Returns the inner module. */
-    if (self->module == NULL) {
-        Py_RETURN_NONE;
+    if (self->worker == NULL) {
+        Py_RETURN_NONE; /* GC-cleared */
     }
     detach_body(self);
     if (PyErr_Occurred()) {
@@ -1589,7 +1639,12 @@ standin_detach(StandInObject *self, PyObject *args, PyObject *kwargs)
                        self->model_id, cause);
         Py_DECREF(cause);
     }
-    return Py_NewRef(self->module);
+    PyObject *module = standin_module_get(self);
+    if (module == NULL && PyErr_ExceptionMatches(PyExc_Exception)) {
+        PyErr_Clear(); /* never raises an Exception: None, as if cleared */
+        Py_RETURN_NONE;
+    }
+    return module;
 }
 
 /* ---- StandIn: the live residency board --------------------------------- */
@@ -1598,8 +1653,8 @@ static PyObject *
 standin_attach_board(StandInObject *self, PyObject *args, PyObject *kwargs)
 {
     static char *keywords[] = {"board", "slot", NULL};
-    PyObject *board_obj, *slot_obj = Py_None;
-    ModuleObject *m = standin_module(self);
+    PyObject *board_obj, *slot_obj = Py_None, *module;
+    ModuleObject *m;
     uint32_t slot = 0;
     uint64_t tag = 0;
     size_t id_len;
@@ -1609,7 +1664,7 @@ standin_attach_board(StandInObject *self, PyObject *args, PyObject *kwargs)
                                      keywords, &board_obj, &slot_obj)) {
         return NULL;
     }
-    if (m == NULL) {
+    if (self->worker == NULL) {
         PyErr_SetString(PyExc_ValueError, "attach_board: stand-in cleared");
         return NULL;
     }
@@ -1617,12 +1672,24 @@ standin_attach_board(StandInObject *self, PyObject *args, PyObject *kwargs)
      * given to another model has a new tag, so this stand-in never reads
      * that model's bytes. */
     if (cs_board_attach_model(board_obj, self->model_id, id, id_len,
-                              self->size, slot_obj, &slot, &tag) < 0) {
+                              cs_model_size(self->record), slot_obj, &slot,
+                              &tag) < 0) {
         return NULL;
     }
+    module = standin_module_get(self); /* the board is read through it */
+    if (module == NULL) {
+        return NULL;
+    }
+    if (module == Py_None) {
+        Py_DECREF(module);
+        PyErr_SetString(PyExc_ValueError, "attach_board: stand-in cleared");
+        return NULL;
+    }
+    m = (ModuleObject *)module;
     Py_XSETREF(m->board, Py_NewRef(board_obj));
     m->board_slot = slot;
     m->board_tag = tag;
+    Py_DECREF(module);
     return PyLong_FromUnsignedLong(slot);
 }
 
@@ -1651,33 +1718,31 @@ standin_get_board(StandInObject *self, void *closure)
 static PyObject *
 standin_get_load_device(StandInObject *self, void *closure)
 {
-    ModuleObject *m = standin_module(self);
-    return Py_NewRef(m && m->load_device ? m->load_device : Py_None);
+    return Py_NewRef(self->load_device ? self->load_device : Py_None);
 }
 
 static PyObject *
 standin_get_offload_device(StandInObject *self, void *closure)
 {
-    ModuleObject *m = standin_module(self);
-    return Py_NewRef(m && m->offload_device ? m->offload_device : Py_None);
+    return Py_NewRef(self->offload_device ? self->offload_device : Py_None);
 }
 
 static PyObject *
 standin_get_model(StandInObject *self, void *closure)
 {
-    return Py_NewRef(self->module ? self->module : Py_None);
+    return standin_module_get(self);
 }
 
 static PyObject *
 standin_get_sentinel(StandInObject *self, void *closure)
 {
-    return Py_NewRef(self->sentinel ? self->sentinel : Py_None);
+    return standin_sentinel_get(self);
 }
 
 static PyObject *
 standin_get_size(StandInObject *self, void *closure)
 {
-    return PyLong_FromUnsignedLongLong(self->size);
+    return PyLong_FromUnsignedLongLong(cs_model_size(self->record));
 }
 
 static PyObject *
@@ -1695,7 +1760,7 @@ standin_get_pool(StandInObject *self, void *closure)
 static PyObject *
 standin_get_generation(StandInObject *self, void *closure)
 {
-    return PyLong_FromUnsignedLongLong(self->generation);
+    return PyLong_FromUnsignedLongLong(cs_model_generation(self->record));
 }
 
 static PyObject *
@@ -1773,9 +1838,10 @@ standin_repr(StandInObject *self)
     return PyUnicode_FromFormat(
         "<StandIn %R (%U) of worker generation %llu: %llu of %llu bytes "
         "loaded%s>",
-        self->model_id, self->kind, (unsigned long long)self->generation,
+        self->model_id, self->kind,
+        (unsigned long long)cs_model_generation(self->record),
         (unsigned long long)standin_loaded(self),
-        (unsigned long long)self->size,
+        (unsigned long long)cs_model_size(self->record),
         cs_model_stale(self->record) ? ", stale" : "");
 }
 
@@ -1991,10 +2057,10 @@ apply_echo(PyObject *module, PyObject *args, PyObject *kwargs)
         return NULL;
     }
     cs_module_state *state = cs_state_of_module(module);
-    code = cs_value_check(resident_obj, s->size, &resident);
+    code = cs_value_check(resident_obj, cs_model_size(s->record), &resident);
     if (code != 0) {
         return cs_value_error(state->echo_error, code, "resident",
-                              resident_obj, s->size),
+                              resident_obj, cs_model_size(s->record)),
                NULL;
     }
     if (seq_obj != Py_None) {

@@ -1,0 +1,142 @@
+"""Bytes per stand-in: the C type, the pure-Python reference and comfy-env's
+own ``SubprocessModelPatcher``, side by side in one run.
+
+Each figure comes from a fresh interpreter per implementation and per
+method, making N stand-ins (default 100,000; MODELS_PER_WORKER per worker)
+over one pool:
+
+- tracemalloc: Python allocations while making them (blind to the C
+  core's malloc, i.e. the ledger record of the C type);
+- RSS: resident set growth while making them, tracemalloc off (sees
+  everything, the ledger record included; page-granular, so only
+  meaningful for large N).
+
+Model id strings, workers and the pool are made before either measurement
+starts, so an id's own bytes are not counted.  The figure that counts is
+the larger of the two (issue budget: 250 bytes per stand-in).
+
+    python bench/bench_memory.py            # print the table
+    python bench/bench_memory.py -n 20000   # fewer stand-ins
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_standin as bs  # noqa: E402
+
+METHODS = ("tracemalloc", "rss")
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def child(impl_name: str, method: str, n: int) -> float:
+    """Bytes per stand-in for one implementation, one method."""
+    impls, _ = bs.load_impls()
+    (impl,) = [i for i in impls if i.name == impl_name]
+    pool = impl.new_pool()
+    per = bs.MODELS_PER_WORKER
+    workers = [bs.Worker(f"w{i}") for i in range(-(-n // per))]
+    ids = [f"model-{i}" for i in range(n)]
+    keep: list[Any] = [None] * n
+    # first-call allocations (type caches, code paths) are not per stand-in
+    warm = [
+        impl.make(impl.new_pool(), bs.Worker("warm"), f"warm-{i}")
+        for i in range(per)
+    ]
+    del warm
+    gc.collect()
+    gc.disable()
+    make = impl.make
+    if method == "tracemalloc":
+        tracemalloc.start()
+        t0, _ = tracemalloc.get_traced_memory()
+        for i in range(n):
+            keep[i] = make(pool, workers[i // per], ids[i])
+        t1, _ = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        delta = t1 - t0
+    else:
+        r0 = _rss_bytes()
+        for i in range(n):
+            keep[i] = make(pool, workers[i // per], ids[i])
+        delta = _rss_bytes() - r0
+    gc.enable()
+    return delta / n
+
+
+def measure(n: int) -> tuple[dict[str, dict[str, float]], str | None]:
+    impls, missing = bs.load_impls()
+    out: dict[str, dict[str, float]] = {}
+    for impl in impls:
+        for method in METHODS:
+            cmd = [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--child",
+                impl.name,
+                method,
+                str(n),
+            ]
+            done = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=600, check=False
+            )
+            if done.returncode != 0:
+                raise RuntimeError(
+                    f"child {impl.name}/{method} failed:\n{done.stderr}"
+                )
+            value = json.loads(done.stdout.strip().splitlines()[-1])
+            out.setdefault(impl.name, {})[method] = value
+        out[impl.name]["max"] = max(out[impl.name][m] for m in METHODS)
+    return out, missing
+
+
+def format_table(results: dict[str, dict[str, float]], n: int) -> str:
+    names = list(results)
+    lines = [
+        f"bytes per stand-in over {n:,} stand-ins "
+        f"({bs.MODELS_PER_WORKER} per worker; model ids not counted)",
+        "",
+        "| bytes per stand-in | " + " | ".join(names) + " |",
+        "|---|" + "---:|" * len(names),
+    ]
+    for row in (*METHODS, "max"):
+        label = {"max": "**larger of the two**", "rss": "RSS delta"}.get(
+            row, row
+        )
+        cells = " | ".join(f"{results[name][row]:.0f}" for name in names)
+        lines.append(f"| {label} | {cells} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-n", type=int, default=100_000)
+    parser.add_argument("--child", nargs=3, metavar=("IMPL", "METHOD", "N"))
+    args = parser.parse_args(argv)
+    if args.child:
+        name, method, count = args.child
+        print(json.dumps(child(name, method, int(count))))
+        return 0
+    results, missing = measure(args.n)
+    print(format_table(results, args.n))
+    if missing:
+        print(f"\ncomfy-env absent: {missing}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
