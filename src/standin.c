@@ -5,9 +5,9 @@
  *
  * Thread safety: the receipt lives in the C core (seqlock; any thread).
  * The PyObject fields below are immutable after construction except
- * ModuleObject.device_assigned and StandInObject.bad_replies, which are
- * touched only with the GIL held (this module does not claim free-threading
- * support).
+ * ModuleObject.device_assigned, StandInObject.module and .sentinel (made
+ * on first use) and the roster links, which are touched only with the GIL
+ * held (this module does not claim free-threading support).
  */
 #include "binding.h"
 
@@ -43,21 +43,35 @@ typedef struct {
  * only) and kept from then on, so every access returns the same object;
  * until the module exists no device was assigned and no board attached,
  * and the stand-in answers from the record and its own devices. */
+typedef struct StandInObject StandInObject;
+
+/* A pool's roster of one worker's stand-ins (the pool's `_adopted` entry):
+ * an intrusive list through the stand-ins, each of which holds its roster
+ * strongly and leaves the list when it is cleared or freed, so the roster
+ * lists live stand-ins only, as a weak set would, without a weak reference
+ * per stand-in.  Touched with the GIL held only, by code that runs no
+ * Python while it walks or edits the list. */
 typedef struct {
+    PyObject_HEAD
+    StandInObject *head, *tail; /* borrowed; in adoption order */
+    Py_ssize_t count;
+} RosterObject;
+
+struct StandInObject {
     PyObject_HEAD
     cs_model *record;   /* a handle (cs_model_release_handle); immutable */
     PyObject *module;   /* strong ModuleObject, or NULL until first use */
     PyObject *worker;   /* strong; immutable; NULL once GC-cleared */
     PyObject *pool;     /* strong; immutable */
-    PyObject *books;    /* strong WorkerBooks; immutable */
     PyObject *model_id; /* strong str; immutable */
     PyObject *kind;     /* strong str; immutable */
     PyObject *sentinel; /* strong SentinelObject, or NULL until first use */
     PyObject *load_device;    /* strong; immutable */
     PyObject *offload_device; /* strong; immutable */
-    uint64_t bad_replies;     /* GIL */
     PyObject *weakreflist;
-} StandInObject;
+    RosterObject *roster; /* strong while listed, else NULL; GIL */
+    StandInObject *roster_prev, *roster_next; /* borrowed; GIL */
+};
 
 static inline cs_module_state *
 state_of(PyObject *self)
@@ -402,6 +416,229 @@ static PyType_Spec module_spec = {
     .slots = module_slots,
 };
 
+/* ---- the pool's roster ------------------------------------------------ */
+
+static PyObject *str_adopted; /* "_adopted", interned at module exec */
+static PyObject *str_ledger;  /* "_ledger" */
+static PyObject *str_adopt;   /* "_adopt" */
+
+static void
+roster_link(RosterObject *roster, StandInObject *s)
+{
+    s->roster = (RosterObject *)Py_NewRef((PyObject *)roster);
+    s->roster_prev = roster->tail;
+    s->roster_next = NULL;
+    if (roster->tail != NULL) {
+        roster->tail->roster_next = s;
+    }
+    else {
+        roster->head = s;
+    }
+    roster->tail = s;
+    roster->count++;
+}
+
+static void
+roster_unlink(StandInObject *s)
+{
+    RosterObject *roster = s->roster;
+    if (roster == NULL) {
+        return;
+    }
+    if (s->roster_prev != NULL) {
+        s->roster_prev->roster_next = s->roster_next;
+    }
+    else {
+        roster->head = s->roster_next;
+    }
+    if (s->roster_next != NULL) {
+        s->roster_next->roster_prev = s->roster_prev;
+    }
+    else {
+        roster->tail = s->roster_prev;
+    }
+    roster->count--;
+    s->roster = NULL;
+    s->roster_prev = s->roster_next = NULL;
+    Py_DECREF(roster);
+}
+
+static void roster_dealloc(RosterObject *self);
+
+static int
+is_roster(PyObject *obj)
+{
+    return Py_TYPE(obj)->tp_dealloc == (destructor)roster_dealloc;
+}
+
+static PyObject *
+roster_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    if (PyTuple_GET_SIZE(args) != 0 ||
+        (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "_Roster() takes no arguments");
+        return NULL;
+    }
+    RosterObject *self = (RosterObject *)type->tp_alloc(type, 0);
+    if (self != NULL) {
+        self->head = self->tail = NULL;
+        self->count = 0;
+    }
+    return (PyObject *)self;
+}
+
+static void
+roster_dealloc(RosterObject *self)
+{
+    /* Every listed stand-in holds the roster: none is left here. */
+    PyTypeObject *tp = Py_TYPE(self);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+static Py_ssize_t
+roster_len(RosterObject *self)
+{
+    return self->count;
+}
+
+/* A snapshot: the list of stand-ins listed now, strongly. */
+static PyObject *
+roster_iter(RosterObject *self)
+{
+    PyObject *list = PyList_New(self->count);
+    if (list == NULL) {
+        return NULL;
+    }
+    Py_ssize_t i = 0;
+    for (StandInObject *s = self->head; s != NULL; s = s->roster_next) {
+        PyList_SET_ITEM(list, i++, Py_NewRef((PyObject *)s));
+    }
+    PyObject *it = PyObject_GetIter(list);
+    Py_DECREF(list);
+    return it;
+}
+
+static PyTypeObject *standin_type_of_roster(PyObject *roster);
+
+static PyObject *
+roster_add(RosterObject *self, PyObject *standin)
+{
+    PyTypeObject *tp = standin_type_of_roster((PyObject *)self);
+    if (tp == NULL) {
+        return NULL;
+    }
+    if (!PyObject_TypeCheck(standin, tp)) {
+        PyErr_Format(PyExc_TypeError, "_Roster.add: expected a StandIn, "
+                     "got %R", standin);
+        return NULL;
+    }
+    StandInObject *s = (StandInObject *)standin;
+    if (s->roster == NULL && s->worker != NULL) {
+        roster_link(self, s);
+    }
+    else if (s->roster != NULL && s->roster != self) {
+        PyErr_SetString(PyExc_ValueError,
+                        "_Roster.add: the stand-in is on another roster");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef roster_methods[] = {
+    {"add", (PyCFunction)roster_add, METH_O,
+     "add($self, standin, /)\n--\n\nLists the stand-in (idempotent)."},
+    {NULL},
+};
+
+static PyType_Slot roster_slots[] = {
+    {Py_tp_doc, "_Roster()\n--\n\nThe pool's list of one worker's live "
+                "stand-ins (C implementation): add(), len(), iter()."},
+    {Py_tp_new, roster_new},
+    {Py_tp_dealloc, roster_dealloc},
+    {Py_tp_iter, roster_iter},
+    {Py_sq_length, roster_len},
+    {Py_tp_methods, roster_methods},
+    {0, NULL},
+};
+
+static PyType_Spec roster_spec = {
+    .name = "comfy_standin._core._Roster",
+    .basicsize = sizeof(RosterObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = roster_slots,
+};
+
+static PyTypeObject *
+standin_type_of_roster(PyObject *roster)
+{
+    cs_module_state *state = state_of(roster);
+    if (state == NULL || state->standin_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "comfy_standin._core: the module was cleared");
+        return NULL;
+    }
+    return state->standin_type;
+}
+
+/* What Pool._adopt does, without running Python when the pool already has
+ * a roster for the stand-in's worker at this generation or a newer one
+ * (the common case): lists the stand-in there.  Returns 1 when done, 0
+ * when Pool._adopt must run, -1 with an exception.  Nothing called here
+ * runs Python (an exact dict, tuple and list, an int key), so the pool's
+ * lock is never needed: no other thread can run in between. */
+static int
+adopt_fast(StandInObject *self)
+{
+    PyObject *key = NULL, *slot, *gens;
+    int done = 0;
+
+    /* The only step that may run Python (a Pool subclass's descriptor). */
+    PyObject *adopted = PyObject_GetAttr(self->pool, str_adopted);
+    if (adopted == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+            return -1;
+        }
+        PyErr_Clear(); /* let Pool._adopt decide */
+        return 0;
+    }
+    if (!PyDict_CheckExact(adopted) || self->worker == NULL) {
+        Py_DECREF(adopted);
+        return 0;
+    }
+    key = PyLong_FromVoidPtr(self->worker);
+    if (key == NULL) {
+        Py_DECREF(adopted);
+        return -1;
+    }
+    slot = PyDict_GetItemWithError(adopted, key);
+    if (slot != NULL && PyTuple_CheckExact(slot) &&
+        PyTuple_GET_SIZE(slot) == 3 &&
+        PyTuple_GET_ITEM(slot, 0) == self->worker &&
+        is_roster(PyTuple_GET_ITEM(slot, 1)) &&
+        PyList_CheckExact(gens = PyTuple_GET_ITEM(slot, 2)) &&
+        PyList_GET_SIZE(gens) >= 1 &&
+        PyLong_CheckExact(PyList_GET_ITEM(gens, 0))) {
+        int overflow;
+        long long newest =
+            PyLong_AsLongLongAndOverflow(PyList_GET_ITEM(gens, 0), &overflow);
+        if (overflow == 0 && newest >= 0 && self->roster == NULL &&
+            cs_model_generation(self->record) <= (uint64_t)newest) {
+            roster_link((RosterObject *)PyTuple_GET_ITEM(slot, 1), self);
+            done = 1;
+        }
+    }
+    Py_DECREF(key);
+    Py_DECREF(adopted);
+    if (PyErr_Occurred()) {
+        if (done || !PyErr_ExceptionMatches(PyExc_Exception)) {
+            return done ? 1 : -1;
+        }
+        PyErr_Clear(); /* let Pool._adopt decide */
+    }
+    return done;
+}
+
 /* ---- StandIn: construction and lifetime ------------------------------- */
 
 static int
@@ -445,7 +682,7 @@ resolve_pool(PyObject *pool, cs_module_state *state, PyObject **ledger)
     else {
         Py_INCREF(pool);
     }
-    *ledger = PyObject_GetAttrString(pool, "_ledger");
+    *ledger = PyObject_GetAttr(pool, str_ledger);
     if (*ledger == NULL && !PyErr_ExceptionMatches(PyExc_Exception)) {
         Py_DECREF(pool);
         return NULL; /* KeyboardInterrupt and the like propagate */
@@ -549,18 +786,24 @@ standin_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     self->worker = Py_NewRef(worker);
     self->pool = pool;
     pool = NULL;
-    self->books = books;
-    books = NULL;
     self->model_id = Py_NewRef(model_id);
     self->kind = kind;
     kind = NULL;
 
     /* The pool keeps the stand-in for its graveyard (docs/architecture.md). */
-    r = PyObject_CallMethod(self->pool, "_adopt", "O", (PyObject *)self);
-    if (r == NULL) {
+    code = adopt_fast(self);
+    if (code < 0) {
         goto error;
     }
-    Py_DECREF(r);
+    if (code == 0) {
+        r = PyObject_CallMethodOneArg(self->pool, str_adopt,
+                                      (PyObject *)self);
+        if (r == NULL) {
+            goto error;
+        }
+        Py_DECREF(r);
+    }
+    Py_DECREF(books);
     Py_DECREF(ledger);
     return (PyObject *)self;
 
@@ -583,10 +826,10 @@ standin_traverse(StandInObject *self, visitproc visit, void *arg)
     Py_VISIT(self->module);
     Py_VISIT(self->worker);
     Py_VISIT(self->pool);
-    Py_VISIT(self->books);
     Py_VISIT(self->sentinel);
     Py_VISIT(self->load_device);
     Py_VISIT(self->offload_device);
+    Py_VISIT(self->roster);
     Py_VISIT(self->model_id);
     Py_VISIT(self->kind);
     return 0;
@@ -598,10 +841,10 @@ standin_traverse(StandInObject *self, visitproc visit, void *arg)
 static int
 standin_clear(StandInObject *self)
 {
+    roster_unlink(self); /* first: the roster lists live stand-ins only */
     Py_CLEAR(self->module);
     Py_CLEAR(self->worker);
     Py_CLEAR(self->pool);
-    Py_CLEAR(self->books);
     Py_CLEAR(self->sentinel);
     Py_CLEAR(self->load_device);
     Py_CLEAR(self->offload_device);
@@ -613,6 +856,7 @@ standin_dealloc(StandInObject *self)
 {
     PyTypeObject *tp = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
+    roster_unlink(self); /* before any weakref callback can walk it */
     if (self->weakreflist != NULL) {
         PyObject_ClearWeakRefs((PyObject *)self);
     }
@@ -1349,7 +1593,7 @@ standin_partially_load(StandInObject *self, PyObject *args, PyObject *kwargs)
     if (decode_reply(self, reply, "model_partial_load", state->str_loaded,
                      &loaded, state->str_resident, &resident, &has_resident,
                      &seq) < 0) {
-        self->bad_replies++;
+        (void)cs_model_bad_reply(self->record);
         goto done;
     }
     if (!has_resident) {
@@ -1395,7 +1639,7 @@ bad_eviction_reply(StandInObject *self, const char *command)
     if (cause == NULL) {
         return -1;
     }
-    self->bad_replies++;
+    (void)cs_model_bad_reply(self->record);
     cs_log_warning("comfy_standin: bad reply for model %R: %S",
                    self->model_id, cause);
     cs_log_warning("comfy_standin: %s of model %R deferred: %S", command,
@@ -1809,7 +2053,7 @@ standin_set_deferred(StandInObject *self, PyObject *value, void *closure)
 static PyObject *
 standin_get_bad_replies(StandInObject *self, void *closure)
 {
-    return PyLong_FromUnsignedLongLong(self->bad_replies);
+    return PyLong_FromUnsignedLong(cs_model_bad_replies(self->record));
 }
 
 static PyObject *
@@ -2317,6 +2561,31 @@ cs_standin_exec(PyObject *module, cs_module_state *state)
     if (state->standin_type == NULL ||
         PyModule_AddType(module, state->standin_type) < 0) {
         return -1;
+    }
+    PyObject *roster_type = PyType_FromModuleAndSpec(module, &roster_spec,
+                                                     NULL);
+    if (roster_type == NULL) {
+        return -1;
+    }
+    if (PyModule_AddObjectRef(module, "_Roster", roster_type) < 0) {
+        Py_DECREF(roster_type);
+        return -1;
+    }
+    Py_DECREF(roster_type);
+    struct {
+        PyObject **slot;
+        const char *text;
+    } names[] = {{&str_adopted, "_adopted"},
+                 {&str_ledger, "_ledger"},
+                 {&str_adopt, "_adopt"}};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        if (*names[i].slot == NULL) {
+            /* Process-wide constants, kept for the process's life. */
+            *names[i].slot = PyUnicode_InternFromString(names[i].text);
+            if (*names[i].slot == NULL) {
+                return -1;
+            }
+        }
     }
     return PyModule_AddFunctions(module, sync_functions);
 }
