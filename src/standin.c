@@ -701,14 +701,79 @@ resolve_pool(PyObject *pool, cs_module_state *state, PyObject **ledger)
     return pool;
 }
 
+#define STANDIN_NARGS 8
+#define STANDIN_NREQUIRED 6
+static const char *const standin_keywords[STANDIN_NARGS] = {
+    "worker",      "worker_generation", "model_id", "model_size",
+    "load_device", "offload_device",    "kind",     "pool"};
+/* Interned at module exec; process-wide constants. */
+static PyObject *standin_keyword_str[STANDIN_NARGS];
+
+/* StandIn's arguments into out[] (borrowed; NULL when not given), with
+ * PyArg_ParseTupleAndKeywords's checks and messages.  Keyword names match
+ * the interned constants by pointer first (what a call site passes), so
+ * the common call builds no string; comparing str runs no Python. */
+static int
+standin_parse(PyObject *args, PyObject *kwargs, PyObject **out)
+{
+    Py_ssize_t nargs = PyTuple_GET_SIZE(args), pos = 0;
+    Py_ssize_t nkw = kwargs != NULL ? PyDict_GET_SIZE(kwargs) : 0;
+    PyObject *key, *value;
+
+    if (nargs + nkw > STANDIN_NARGS) {
+        PyErr_Format(PyExc_TypeError,
+                     "StandIn() takes at most %d %sarguments (%zd given)",
+                     STANDIN_NARGS, nargs == 0 ? "keyword " : "",
+                     nargs + nkw);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < STANDIN_NARGS; i++) {
+        out[i] = i < nargs ? PyTuple_GET_ITEM(args, i) : NULL;
+    }
+    while (nkw > 0 && PyDict_Next(kwargs, &pos, &key, &value)) {
+        int j = 0;
+        if (!PyUnicode_Check(key)) {
+            PyErr_SetString(PyExc_TypeError, "keywords must be strings");
+            return -1;
+        }
+        while (j < STANDIN_NARGS && key != standin_keyword_str[j]) {
+            j++;
+        }
+        for (int k = 0; j == STANDIN_NARGS && k < STANDIN_NARGS; k++) {
+            if (PyUnicode_Compare(key, standin_keyword_str[k]) == 0) {
+                j = k;
+            }
+        }
+        if (j == STANDIN_NARGS) {
+            PyErr_Format(PyExc_TypeError,
+                         "%R is an invalid keyword argument for StandIn()",
+                         key);
+            return -1;
+        }
+        if (out[j] != NULL) {
+            PyErr_Format(PyExc_TypeError,
+                         "argument for StandIn() given by name ('%s') and "
+                         "position (%d)",
+                         standin_keywords[j], j + 1);
+            return -1;
+        }
+        out[j] = value;
+    }
+    for (int i = 0; i < STANDIN_NREQUIRED; i++) {
+        if (out[i] == NULL) {
+            PyErr_Format(PyExc_TypeError,
+                         "StandIn() missing required argument '%s' (pos %d)",
+                         standin_keywords[i], i + 1);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 static PyObject *
 standin_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    static char *keywords[] = {"worker",         "worker_generation",
-                               "model_id",       "model_size",
-                               "load_device",    "offload_device",
-                               "kind",           "pool",
-                               NULL};
+    PyObject *argv[STANDIN_NARGS];
     cs_module_state *state = PyType_GetModuleState(type);
     PyObject *worker, *generation_obj, *model_id, *size_obj, *load_device,
         *offload_device, *kind = NULL, *pool_arg = NULL;
@@ -720,12 +785,17 @@ standin_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     const char *id;
     int code;
 
-    if (!PyArg_ParseTupleAndKeywords(
-            args, kwargs, "OOOOOO|OO:StandIn", keywords, &worker,
-            &generation_obj, &model_id, &size_obj, &load_device,
-            &offload_device, &kind, &pool_arg)) {
+    if (standin_parse(args, kwargs, argv) < 0) {
         return NULL;
     }
+    worker = argv[0];
+    generation_obj = argv[1];
+    model_id = argv[2];
+    size_obj = argv[3];
+    load_device = argv[4];
+    offload_device = argv[5];
+    kind = argv[6];
+    pool_arg = argv[7];
     if (check_worker(worker, state) < 0) {
         return NULL;
     }
@@ -2583,6 +2653,15 @@ cs_standin_exec(PyObject *module, cs_module_state *state)
             /* Process-wide constants, kept for the process's life. */
             *names[i].slot = PyUnicode_InternFromString(names[i].text);
             if (*names[i].slot == NULL) {
+                return -1;
+            }
+        }
+    }
+    for (int i = 0; i < STANDIN_NARGS; i++) {
+        if (standin_keyword_str[i] == NULL) {
+            standin_keyword_str[i] =
+                PyUnicode_InternFromString(standin_keywords[i]);
+            if (standin_keyword_str[i] == NULL) {
                 return -1;
             }
         }
