@@ -619,3 +619,149 @@ def test_eviction_deferred_is_writable_with_a_bool(make_standin):
     assert s.eviction_deferred is False
     with pytest.raises(TypeError, match="deleted"):
         del s.eviction_deferred
+
+
+# ---- lean construction: lazy members, the pool's roster (issue 11) ---------
+
+
+def _is_c(impl) -> bool:
+    return hasattr(impl, "_Roster") or impl.__name__ == "comfy_standin"
+
+
+def test_model_and_sentinel_are_made_once_on_first_use(impl, make_standin):
+    s = make_standin()
+    if _is_c(impl):
+        # Nothing but the stand-in is made at construction...
+        kinds = {type(o).__name__ for o in gc.get_referents(s)}
+        assert "StandInModule" not in kinds
+        assert "CloneBaseSentinel" not in kinds
+    model, sentinel = s.model, s.clone_base_uuid
+    # ...and from then on the same objects, on every path that returns them.
+    assert s.model is model and s.clone_base_uuid is sentinel
+    assert s.detach() is model
+    assert gc.get_referents(s).count(model) == 1
+    assert gc.get_referents(s).count(sentinel) == 1
+    weakref.ref(model)  # ComfyUI's weakref.finalize target
+
+
+def test_lazy_module_keeps_what_was_assigned(impl, standin, devices):
+    s = standin
+    assert s.current_loaded_device() is devices[1]  # no module yet
+    impl.apply_echo(s, resident=10, seq=1)
+    assert s.current_loaded_device() is devices[0]
+    s.model.device = devices[1]
+    assert s.current_loaded_device() is devices[1]
+    assert s.model.device is devices[1]
+
+
+def test_lazily_made_module_dies_with_its_standin(make_standin):
+    """weakref.finalize(s.model, ...) fires when the last reference to the
+    stand-in goes, by reference counting (no collector pass)."""
+    s = make_standin()
+    fired = []
+    weakref.finalize(s.model, fired.append, "inner")
+    gc.disable()
+    try:
+        del s
+        assert fired == ["inner"]
+    finally:
+        gc.enable()
+
+
+def test_cycle_through_lazily_made_members_is_collected(make_standin):
+    class Id(str):
+        pass
+
+    model_id = Id("cyclic")
+    s = make_standin(model_id=model_id)
+    model_id.owner = s  # id -> stand-in -> sentinel -> id
+    _ = s.clone_base_uuid
+    s.model.device = s  # stand-in -> module -> stand-in
+    ref = weakref.ref(s)
+    del s, model_id, _
+    gc.collect()
+    assert ref() is None
+
+
+def test_pool_lists_live_standins_only(impl, pool, make_worker, make_standin):
+    w = make_worker()
+    a = make_standin(worker=w)
+    b = make_standin(worker=w)
+    assert sorted(map(id, pool.standins()[w])) == sorted([id(a), id(b)])
+    seen = []
+    # A weakref callback runs while `a` dies: the pool no longer lists it.
+    keep = weakref.ref(a, lambda _: seen.append(pool.standins()[w]))
+    gc.disable()
+    try:
+        del a
+    finally:
+        gc.enable()
+    assert keep() is None
+    assert seen == [[b]]
+    assert pool.standins()[w] == [b]
+
+
+def test_pool_drops_standins_cleared_by_the_collector(
+    impl, pool, make_worker, make_standin
+):
+    w = make_worker()
+    s = make_standin(worker=w)
+    s.model.device = s  # a cycle: only the collector frees it
+    del s
+    gc.collect()
+    assert pool.standins().get(w, []) == []
+
+
+def test_adoption_skips_the_pool_for_a_known_worker(
+    both_impls, make_worker, monkeypatch
+):
+    """The C constructor lists a stand-in of a worker the pool already
+    adopted at this generation itself; Pool._adopt runs for a new worker
+    and for a newer generation (which buries the older stand-ins)."""
+    c = both_impls[0]
+    pool = c.Pool()
+
+    def make_standin(worker, generation):
+        return c.StandIn(
+            worker, generation, f"m{len(calls)}", 10, "cuda", "cpu", pool=pool
+        )
+
+    calls: list[int] = []
+    adopt = type(pool)._adopt
+
+    def counting(self, standin):
+        calls.append(standin.worker_generation)
+        return adopt(self, standin)
+
+    monkeypatch.setattr(type(pool), "_adopt", counting)
+    w = make_worker()
+    old = make_standin(worker=w, generation=1)
+    make_standin(worker=w, generation=1)
+    assert calls == [1]
+    newer = make_standin(worker=w, generation=2)
+    assert calls == [1, 2]
+    assert pool.graveyard_size() == 1 and old.stale
+    assert newer in pool.standins()[w]
+
+
+def test_constructor_arguments(impl, pool, make_worker, devices):
+    w = make_worker()
+    args = (w, 1, "m", 10, *devices)
+    s = impl.StandIn(*args, "vae", pool)
+    assert (s.kind, s.pool) == ("vae", pool)
+    s = impl.StandIn(
+        *args[:3],
+        model_size=10,
+        load_device=devices[0],
+        offload_device=devices[1],
+        pool=pool,
+    )
+    assert (s.kind, s.size) == ("other", 10)
+    for bad_args, bad_kwargs in [
+        (args[:5], {"pool": pool}),  # offload_device missing
+        (args, {"worker": w, "pool": pool}),  # twice
+        (args, {"pool": pool, "colour": "red"}),
+        ((*args, "vae", pool, None), {}),  # too many
+    ]:
+        with pytest.raises(TypeError):
+            impl.StandIn(*bad_args, **bad_kwargs)
