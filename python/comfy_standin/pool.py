@@ -347,8 +347,7 @@ class Pool:
             }
         # Decided outside the lock: the reads may log.
         done = {
-            key
-            for key, s in self._held_items()
+            key for key, s in self._held_items()
             if _registration_over(s, listed)
         }
         with self._lock:
@@ -422,7 +421,9 @@ class Pool:
         with self._lock:
             self._bury_locked(worker, lambda s: True)
             forgotten = self._forgotten.pop(id(worker), None)
-            orphans = [s for s in (forgotten or ()) if s.worker is worker]
+            orphans = [
+                s for s in (forgotten or ()) if s.worker is worker
+            ]
             for standin in orphans:
                 self._graveyard[id(standin)] = standin
             self._release_held_locked(lambda s: s.worker is worker)
@@ -442,9 +443,8 @@ class Pool:
                 worker, lambda s: s.worker_generation < generation
             )
             self._release_held_locked(
-                lambda s: (
-                    s.worker is worker and s.worker_generation < generation
-                )
+                lambda s: s.worker is worker
+                and s.worker_generation < generation
             )
             slot = self._adopted.get(id(worker))
             if slot is not None:
@@ -648,9 +648,8 @@ class Pool:
                     setter(int(headroom))
                     self._headroom_written = headroom
                 except Exception:  # noqa: BLE001 - never fail a boundary
-                    log.warning(
-                        "comfy_standin: pager headroom not set", exc_info=True
-                    )
+                    log.warning("comfy_standin: pager headroom not set",
+                                exc_info=True)
         return value
 
     def release_idle_on_pressure(
@@ -680,10 +679,8 @@ class Pool:
                 return
             self._last_pressure_ask = now
         thread = threading.Thread(
-            target=self._ask_idle_workers,
-            args=(int(shortfall),),
-            name="comfy-standin-pressure",
-            daemon=True,
+            target=self._ask_idle_workers, args=(int(shortfall),),
+            name="comfy-standin-pressure", daemon=True,
         )
         self._pressure_thread = thread
         thread.start()
@@ -701,21 +698,16 @@ class Pool:
         candidates.sort(key=lambda c: -c[0])
         remaining, freed = shortfall, 0
         for held, pinned, worker in candidates:
-            if (
-                remaining > 0
-                and held > 0
-                and getattr(worker, "supports_partial_release", False)
+            if remaining > 0 and held > 0 and getattr(
+                worker, "supports_partial_release", False
             ):
                 ask = min(held, remaining)
                 reply = _ask(worker, "partial_release", ask)
                 receipt = (
                     reply.get("receipt") if isinstance(reply, dict) else None
                 )
-                got = (
-                    receipt.get("freed_bytes")
-                    if isinstance(receipt, dict)
-                    else None
-                )
+                got = receipt.get("freed_bytes") if isinstance(
+                    receipt, dict) else None
                 if _is_byte_value(got):
                     freed += got
                     remaining -= min(remaining, got)
@@ -753,9 +745,8 @@ def _aimdo_setter() -> Callable[[int], object] | None:
         return None
     setter = getattr(control, "set_simple_vram_headroom", None)
     if setter is None:
-        setter = getattr(
-            getattr(control, "lib", None), "set_simple_vram_headroom", None
-        )
+        setter = getattr(getattr(control, "lib", None),
+                         "set_simple_vram_headroom", None)
     return setter if callable(setter) else None
 
 
