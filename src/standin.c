@@ -421,6 +421,10 @@ static PyType_Spec module_spec = {
 static PyObject *str_adopted; /* "_adopted", interned at module exec */
 static PyObject *str_ledger;  /* "_ledger" */
 static PyObject *str_adopt;   /* "_adopt" */
+static PyObject *str_lock;    /* "_lock" */
+static PyObject *str_acquire; /* "acquire" */
+static PyObject *str_release; /* "release" */
+static PyObject *str_roster;  /* "_Roster" */
 
 static void
 roster_link(RosterObject *roster, StandInObject *s)
@@ -581,6 +585,71 @@ standin_type_of_roster(PyObject *roster)
     return state->standin_type;
 }
 
+/* Pool._adopt for a worker the pool has not adopted yet: under the pool's
+ * lock, if it can be had without waiting, makes the worker's entry
+ * (worker, roster, [generation]) and lists the stand-in.  Returns 1 when
+ * done, 0 when Pool._adopt must run (the lock is busy, or anything is not
+ * as expected), -1 with a BaseException that is not an Exception. */
+static int
+adopt_new_worker(StandInObject *self, PyObject *adopted, PyObject *key)
+{
+    PyObject *lock, *got, *slot, *roster = NULL, *gens = NULL;
+    PyObject *entry = NULL, *module, *roster_type = NULL;
+    PyObject *type, *value, *traceback;
+    int done = 0;
+
+    lock = PyObject_GetAttr(self->pool, str_lock);
+    if (lock == NULL) {
+        goto out;
+    }
+    got = PyObject_CallMethodOneArg(lock, str_acquire, Py_False);
+    if (got != Py_True) { /* busy: Pool._adopt waits, GIL released */
+        Py_XDECREF(got);
+        Py_DECREF(lock);
+        goto out;
+    }
+    Py_DECREF(got);
+    /* Under the lock; nothing below runs Python until the release. */
+    slot = PyDict_GetItemWithError(adopted, key);
+    if (slot == NULL && !PyErr_Occurred() && self->roster == NULL &&
+        (module = PyType_GetModule(Py_TYPE(self))) != NULL &&
+        (roster_type = PyObject_GetAttr(module, str_roster)) != NULL &&
+        (roster = PyObject_CallNoArgs(roster_type)) != NULL &&
+        is_roster(roster) && (gens = PyList_New(1)) != NULL) {
+        PyObject *generation =
+            PyLong_FromUnsignedLongLong(cs_model_generation(self->record));
+        if (generation != NULL) {
+            PyList_SET_ITEM(gens, 0, generation);
+            entry = PyTuple_Pack(3, self->worker, roster, gens);
+        }
+        if (entry != NULL && PyDict_SetItem(adopted, key, entry) == 0) {
+            roster_link((RosterObject *)roster, self);
+            done = 1;
+        }
+    }
+    PyErr_Fetch(&type, &value, &traceback);
+    got = PyObject_CallMethodNoArgs(lock, str_release);
+    Py_XDECREF(got);
+    if (type != NULL) {
+        PyErr_Clear();
+        PyErr_Restore(type, value, traceback); /* the first failure wins */
+    }
+    Py_DECREF(lock);
+out:
+    Py_XDECREF(roster_type);
+    Py_XDECREF(entry);
+    Py_XDECREF(gens);
+    Py_XDECREF(roster);
+    if (PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+            return -1;
+        }
+        PyErr_Clear(); /* let Pool._adopt decide, and raise */
+        return 0;
+    }
+    return done;
+}
+
 /* What Pool._adopt does, without running Python when the pool already has
  * a roster for the stand-in's worker at this generation or a newer one
  * (the common case): lists the stand-in there.  Returns 1 when done, 0
@@ -612,7 +681,10 @@ adopt_fast(StandInObject *self)
         return -1;
     }
     slot = PyDict_GetItemWithError(adopted, key);
-    if (slot != NULL && PyTuple_CheckExact(slot) &&
+    if (slot == NULL && !PyErr_Occurred()) {
+        done = adopt_new_worker(self, adopted, key);
+    }
+    else if (slot != NULL && PyTuple_CheckExact(slot) &&
         PyTuple_GET_SIZE(slot) == 3 &&
         PyTuple_GET_ITEM(slot, 0) == self->worker &&
         is_roster(PyTuple_GET_ITEM(slot, 1)) &&
@@ -2645,9 +2717,10 @@ cs_standin_exec(PyObject *module, cs_module_state *state)
     struct {
         PyObject **slot;
         const char *text;
-    } names[] = {{&str_adopted, "_adopted"},
-                 {&str_ledger, "_ledger"},
-                 {&str_adopt, "_adopt"}};
+    } names[] = {{&str_adopted, "_adopted"}, {&str_ledger, "_ledger"},
+                 {&str_adopt, "_adopt"},     {&str_lock, "_lock"},
+                 {&str_acquire, "acquire"},  {&str_release, "release"},
+                 {&str_roster, "_Roster"}};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
         if (*names[i].slot == NULL) {
             /* Process-wide constants, kept for the process's life. */

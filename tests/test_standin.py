@@ -11,6 +11,8 @@ import copy
 import gc
 import pickle
 import re
+import threading
+import time
 import uuid
 import weakref
 from types import SimpleNamespace
@@ -712,18 +714,21 @@ def test_pool_drops_standins_cleared_by_the_collector(
     assert pool.standins().get(w, []) == []
 
 
-def test_adoption_skips_the_pool_for_a_known_worker(
+def test_adoption_runs_no_python_for_the_pool(
     both_impls, make_worker, monkeypatch
 ):
-    """The C constructor lists a stand-in of a worker the pool already
-    adopted at this generation itself; Pool._adopt runs for a new worker
-    and for a newer generation (which buries the older stand-ins)."""
+    """The C constructor adopts a stand-in itself: it makes a new worker's
+    entry under the pool's lock (when free) and lists a stand-in of a
+    worker already adopted at this generation; Pool._adopt runs for a
+    newer generation (which buries the older stand-ins) or when the lock
+    is busy."""
     c = both_impls[0]
     pool = c.Pool()
+    ids = iter(range(1000))
 
     def make_standin(worker, generation):
         return c.StandIn(
-            worker, generation, f"m{len(calls)}", 10, "cuda", "cpu", pool=pool
+            worker, generation, f"m{next(ids)}", 10, "cuda", "cpu", pool=pool
         )
 
     calls: list[int] = []
@@ -735,13 +740,26 @@ def test_adoption_skips_the_pool_for_a_known_worker(
 
     monkeypatch.setattr(type(pool), "_adopt", counting)
     w = make_worker()
-    old = make_standin(worker=w, generation=1)
-    make_standin(worker=w, generation=1)
-    assert calls == [1]
-    newer = make_standin(worker=w, generation=2)
-    assert calls == [1, 2]
-    assert pool.graveyard_size() == 1 and old.stale
-    assert newer in pool.standins()[w]
+    old = make_standin(w, 1)
+    same = make_standin(w, 1)
+    assert calls == []
+    assert pool.standins()[w] == [old, same]
+    newer = make_standin(w, 2)
+    assert calls == [2]
+    assert pool.graveyard_size() == 2 and old.stale and same.stale
+    assert pool.standins()[w] == [old, same, newer]
+    # The lock held by another thread: the constructor leaves the new
+    # worker to Pool._adopt, which waits for it with the GIL released.
+    other = make_worker()
+    made: list = []
+    t = threading.Thread(target=lambda: made.append(make_standin(other, 1)))
+    with pool._lock:
+        t.start()
+        while not calls[1:]:
+            time.sleep(0.001)  # until it is in Pool._adopt
+    t.join()
+    assert calls == [2, 1]
+    assert pool.standins()[other] == made
 
 
 def test_constructor_arguments(impl, pool, make_worker, devices):
