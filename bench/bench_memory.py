@@ -16,7 +16,12 @@ starts, so an id's own bytes are not counted.  The figure that counts is
 the larger of the two (issue budget: 250 bytes per stand-in).
 
     python bench/bench_memory.py            # print the table
+    python bench/bench_memory.py --write    # and update RESULTS.md
     python bench/bench_memory.py -n 20000   # fewer stand-ins
+
+Two layouts: MODELS_PER_WORKER stand-ins per worker (what bench_standin.py
+builds: each worker's books and the pool's entry for it are shared by 8),
+and all on one worker (what one stand-in costs on its own).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import argparse
 import gc
 import json
 import os
+import re
 import subprocess
 import sys
 import tracemalloc
@@ -36,6 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_standin as bs  # noqa: E402
 
 METHODS = ("tracemalloc", "rss")
+BUDGET = 250  # bytes per stand-in, issue 11
+RESULTS_PATH = Path(__file__).resolve().parent / "RESULTS.md"
+BEGIN_MARKER = "<!-- memory:begin -->"
+END_MARKER = "<!-- memory:end -->"
+HEADING = "## memory per stand-in"
 
 
 def _rss_bytes() -> int:
@@ -43,12 +54,12 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def child(impl_name: str, method: str, n: int) -> float:
-    """Bytes per stand-in for one implementation, one method."""
+def child(impl_name: str, method: str, n: int, per: int) -> float:
+    """Bytes per stand-in for one implementation, one method, `per`
+    stand-ins per worker."""
     impls, _ = bs.load_impls()
     (impl,) = [i for i in impls if i.name == impl_name]
     pool = impl.new_pool()
-    per = bs.MODELS_PER_WORKER
     workers = [bs.Worker(f"w{i}") for i in range(-(-n // per))]
     ids = [f"model-{i}" for i in range(n)]
     keep: list[Any] = [None] * n
@@ -78,7 +89,9 @@ def child(impl_name: str, method: str, n: int) -> float:
     return delta / n
 
 
-def measure(n: int) -> tuple[dict[str, dict[str, float]], str | None]:
+def measure(
+    n: int, per: int
+) -> tuple[dict[str, dict[str, float]], str | None]:
     impls, missing = bs.load_impls()
     out: dict[str, dict[str, float]] = {}
     for impl in impls:
@@ -90,6 +103,7 @@ def measure(n: int) -> tuple[dict[str, dict[str, float]], str | None]:
                 impl.name,
                 method,
                 str(n),
+                str(per),
             ]
             done = subprocess.run(
                 cmd, capture_output=True, text=True, timeout=600, check=False
@@ -104,11 +118,14 @@ def measure(n: int) -> tuple[dict[str, dict[str, float]], str | None]:
     return out, missing
 
 
-def format_table(results: dict[str, dict[str, float]], n: int) -> str:
+def format_table(
+    results: dict[str, dict[str, float]], n: int, per: int
+) -> str:
     names = list(results)
+    layout = "all on one worker" if per >= n else f"{per} per worker"
     lines = [
-        f"bytes per stand-in over {n:,} stand-ins "
-        f"({bs.MODELS_PER_WORKER} per worker; model ids not counted)",
+        f"Bytes per stand-in over {n:,} stand-ins, {layout} "
+        "(model ids not counted):",
         "",
         "| bytes per stand-in | " + " | ".join(names) + " |",
         "|---|" + "---:|" * len(names),
@@ -122,19 +139,64 @@ def format_table(results: dict[str, dict[str, float]], n: int) -> str:
     return "\n".join(lines)
 
 
+def format_section(tables: list[str], missing: str | None, cmd: str) -> str:
+    lines = [
+        BEGIN_MARKER,
+        "",
+        f"`{cmd}` on CPython {sys.version.split()[0]}, "
+        f"{os.uname().machine}: each figure from a fresh interpreter per "
+        "implementation and method (bench/bench_memory.py's docstring). "
+        f"The figure that counts is the larger of the two; budget "
+        f"{BUDGET} B (issue 11). C counts its ledger record (RSS only: "
+        "tracemalloc is blind to the core's malloc).",
+        "",
+    ]
+    for table in tables:
+        lines += [table, ""]
+    if missing:
+        lines += [f"comfy-env not measured: {missing}", ""]
+    lines.append(END_MARKER)
+    return "\n".join(lines)
+
+
+def write_section(path: Path, section: str) -> None:
+    """Replace our section between the markers, or append it."""
+    text = path.read_text() if path.exists() else "# Benchmark results\n"
+    pattern = re.compile(
+        re.escape(BEGIN_MARKER) + r".*?" + re.escape(END_MARKER), re.DOTALL
+    )
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section, text, count=1)
+    else:
+        text = f"{text.rstrip()}\n\n{HEADING}\n\n{section}\n"
+    path.write_text(text)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-n", type=int, default=100_000)
-    parser.add_argument("--child", nargs=3, metavar=("IMPL", "METHOD", "N"))
+    parser.add_argument("--write", action="store_true")
+    parser.add_argument(
+        "--child", nargs=4, metavar=("IMPL", "METHOD", "N", "PER")
+    )
     args = parser.parse_args(argv)
     if args.child:
-        name, method, count = args.child
-        print(json.dumps(child(name, method, int(count))))
+        name, method, count, per = args.child
+        print(json.dumps(child(name, method, int(count), int(per))))
         return 0
-    results, missing = measure(args.n)
-    print(format_table(results, args.n))
+    tables = []
+    missing = None
+    for per in (bs.MODELS_PER_WORKER, args.n):
+        results, missing = measure(args.n, per)
+        tables.append(format_table(results, args.n, per))
+        print(tables[-1], "\n")
     if missing:
-        print(f"\ncomfy-env absent: {missing}")
+        print(f"comfy-env absent: {missing}")
+    if args.write:
+        cmd = " ".join(["python bench/bench_memory.py", *argv])
+        write_section(RESULTS_PATH, format_section(tables, missing, cmd))
+        print(f"wrote {RESULTS_PATH}")
     return 0
 
 
