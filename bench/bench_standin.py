@@ -544,8 +544,11 @@ def measure_census(impls: list[Impl], counts: Counts) -> Measured:
 
 class _NoAdopt:
     """Diagnostic only: a pool of the same implementation whose
-    ``_adopt`` does nothing, to show what the C constructor costs
-    without the shared Python pool bookkeeping."""
+    ``_adopt`` does nothing, to show what a constructor costs without the
+    shared Python pool bookkeeping.  The C constructor adopts its stand-ins
+    itself (the pool's C roster) and calls ``_adopt`` only for a newer
+    generation or when the pool's lock is busy, so for C the two rows
+    measure the same work."""
 
     @staticmethod
     def new_pool(impl: Impl) -> Any:
