@@ -538,14 +538,12 @@ roster_add(RosterObject *self, PyObject *standin)
         return NULL;
     }
     StandInObject *s = (StandInObject *)standin;
-    if (s->roster == NULL && s->worker != NULL) {
-        roster_link(self, s);
+    if (s->roster == self || s->worker == NULL) {
+        Py_RETURN_NONE; /* listed already, or GC-cleared */
     }
-    else if (s->roster != NULL && s->roster != self) {
-        PyErr_SetString(PyExc_ValueError,
-                        "_Roster.add: the stand-in is on another roster");
-        return NULL;
-    }
+    /* On a roster the pool dropped (forget()): this one lists it now. */
+    roster_unlink(s);
+    roster_link(self, s);
     Py_RETURN_NONE;
 }
 

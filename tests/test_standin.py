@@ -783,3 +783,23 @@ def test_constructor_arguments(impl, pool, make_worker, devices):
     ]:
         with pytest.raises(TypeError):
             impl.StandIn(*bad_args, **bad_kwargs)
+
+
+def test_roster_add_is_idempotent_and_moves(both_impls, make_worker):
+    from comfy_standin import _core
+
+    c = both_impls[0]
+    pool = c.Pool()
+    s = c.StandIn(make_worker(), 1, "m", 10, "cuda", "cpu", pool=pool)
+    (first,) = [members for _, members, _ in pool._adopted.values()]
+    first.add(s)
+    assert len(first) == 1 and list(first) == [s]
+    second = _core._Roster()
+    second.add(s)  # as after forget(): the newer roster lists it
+    assert (len(first), list(second)) == (0, [s])
+    with pytest.raises(TypeError):
+        second.add(object())
+    with pytest.raises(TypeError):
+        _core._Roster(1)
+    del s
+    assert (len(first), len(second)) == (0, 0)
