@@ -591,11 +591,31 @@ standin_type_of_roster(PyObject *roster)
 static int
 adopt_new_worker(StandInObject *self, PyObject *adopted, PyObject *key)
 {
-    PyObject *lock, *got, *slot, *roster = NULL, *gens = NULL;
-    PyObject *entry = NULL, *module, *roster_type = NULL;
+    PyObject *lock = NULL, *got, *roster = NULL, *gens = NULL;
+    PyObject *entry = NULL, *module, *roster_type = NULL, *generation;
     PyObject *type, *value, *traceback;
     int done = 0;
 
+    /* Made before the lock is taken: these allocations may run the
+     * collector, whose finalizers must not find the pool's lock held by
+     * this thread. */
+    if (self->roster != NULL ||
+        (module = PyType_GetModule(Py_TYPE(self))) == NULL ||
+        (roster_type = PyObject_GetAttr(module, str_roster)) == NULL ||
+        (roster = PyObject_CallNoArgs(roster_type)) == NULL ||
+        !is_roster(roster) || (gens = PyList_New(1)) == NULL) {
+        goto out;
+    }
+    generation =
+        PyLong_FromUnsignedLongLong(cs_model_generation(self->record));
+    if (generation == NULL) {
+        goto out;
+    }
+    PyList_SET_ITEM(gens, 0, generation);
+    entry = PyTuple_Pack(3, self->worker, roster, gens);
+    if (entry == NULL) {
+        goto out;
+    }
     lock = PyObject_GetAttr(self->pool, str_lock);
     if (lock == NULL) {
         goto out;
@@ -603,27 +623,15 @@ adopt_new_worker(StandInObject *self, PyObject *adopted, PyObject *key)
     got = PyObject_CallMethodOneArg(lock, str_acquire, Py_False);
     if (got != Py_True) { /* busy: Pool._adopt waits, GIL released */
         Py_XDECREF(got);
-        Py_DECREF(lock);
         goto out;
     }
     Py_DECREF(got);
-    /* Under the lock; nothing below runs Python until the release. */
-    slot = PyDict_GetItemWithError(adopted, key);
-    if (slot == NULL && !PyErr_Occurred() && self->roster == NULL &&
-        (module = PyType_GetModule(Py_TYPE(self))) != NULL &&
-        (roster_type = PyObject_GetAttr(module, str_roster)) != NULL &&
-        (roster = PyObject_CallNoArgs(roster_type)) != NULL &&
-        is_roster(roster) && (gens = PyList_New(1)) != NULL) {
-        PyObject *generation =
-            PyLong_FromUnsignedLongLong(cs_model_generation(self->record));
-        if (generation != NULL) {
-            PyList_SET_ITEM(gens, 0, generation);
-            entry = PyTuple_Pack(3, self->worker, roster, gens);
-        }
-        if (entry != NULL && PyDict_SetItem(adopted, key, entry) == 0) {
-            roster_link((RosterObject *)roster, self);
-            done = 1;
-        }
+    /* Under the lock: an int key into an exact dict; no Python runs and
+     * nothing here allocates a tracked object. */
+    if (PyDict_GetItemWithError(adopted, key) == NULL && !PyErr_Occurred() &&
+        self->roster == NULL && PyDict_SetItem(adopted, key, entry) == 0) {
+        roster_link((RosterObject *)roster, self);
+        done = 1;
     }
     PyErr_Fetch(&type, &value, &traceback);
     got = PyObject_CallMethodNoArgs(lock, str_release);
@@ -632,8 +640,8 @@ adopt_new_worker(StandInObject *self, PyObject *adopted, PyObject *key)
         PyErr_Clear();
         PyErr_Restore(type, value, traceback); /* the first failure wins */
     }
-    Py_DECREF(lock);
 out:
+    Py_XDECREF(lock);
     Py_XDECREF(roster_type);
     Py_XDECREF(entry);
     Py_XDECREF(gens);
@@ -642,8 +650,8 @@ out:
         if (!PyErr_ExceptionMatches(PyExc_Exception)) {
             return -1;
         }
-        PyErr_Clear(); /* let Pool._adopt decide, and raise */
-        return 0;
+        PyErr_Clear(); /* listed, or let Pool._adopt decide and raise */
+        return done;
     }
     return done;
 }

@@ -803,3 +803,45 @@ def test_roster_add_is_idempotent_and_moves(both_impls, make_worker):
         _core._Roster(1)
     del s
     assert (len(first), len(second)) == (0, 0)
+
+
+def test_new_worker_adoption_never_holds_the_lock_across_a_collection(
+    both_impls, make_worker
+):
+    """The C constructor makes a new worker's pool entry before it takes
+    the pool's lock: a collection those allocations start may run a
+    finalizer that takes the lock itself (here: pool.standins())."""
+    c = both_impls[0]
+    pool = c.Pool()
+    seen: list = []
+
+    class Finalized:
+        def __init__(self) -> None:
+            self.cycle = self
+
+        def __del__(self) -> None:
+            seen.append(len(pool.standins()))
+            if len(seen) < 5000:
+                Finalized()  # garbage for the next collection, always
+
+    made: list = []
+
+    def construct() -> None:
+        old = gc.get_threshold()
+        gc.set_threshold(1)
+        try:
+            for i in range(50):
+                Finalized()
+                made.append(
+                    c.StandIn(
+                        make_worker(), 1, f"m{i}", 10, "cuda", "cpu", pool=pool
+                    )
+                )
+        finally:
+            gc.set_threshold(*old)
+
+    t = threading.Thread(target=construct, daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "deadlocked on the pool's lock"
+    assert len(made) == 50 and seen
