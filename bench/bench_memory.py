@@ -54,6 +54,19 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _trim() -> None:
+    """Give free C heap pages back to the system (glibc), so the stand-ins
+    cannot reuse memory freed before the measurement without it showing in
+    the resident set (a one-worker run otherwise reads low: its growing
+    hash table frees its old arrays into the heap)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def child(impl_name: str, method: str, n: int, per: int) -> float:
     """Bytes per stand-in for one implementation, one method, `per`
     stand-ins per worker."""
@@ -81,6 +94,7 @@ def child(impl_name: str, method: str, n: int, per: int) -> float:
         tracemalloc.stop()
         delta = t1 - t0
     else:
+        _trim()
         r0 = _rss_bytes()
         for i in range(n):
             keep[i] = make(pool, workers[i // per], ids[i])
