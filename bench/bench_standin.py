@@ -227,16 +227,11 @@ class Impl:
 
 
 def _ours(name: str, module: Any) -> Impl:
+    # Called as comfy-env calls its own (positional, then kind=), so the
+    # construction rows compare the same call.
     def make(pool: Any, worker: Worker, model_id: str) -> Any:
         return module.StandIn(
-            worker=worker,
-            worker_generation=1,
-            model_id=model_id,
-            model_size=MODEL_SIZE,
-            load_device=CUDA0,
-            offload_device=CPU,
-            kind="unet",
-            pool=pool,
+            worker, 1, model_id, MODEL_SIZE, CUDA0, CPU, kind="unet", pool=pool
         )
 
     return Impl(
