@@ -33,13 +33,15 @@
 #define TABLE_TOMBSTONE (&table_tombstone)
 #define TABLE_MIN_CAPACITY 8
 
+/* One allocation per model, the id bytes inline at its end; laid out so
+ * the narrow fields fill one word (one record per stand-in: its size is
+ * per-stand-in memory, bench/bench_memory.py). */
 struct cs_model {
-    _Atomic uint64_t refcount;
+    _Atomic uint32_t refcount;
 
     /* Immutable after creation: read anywhere without a lock. */
+    uint32_t id_len;
     cs_worker *worker; /* strong reference */
-    char *id;          /* NUL-terminated copy; may contain NULs before */
-    size_t id_len;
     uint64_t hash;
     uint64_t size;
     uint64_t generation;
@@ -50,19 +52,24 @@ struct cs_model {
     _Atomic uint64_t rc_loaded;
     _Atomic int64_t rc_seq;
     _Atomic uint64_t rc_time;
-    _Atomic uint32_t rc_source;
 
     /* Written under worker->lock, read lock-free (single word each). */
     _Atomic uint64_t peak;
-    _Atomic bool stale;
-
-    /* Set by any thread (a binding's eviction path), read by any. */
-    _Atomic bool deferred;
 
     /* Under worker->lock. */
-    uint32_t handles;
-    bool in_table;
     uint64_t census_stamp;
+    uint32_t handles;
+
+    _Atomic uint8_t rc_source; /* the receipt's, as rc_loaded */
+    _Atomic bool stale;        /* as peak */
+    /* Set by any thread (a binding's eviction path), read by any. */
+    _Atomic bool deferred;
+    bool in_table; /* under worker->lock */
+
+    /* Malformed replies a binding rejected; any thread. */
+    _Atomic uint32_t bad_replies;
+
+    char id[]; /* NUL-terminated copy; may contain NULs before */
 };
 
 static cs_model table_tombstone; /* never read or written */
@@ -229,7 +236,7 @@ receipt_write_locked(cs_model *m, uint64_t loaded, int64_t seq,
     atomic_store_explicit(&m->rc_loaded, loaded, memory_order_relaxed);
     atomic_store_explicit(&m->rc_seq, seq, memory_order_relaxed);
     atomic_store_explicit(&m->rc_time, now, memory_order_relaxed);
-    atomic_store_explicit(&m->rc_source, (uint32_t)source,
+    atomic_store_explicit(&m->rc_source, (uint8_t)source,
                           memory_order_relaxed);
     atomic_store_explicit(&m->rc_version, v + 2, memory_order_release);
 
@@ -319,18 +326,17 @@ static cs_model *
 model_new(cs_worker *worker, uint64_t generation, const char *id,
           size_t id_len, uint64_t hash, uint64_t size)
 {
-    cs_model *m = calloc(1, sizeof(*m));
-    if (m == NULL) {
-        return NULL;
+    if (id_len > UINT32_MAX - 1 ||
+        id_len > SIZE_MAX - sizeof(cs_model) - 1) {
+        return NULL; /* as out of memory: no such id fits a record */
     }
-    m->id = malloc(id_len + 1);
-    if (m->id == NULL) {
-        free(m);
+    cs_model *m = calloc(1, sizeof(*m) + id_len + 1);
+    if (m == NULL) {
         return NULL;
     }
     memcpy(m->id, id, id_len);
     m->id[id_len] = '\0';
-    m->id_len = id_len;
+    m->id_len = (uint32_t)id_len;
     m->hash = hash;
     m->size = size;
     m->generation = generation;
@@ -339,7 +345,8 @@ model_new(cs_worker *worker, uint64_t generation, const char *id,
     atomic_init(&m->rc_loaded, 0);
     atomic_init(&m->rc_seq, CS_SEQ_NONE);
     atomic_init(&m->rc_time, cs_monotonic_ns());
-    atomic_init(&m->rc_source, (uint32_t)CS_SOURCE_REGISTERED);
+    atomic_init(&m->rc_source, (uint8_t)CS_SOURCE_REGISTERED);
+    atomic_init(&m->bad_replies, 0);
     atomic_init(&m->peak, 0);
     atomic_init(&m->stale, false);
     atomic_init(&m->deferred, false);
@@ -358,7 +365,7 @@ cs_model_incref(cs_model *model)
 /* Drops `n` references at once (one atomic step, so a static analyser
  * does not take the first of two separate drops for the last one). */
 static void
-model_decref_by(cs_model *model, uint64_t n)
+model_decref_by(cs_model *model, uint32_t n)
 {
     if (model == NULL) {
         return;
@@ -368,7 +375,6 @@ model_decref_by(cs_model *model, uint64_t n)
         return;
     }
     cs_worker *worker = model->worker;
-    free(model->id);
     free(model);
     atomic_fetch_sub_explicit(&live_models, 1, memory_order_relaxed);
     cs_worker_decref(worker);
@@ -378,6 +384,21 @@ void
 cs_model_decref(cs_model *model)
 {
     model_decref_by(model, 1);
+}
+
+uint32_t
+cs_model_bad_reply(cs_model *model)
+{
+    return atomic_fetch_add_explicit(&model->bad_replies, 1,
+                                     memory_order_relaxed) +
+           1;
+}
+
+uint32_t
+cs_model_bad_replies(const cs_model *model)
+{
+    cs_model *m = (cs_model *)model; /* atomics need non-const access */
+    return atomic_load_explicit(&m->bad_replies, memory_order_relaxed);
 }
 
 const char *

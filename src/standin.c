@@ -5,9 +5,9 @@
  *
  * Thread safety: the receipt lives in the C core (seqlock; any thread).
  * The PyObject fields below are immutable after construction except
- * ModuleObject.device_assigned and StandInObject.bad_replies, which are
- * touched only with the GIL held (this module does not claim free-threading
- * support).
+ * ModuleObject.device_assigned, StandInObject.module and .sentinel (made
+ * on first use) and the roster links, which are touched only with the GIL
+ * held (this module does not claim free-threading support).
  */
 #include "binding.h"
 
@@ -38,21 +38,40 @@ typedef struct {
     PyObject *weakreflist;
 } ModuleObject;
 
+/* The size and generation live in the record.  The inner module and the
+ * sentinel are made on first use (ComfyUI reads `.model` in a few places
+ * only) and kept from then on, so every access returns the same object;
+ * until the module exists no device was assigned and no board attached,
+ * and the stand-in answers from the record and its own devices. */
+typedef struct StandInObject StandInObject;
+
+/* A pool's roster of one worker's stand-ins (the pool's `_adopted` entry):
+ * an intrusive list through the stand-ins, each of which holds its roster
+ * strongly and leaves the list when it is cleared or freed, so the roster
+ * lists live stand-ins only, as a weak set would, without a weak reference
+ * per stand-in.  Touched with the GIL held only, by code that runs no
+ * Python while it walks or edits the list. */
 typedef struct {
     PyObject_HEAD
+    StandInObject *head, *tail; /* borrowed; in adoption order */
+    Py_ssize_t count;
+} RosterObject;
+
+struct StandInObject {
+    PyObject_HEAD
     cs_model *record;   /* a handle (cs_model_release_handle); immutable */
-    PyObject *module;   /* strong ModuleObject; immutable */
-    PyObject *worker;   /* strong; immutable */
+    PyObject *module;   /* strong ModuleObject, or NULL until first use */
+    PyObject *worker;   /* strong; immutable; NULL once GC-cleared */
     PyObject *pool;     /* strong; immutable */
-    PyObject *books;    /* strong WorkerBooks; immutable */
     PyObject *model_id; /* strong str; immutable */
     PyObject *kind;     /* strong str; immutable */
-    PyObject *sentinel; /* strong SentinelObject; immutable */
-    uint64_t generation;
-    uint64_t size;
-    uint64_t bad_replies; /* GIL */
+    PyObject *sentinel; /* strong SentinelObject, or NULL until first use */
+    PyObject *load_device;    /* strong; immutable */
+    PyObject *offload_device; /* strong; immutable */
     PyObject *weakreflist;
-} StandInObject;
+    RosterObject *roster; /* strong while listed, else NULL; GIL */
+    StandInObject *roster_prev, *roster_next; /* borrowed; GIL */
+};
 
 static inline cs_module_state *
 state_of(PyObject *self)
@@ -397,6 +416,307 @@ static PyType_Spec module_spec = {
     .slots = module_slots,
 };
 
+/* ---- the pool's roster ------------------------------------------------ */
+
+static PyObject *str_adopted; /* "_adopted", interned at module exec */
+static PyObject *str_ledger;  /* "_ledger" */
+static PyObject *str_adopt;   /* "_adopt" */
+static PyObject *str_lock;    /* "_lock" */
+static PyObject *str_acquire; /* "acquire" */
+static PyObject *str_release; /* "release" */
+static PyObject *str_roster;  /* "_Roster" */
+
+static void
+roster_link(RosterObject *roster, StandInObject *s)
+{
+    s->roster = (RosterObject *)Py_NewRef((PyObject *)roster);
+    s->roster_prev = roster->tail;
+    s->roster_next = NULL;
+    if (roster->tail != NULL) {
+        roster->tail->roster_next = s;
+    }
+    else {
+        roster->head = s;
+    }
+    roster->tail = s;
+    roster->count++;
+}
+
+static void
+roster_unlink(StandInObject *s)
+{
+    RosterObject *roster = s->roster;
+    if (roster == NULL) {
+        return;
+    }
+    if (s->roster_prev != NULL) {
+        s->roster_prev->roster_next = s->roster_next;
+    }
+    else {
+        roster->head = s->roster_next;
+    }
+    if (s->roster_next != NULL) {
+        s->roster_next->roster_prev = s->roster_prev;
+    }
+    else {
+        roster->tail = s->roster_prev;
+    }
+    roster->count--;
+    s->roster = NULL;
+    s->roster_prev = s->roster_next = NULL;
+    Py_DECREF(roster);
+}
+
+static void roster_dealloc(RosterObject *self);
+
+static int
+is_roster(PyObject *obj)
+{
+    return Py_TYPE(obj)->tp_dealloc == (destructor)roster_dealloc;
+}
+
+static PyObject *
+roster_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    if (PyTuple_GET_SIZE(args) != 0 ||
+        (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "_Roster() takes no arguments");
+        return NULL;
+    }
+    RosterObject *self = (RosterObject *)type->tp_alloc(type, 0);
+    if (self != NULL) {
+        self->head = self->tail = NULL;
+        self->count = 0;
+    }
+    return (PyObject *)self;
+}
+
+static void
+roster_dealloc(RosterObject *self)
+{
+    /* Every listed stand-in holds the roster: none is left here. */
+    PyTypeObject *tp = Py_TYPE(self);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+static Py_ssize_t
+roster_len(RosterObject *self)
+{
+    return self->count;
+}
+
+/* A snapshot: the list of stand-ins listed now, strongly. */
+static PyObject *
+roster_iter(RosterObject *self)
+{
+    PyObject *list = PyList_New(self->count);
+    if (list == NULL) {
+        return NULL;
+    }
+    Py_ssize_t i = 0;
+    for (StandInObject *s = self->head; s != NULL; s = s->roster_next) {
+        PyList_SET_ITEM(list, i++, Py_NewRef((PyObject *)s));
+    }
+    PyObject *it = PyObject_GetIter(list);
+    Py_DECREF(list);
+    return it;
+}
+
+static PyTypeObject *standin_type_of_roster(PyObject *roster);
+
+static PyObject *
+roster_add(RosterObject *self, PyObject *standin)
+{
+    PyTypeObject *tp = standin_type_of_roster((PyObject *)self);
+    if (tp == NULL) {
+        return NULL;
+    }
+    if (!PyObject_TypeCheck(standin, tp)) {
+        PyErr_Format(PyExc_TypeError, "_Roster.add: expected a StandIn, "
+                     "got %R", standin);
+        return NULL;
+    }
+    StandInObject *s = (StandInObject *)standin;
+    if (s->roster == self || s->worker == NULL) {
+        Py_RETURN_NONE; /* listed already, or GC-cleared */
+    }
+    /* On a roster the pool dropped (forget()): this one lists it now. */
+    roster_unlink(s);
+    roster_link(self, s);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef roster_methods[] = {
+    {"add", (PyCFunction)roster_add, METH_O,
+     "add($self, standin, /)\n--\n\nLists the stand-in (idempotent)."},
+    {NULL},
+};
+
+static PyType_Slot roster_slots[] = {
+    {Py_tp_doc, "_Roster()\n--\n\nThe pool's list of one worker's live "
+                "stand-ins (C implementation): add(), len(), iter()."},
+    {Py_tp_new, roster_new},
+    {Py_tp_dealloc, roster_dealloc},
+    {Py_tp_iter, roster_iter},
+    {Py_sq_length, roster_len},
+    {Py_tp_methods, roster_methods},
+    {0, NULL},
+};
+
+static PyType_Spec roster_spec = {
+    .name = "comfy_standin._core._Roster",
+    .basicsize = sizeof(RosterObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = roster_slots,
+};
+
+static PyTypeObject *
+standin_type_of_roster(PyObject *roster)
+{
+    cs_module_state *state = state_of(roster);
+    if (state == NULL || state->standin_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "comfy_standin._core: the module was cleared");
+        return NULL;
+    }
+    return state->standin_type;
+}
+
+/* Pool._adopt for a worker the pool has not adopted yet: under the pool's
+ * lock, if it can be had without waiting, makes the worker's entry
+ * (worker, roster, [generation]) and lists the stand-in.  Returns 1 when
+ * done, 0 when Pool._adopt must run (the lock is busy, or anything is not
+ * as expected), -1 with a BaseException that is not an Exception. */
+static int
+adopt_new_worker(StandInObject *self, PyObject *adopted, PyObject *key)
+{
+    PyObject *lock = NULL, *got, *roster = NULL, *gens = NULL;
+    PyObject *entry = NULL, *module, *roster_type = NULL, *generation;
+    PyObject *type, *value, *traceback;
+    int done = 0;
+
+    /* Made before the lock is taken: these allocations may run the
+     * collector, whose finalizers must not find the pool's lock held by
+     * this thread. */
+    if (self->roster != NULL ||
+        (module = PyType_GetModule(Py_TYPE(self))) == NULL ||
+        (roster_type = PyObject_GetAttr(module, str_roster)) == NULL ||
+        (roster = PyObject_CallNoArgs(roster_type)) == NULL ||
+        !is_roster(roster) || (gens = PyList_New(1)) == NULL) {
+        goto out;
+    }
+    generation =
+        PyLong_FromUnsignedLongLong(cs_model_generation(self->record));
+    if (generation == NULL) {
+        goto out;
+    }
+    PyList_SET_ITEM(gens, 0, generation);
+    entry = PyTuple_Pack(3, self->worker, roster, gens);
+    if (entry == NULL) {
+        goto out;
+    }
+    lock = PyObject_GetAttr(self->pool, str_lock);
+    if (lock == NULL) {
+        goto out;
+    }
+    got = PyObject_CallMethodOneArg(lock, str_acquire, Py_False);
+    if (got != Py_True) { /* busy: Pool._adopt waits, GIL released */
+        Py_XDECREF(got);
+        goto out;
+    }
+    Py_DECREF(got);
+    /* Under the lock: an int key into an exact dict; no Python runs and
+     * nothing here allocates a tracked object. */
+    if (PyDict_GetItemWithError(adopted, key) == NULL && !PyErr_Occurred() &&
+        self->roster == NULL && PyDict_SetItem(adopted, key, entry) == 0) {
+        roster_link((RosterObject *)roster, self);
+        done = 1;
+    }
+    PyErr_Fetch(&type, &value, &traceback);
+    got = PyObject_CallMethodNoArgs(lock, str_release);
+    Py_XDECREF(got);
+    if (type != NULL) {
+        PyErr_Clear();
+        PyErr_Restore(type, value, traceback); /* the first failure wins */
+    }
+out:
+    Py_XDECREF(lock);
+    Py_XDECREF(roster_type);
+    Py_XDECREF(entry);
+    Py_XDECREF(gens);
+    Py_XDECREF(roster);
+    if (PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+            return -1;
+        }
+        PyErr_Clear(); /* listed, or let Pool._adopt decide and raise */
+        return done;
+    }
+    return done;
+}
+
+/* What Pool._adopt does, without running Python when the pool already has
+ * a roster for the stand-in's worker at this generation or a newer one
+ * (the common case): lists the stand-in there.  Returns 1 when done, 0
+ * when Pool._adopt must run, -1 with an exception.  Nothing called here
+ * runs Python (an exact dict, tuple and list, an int key), so the pool's
+ * lock is never needed: no other thread can run in between. */
+static int
+adopt_fast(StandInObject *self)
+{
+    PyObject *key = NULL, *slot, *gens;
+    int done = 0;
+
+    /* The only step that may run Python (a Pool subclass's descriptor). */
+    PyObject *adopted = PyObject_GetAttr(self->pool, str_adopted);
+    if (adopted == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+            return -1;
+        }
+        PyErr_Clear(); /* let Pool._adopt decide */
+        return 0;
+    }
+    if (!PyDict_CheckExact(adopted) || self->worker == NULL) {
+        Py_DECREF(adopted);
+        return 0;
+    }
+    key = PyLong_FromVoidPtr(self->worker);
+    if (key == NULL) {
+        Py_DECREF(adopted);
+        return -1;
+    }
+    slot = PyDict_GetItemWithError(adopted, key);
+    if (slot == NULL && !PyErr_Occurred()) {
+        done = adopt_new_worker(self, adopted, key);
+    }
+    else if (slot != NULL && PyTuple_CheckExact(slot) &&
+        PyTuple_GET_SIZE(slot) == 3 &&
+        PyTuple_GET_ITEM(slot, 0) == self->worker &&
+        is_roster(PyTuple_GET_ITEM(slot, 1)) &&
+        PyList_CheckExact(gens = PyTuple_GET_ITEM(slot, 2)) &&
+        PyList_GET_SIZE(gens) >= 1 &&
+        PyLong_CheckExact(PyList_GET_ITEM(gens, 0))) {
+        int overflow;
+        long long newest =
+            PyLong_AsLongLongAndOverflow(PyList_GET_ITEM(gens, 0), &overflow);
+        if (overflow == 0 && newest >= 0 && self->roster == NULL &&
+            cs_model_generation(self->record) <= (uint64_t)newest) {
+            roster_link((RosterObject *)PyTuple_GET_ITEM(slot, 1), self);
+            done = 1;
+        }
+    }
+    Py_DECREF(key);
+    Py_DECREF(adopted);
+    if (PyErr_Occurred()) {
+        if (done || !PyErr_ExceptionMatches(PyExc_Exception)) {
+            return done ? 1 : -1;
+        }
+        PyErr_Clear(); /* let Pool._adopt decide */
+    }
+    return done;
+}
+
 /* ---- StandIn: construction and lifetime ------------------------------- */
 
 static int
@@ -440,7 +760,7 @@ resolve_pool(PyObject *pool, cs_module_state *state, PyObject **ledger)
     else {
         Py_INCREF(pool);
     }
-    *ledger = PyObject_GetAttrString(pool, "_ledger");
+    *ledger = PyObject_GetAttr(pool, str_ledger);
     if (*ledger == NULL && !PyErr_ExceptionMatches(PyExc_Exception)) {
         Py_DECREF(pool);
         return NULL; /* KeyboardInterrupt and the like propagate */
@@ -459,33 +779,101 @@ resolve_pool(PyObject *pool, cs_module_state *state, PyObject **ledger)
     return pool;
 }
 
+#define STANDIN_NARGS 8
+#define STANDIN_NREQUIRED 6
+static const char *const standin_keywords[STANDIN_NARGS] = {
+    "worker",      "worker_generation", "model_id", "model_size",
+    "load_device", "offload_device",    "kind",     "pool"};
+/* Interned at module exec; process-wide constants. */
+static PyObject *standin_keyword_str[STANDIN_NARGS];
+
+/* StandIn's arguments into out[] (borrowed; NULL when not given), with
+ * PyArg_ParseTupleAndKeywords's checks and messages.  Keyword names match
+ * the interned constants by pointer first (what a call site passes), so
+ * the common call builds no string; comparing str runs no Python. */
+static int
+standin_parse(PyObject *args, PyObject *kwargs, PyObject **out)
+{
+    Py_ssize_t nargs = PyTuple_GET_SIZE(args), pos = 0;
+    Py_ssize_t nkw = kwargs != NULL ? PyDict_GET_SIZE(kwargs) : 0;
+    PyObject *key, *value;
+
+    if (nargs + nkw > STANDIN_NARGS) {
+        PyErr_Format(PyExc_TypeError,
+                     "StandIn() takes at most %d %sarguments (%zd given)",
+                     STANDIN_NARGS, nargs == 0 ? "keyword " : "",
+                     nargs + nkw);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < STANDIN_NARGS; i++) {
+        out[i] = i < nargs ? PyTuple_GET_ITEM(args, i) : NULL;
+    }
+    while (nkw > 0 && PyDict_Next(kwargs, &pos, &key, &value)) {
+        int j = 0;
+        if (!PyUnicode_Check(key)) {
+            PyErr_SetString(PyExc_TypeError, "keywords must be strings");
+            return -1;
+        }
+        while (j < STANDIN_NARGS && key != standin_keyword_str[j]) {
+            j++;
+        }
+        for (int k = 0; j == STANDIN_NARGS && k < STANDIN_NARGS; k++) {
+            if (PyUnicode_Compare(key, standin_keyword_str[k]) == 0) {
+                j = k;
+            }
+        }
+        if (j == STANDIN_NARGS) {
+            PyErr_Format(PyExc_TypeError,
+                         "%R is an invalid keyword argument for StandIn()",
+                         key);
+            return -1;
+        }
+        if (out[j] != NULL) {
+            PyErr_Format(PyExc_TypeError,
+                         "argument for StandIn() given by name ('%s') and "
+                         "position (%d)",
+                         standin_keywords[j], j + 1);
+            return -1;
+        }
+        out[j] = value;
+    }
+    for (int i = 0; i < STANDIN_NREQUIRED; i++) {
+        if (out[i] == NULL) {
+            PyErr_Format(PyExc_TypeError,
+                         "StandIn() missing required argument '%s' (pos %d)",
+                         standin_keywords[i], i + 1);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 static PyObject *
 standin_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    static char *keywords[] = {"worker",         "worker_generation",
-                               "model_id",       "model_size",
-                               "load_device",    "offload_device",
-                               "kind",           "pool",
-                               NULL};
+    PyObject *argv[STANDIN_NARGS];
     cs_module_state *state = PyType_GetModuleState(type);
     PyObject *worker, *generation_obj, *model_id, *size_obj, *load_device,
         *offload_device, *kind = NULL, *pool_arg = NULL;
     PyObject *pool = NULL, *ledger = NULL, *books = NULL, *r = NULL;
     StandInObject *self = NULL;
-    ModuleObject *module = NULL;
-    SentinelObject *sentinel = NULL;
     uint64_t generation, size;
     cs_model *record = NULL;
     Py_ssize_t id_len;
     const char *id;
     int code;
 
-    if (!PyArg_ParseTupleAndKeywords(
-            args, kwargs, "OOOOOO|OO:StandIn", keywords, &worker,
-            &generation_obj, &model_id, &size_obj, &load_device,
-            &offload_device, &kind, &pool_arg)) {
+    if (standin_parse(args, kwargs, argv) < 0) {
         return NULL;
     }
+    worker = argv[0];
+    generation_obj = argv[1];
+    model_id = argv[2];
+    size_obj = argv[3];
+    load_device = argv[4];
+    offload_device = argv[5];
+    kind = argv[6];
+    pool_arg = argv[7];
     if (check_worker(worker, state) < 0) {
         return NULL;
     }
@@ -535,63 +923,40 @@ standin_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
         goto error;
     }
 
-    module = PyObject_GC_New(ModuleObject, state->module_type);
-    if (module == NULL) {
-        goto error;
-    }
-    cs_model_incref(record);
-    module->record = record;
-    module->load_device = Py_NewRef(load_device);
-    module->offload_device = Py_NewRef(offload_device);
-    module->device_assigned = NULL;
-    module->device_assigned_at = 0;
-    module->board = NULL;
-    module->board_slot = 0;
-    module->board_tag = 0;
-    module->weakreflist = NULL;
-    PyObject_GC_Track(module);
-
-    sentinel = PyObject_GC_New(SentinelObject, state->sentinel_type);
-    if (sentinel == NULL) {
-        goto error;
-    }
-    sentinel->model_id = Py_NewRef(model_id);
-    PyObject_GC_Track(sentinel);
-
     self = (StandInObject *)type->tp_alloc(type, 0);
     if (self == NULL) {
         goto error;
     }
     self->record = record;
     record = NULL;
-    self->module = (PyObject *)module;
-    module = NULL;
-    self->sentinel = (PyObject *)sentinel;
-    sentinel = NULL;
+    self->load_device = Py_NewRef(load_device);
+    self->offload_device = Py_NewRef(offload_device);
     self->worker = Py_NewRef(worker);
     self->pool = pool;
     pool = NULL;
-    self->books = books;
-    books = NULL;
     self->model_id = Py_NewRef(model_id);
     self->kind = kind;
     kind = NULL;
-    self->generation = generation;
-    self->size = size;
 
     /* The pool keeps the stand-in for its graveyard (docs/architecture.md). */
-    r = PyObject_CallMethod(self->pool, "_adopt", "O", (PyObject *)self);
-    if (r == NULL) {
+    code = adopt_fast(self);
+    if (code < 0) {
         goto error;
     }
-    Py_DECREF(r);
+    if (code == 0) {
+        r = PyObject_CallMethodOneArg(self->pool, str_adopt,
+                                      (PyObject *)self);
+        if (r == NULL) {
+            goto error;
+        }
+        Py_DECREF(r);
+    }
+    Py_DECREF(books);
     Py_DECREF(ledger);
     return (PyObject *)self;
 
 error:
     Py_XDECREF(self);
-    Py_XDECREF(sentinel);
-    Py_XDECREF(module);
     if (record != NULL) {
         cs_model_release_handle(record);
     }
@@ -609,8 +974,10 @@ standin_traverse(StandInObject *self, visitproc visit, void *arg)
     Py_VISIT(self->module);
     Py_VISIT(self->worker);
     Py_VISIT(self->pool);
-    Py_VISIT(self->books);
     Py_VISIT(self->sentinel);
+    Py_VISIT(self->load_device);
+    Py_VISIT(self->offload_device);
+    Py_VISIT(self->roster);
     Py_VISIT(self->model_id);
     Py_VISIT(self->kind);
     return 0;
@@ -622,11 +989,13 @@ standin_traverse(StandInObject *self, visitproc visit, void *arg)
 static int
 standin_clear(StandInObject *self)
 {
+    roster_unlink(self); /* first: the roster lists live stand-ins only */
     Py_CLEAR(self->module);
     Py_CLEAR(self->worker);
     Py_CLEAR(self->pool);
-    Py_CLEAR(self->books);
     Py_CLEAR(self->sentinel);
+    Py_CLEAR(self->load_device);
+    Py_CLEAR(self->offload_device);
     return 0;
 }
 
@@ -635,6 +1004,7 @@ standin_dealloc(StandInObject *self)
 {
     PyTypeObject *tp = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
+    roster_unlink(self); /* before any weakref callback can walk it */
     if (self->weakreflist != NULL) {
         PyObject_ClearWeakRefs((PyObject *)self);
     }
@@ -648,11 +1018,74 @@ standin_dealloc(StandInObject *self)
     Py_DECREF(tp);
 }
 
-/* A cleared (GC) stand-in has no module; every method guards on it. */
+/* The module if it was made, else NULL: no device was assigned and no
+ * board attached yet.  Readers answer from the record then. */
 static ModuleObject *
 standin_module(StandInObject *self)
 {
     return (ModuleObject *)self->module;
+}
+
+/* The module, made on first use; a new reference.  None for a GC-cleared
+ * stand-in (worker NULL), NULL with an exception on failure.  Allocation
+ * may run the collector, which may run Python that makes the module
+ * first or clears this stand-in: whoever made it first wins. */
+static PyObject *
+standin_module_get(StandInObject *self)
+{
+    if (self->module != NULL) {
+        return Py_NewRef(self->module);
+    }
+    if (self->worker == NULL) {
+        Py_RETURN_NONE;
+    }
+    cs_module_state *state = state_of((PyObject *)self);
+    ModuleObject *m = PyObject_GC_New(ModuleObject, state->module_type);
+    if (m == NULL) {
+        return NULL;
+    }
+    cs_model_incref(self->record);
+    m->record = self->record;
+    m->load_device = Py_XNewRef(self->load_device);
+    m->offload_device = Py_XNewRef(self->offload_device);
+    m->device_assigned = NULL;
+    m->device_assigned_at = 0;
+    m->board = NULL;
+    m->board_slot = 0;
+    m->board_tag = 0;
+    m->weakreflist = NULL;
+    PyObject_GC_Track(m);
+    if (self->module != NULL || self->worker == NULL) {
+        Py_DECREF(m);
+        return Py_NewRef(self->module ? self->module : Py_None);
+    }
+    self->module = Py_NewRef((PyObject *)m);
+    return (PyObject *)m;
+}
+
+/* The clone_base_uuid sentinel, made on first use; as standin_module_get. */
+static PyObject *
+standin_sentinel_get(StandInObject *self)
+{
+    if (self->sentinel != NULL) {
+        return Py_NewRef(self->sentinel);
+    }
+    if (self->worker == NULL) {
+        Py_RETURN_NONE;
+    }
+    cs_module_state *state = state_of((PyObject *)self);
+    SentinelObject *o = PyObject_GC_New(SentinelObject, state->sentinel_type);
+    if (o == NULL) {
+        return NULL;
+    }
+    o->model_id = Py_XNewRef(self->model_id);
+    PyObject_GC_Track(o);
+    if (self->sentinel != NULL || self->worker == NULL) {
+        Py_DECREF(o);
+        return Py_NewRef(self->sentinel ? self->sentinel : Py_None);
+    }
+    self->sentinel = Py_NewRef((PyObject *)o);
+    return (PyObject *)o;
 }
 
 /* ---- StandIn: what ComfyUI reads --------------------------------------- */
@@ -667,7 +1100,7 @@ standin_loaded(StandInObject *self)
 static PyObject *
 standin_model_size(StandInObject *self, PyObject *unused)
 {
-    return PyLong_FromUnsignedLongLong(self->size);
+    return PyLong_FromUnsignedLongLong(cs_model_size(self->record));
 }
 
 static PyObject *
@@ -680,10 +1113,16 @@ static PyObject *
 standin_current_loaded_device(StandInObject *self, PyObject *unused)
 {
     ModuleObject *m = standin_module(self);
-    if (m == NULL) {
-        Py_RETURN_NONE;
+    if (m != NULL) {
+        return module_device(m);
     }
-    return module_device(m);
+    if (self->worker == NULL) {
+        Py_RETURN_NONE; /* GC-cleared */
+    }
+    PyObject *device = cs_model_loaded(self->record) > 0
+                           ? self->load_device
+                           : self->offload_device;
+    return Py_NewRef(device != NULL ? device : Py_None);
 }
 
 static PyObject *
@@ -701,7 +1140,9 @@ standin_is_clone(StandInObject *self, PyObject *other)
         Py_RETURN_FALSE;
     }
     StandInObject *o = (StandInObject *)other;
-    if (o->worker != self->worker || o->generation != self->generation) {
+    if (o->worker != self->worker ||
+        cs_model_generation(o->record) !=
+            cs_model_generation(self->record)) {
         Py_RETURN_FALSE;
     }
     int eq = PyUnicode_Compare(o->model_id, self->model_id);
@@ -1165,8 +1606,8 @@ decode_reply(StandInObject *self, PyObject *reply, const char *command,
         return -1;
     }
     if (required != NULL) {
-        r = reply_bytes(state, reply, required, command, self->size,
-                        required_value);
+        r = reply_bytes(state, reply, required, command,
+                        cs_model_size(self->record), required_value);
         if (r < 0) {
             return -1;
         }
@@ -1178,8 +1619,8 @@ decode_reply(StandInObject *self, PyObject *reply, const char *command,
         }
     }
     if (other != NULL) {
-        r = reply_bytes(state, reply, other, command, self->size,
-                        other_value);
+        r = reply_bytes(state, reply, other, command,
+                        cs_model_size(self->record), other_value);
         if (r < 0) {
             return -1;
         }
@@ -1203,7 +1644,8 @@ gone_error(StandInObject *self, PyObject *cause)
     PyObject *message = PyUnicode_FromFormat(
         "the worker of model %R (generation %llu) died or restarted; the "
         "model is no longer available: reload the node that loaded it.",
-        self->model_id, (unsigned long long)self->generation);
+        self->model_id,
+        (unsigned long long)cs_model_generation(self->record));
     if (message == NULL) {
         return NULL;
     }
@@ -1253,11 +1695,11 @@ standin_partially_load(StandInObject *self, PyObject *args, PyObject *kwargs)
         }
         return gone_error(self, NULL);
     }
-    if (self->size == 0) {
+    if (cs_model_size(self->record) == 0) {
         return PyLong_FromLong(0);
     }
     uint64_t before = standin_loaded(self);
-    if (requested_bytes(extra, self->size, &want) < 0) {
+    if (requested_bytes(extra, cs_model_size(self->record), &want) < 0) {
         return NULL;
     }
     want_obj = PyLong_FromUnsignedLongLong(want);
@@ -1299,14 +1741,14 @@ standin_partially_load(StandInObject *self, PyObject *args, PyObject *kwargs)
     if (decode_reply(self, reply, "model_partial_load", state->str_loaded,
                      &loaded, state->str_resident, &resident, &has_resident,
                      &seq) < 0) {
-        self->bad_replies++;
+        (void)cs_model_bad_reply(self->record);
         goto done;
     }
     if (!has_resident) {
         /* An older worker: derive it. */
         resident = before + loaded;
-        if (resident < before || resident > self->size) {
-            resident = self->size;
+        if (resident < before || resident > cs_model_size(self->record)) {
+            resident = cs_model_size(self->record);
         }
     }
     (void)cs_model_apply_echo(self->record, resident, seq,
@@ -1345,7 +1787,7 @@ bad_eviction_reply(StandInObject *self, const char *command)
     if (cause == NULL) {
         return -1;
     }
-    self->bad_replies++;
+    (void)cs_model_bad_reply(self->record);
     cs_log_warning("comfy_standin: bad reply for model %R: %S",
                    self->model_id, cause);
     cs_log_warning("comfy_standin: %s of model %R deferred: %S", command,
@@ -1498,7 +1940,7 @@ detach_body(StandInObject *self)
         (void)standin_worker_gone(self);
         return;
     }
-    offload = standin_module(self)->offload_device;
+    offload = self->offload_device;
     device_str = PyObject_Str(offload != NULL ? offload : Py_None);
     if (device_str == NULL) {
         return;
@@ -1575,8 +2017,8 @@ standin_detach(StandInObject *self, PyObject *args, PyObject *kwargs)
     /* Never raises an Exception (runs inside free_memory); its arguments
      * (unpatch_all, unpatch_weights) mean nothing for a worker-held model
      * and are ignored, whatever they are.  Returns the inner module. */
-    if (self->module == NULL) {
-        Py_RETURN_NONE;
+    if (self->worker == NULL) {
+        Py_RETURN_NONE; /* GC-cleared */
     }
     detach_body(self);
     if (PyErr_Occurred()) {
@@ -1589,7 +2031,12 @@ standin_detach(StandInObject *self, PyObject *args, PyObject *kwargs)
                        self->model_id, cause);
         Py_DECREF(cause);
     }
-    return Py_NewRef(self->module);
+    PyObject *module = standin_module_get(self);
+    if (module == NULL && PyErr_ExceptionMatches(PyExc_Exception)) {
+        PyErr_Clear(); /* never raises an Exception: None, as if cleared */
+        Py_RETURN_NONE;
+    }
+    return module;
 }
 
 /* ---- StandIn: the live residency board --------------------------------- */
@@ -1598,8 +2045,8 @@ static PyObject *
 standin_attach_board(StandInObject *self, PyObject *args, PyObject *kwargs)
 {
     static char *keywords[] = {"board", "slot", NULL};
-    PyObject *board_obj, *slot_obj = Py_None;
-    ModuleObject *m = standin_module(self);
+    PyObject *board_obj, *slot_obj = Py_None, *module;
+    ModuleObject *m;
     uint32_t slot = 0;
     uint64_t tag = 0;
     size_t id_len;
@@ -1609,7 +2056,7 @@ standin_attach_board(StandInObject *self, PyObject *args, PyObject *kwargs)
                                      keywords, &board_obj, &slot_obj)) {
         return NULL;
     }
-    if (m == NULL) {
+    if (self->worker == NULL) {
         PyErr_SetString(PyExc_ValueError, "attach_board: stand-in cleared");
         return NULL;
     }
@@ -1617,12 +2064,24 @@ standin_attach_board(StandInObject *self, PyObject *args, PyObject *kwargs)
      * given to another model has a new tag, so this stand-in never reads
      * that model's bytes. */
     if (cs_board_attach_model(board_obj, self->model_id, id, id_len,
-                              self->size, slot_obj, &slot, &tag) < 0) {
+                              cs_model_size(self->record), slot_obj, &slot,
+                              &tag) < 0) {
         return NULL;
     }
+    module = standin_module_get(self); /* the board is read through it */
+    if (module == NULL) {
+        return NULL;
+    }
+    if (module == Py_None) {
+        Py_DECREF(module);
+        PyErr_SetString(PyExc_ValueError, "attach_board: stand-in cleared");
+        return NULL;
+    }
+    m = (ModuleObject *)module;
     Py_XSETREF(m->board, Py_NewRef(board_obj));
     m->board_slot = slot;
     m->board_tag = tag;
+    Py_DECREF(module);
     return PyLong_FromUnsignedLong(slot);
 }
 
@@ -1651,33 +2110,31 @@ standin_get_board(StandInObject *self, void *closure)
 static PyObject *
 standin_get_load_device(StandInObject *self, void *closure)
 {
-    ModuleObject *m = standin_module(self);
-    return Py_NewRef(m && m->load_device ? m->load_device : Py_None);
+    return Py_NewRef(self->load_device ? self->load_device : Py_None);
 }
 
 static PyObject *
 standin_get_offload_device(StandInObject *self, void *closure)
 {
-    ModuleObject *m = standin_module(self);
-    return Py_NewRef(m && m->offload_device ? m->offload_device : Py_None);
+    return Py_NewRef(self->offload_device ? self->offload_device : Py_None);
 }
 
 static PyObject *
 standin_get_model(StandInObject *self, void *closure)
 {
-    return Py_NewRef(self->module ? self->module : Py_None);
+    return standin_module_get(self);
 }
 
 static PyObject *
 standin_get_sentinel(StandInObject *self, void *closure)
 {
-    return Py_NewRef(self->sentinel ? self->sentinel : Py_None);
+    return standin_sentinel_get(self);
 }
 
 static PyObject *
 standin_get_size(StandInObject *self, void *closure)
 {
-    return PyLong_FromUnsignedLongLong(self->size);
+    return PyLong_FromUnsignedLongLong(cs_model_size(self->record));
 }
 
 static PyObject *
@@ -1695,7 +2152,7 @@ standin_get_pool(StandInObject *self, void *closure)
 static PyObject *
 standin_get_generation(StandInObject *self, void *closure)
 {
-    return PyLong_FromUnsignedLongLong(self->generation);
+    return PyLong_FromUnsignedLongLong(cs_model_generation(self->record));
 }
 
 static PyObject *
@@ -1744,7 +2201,7 @@ standin_set_deferred(StandInObject *self, PyObject *value, void *closure)
 static PyObject *
 standin_get_bad_replies(StandInObject *self, void *closure)
 {
-    return PyLong_FromUnsignedLongLong(self->bad_replies);
+    return PyLong_FromUnsignedLong(cs_model_bad_replies(self->record));
 }
 
 static PyObject *
@@ -1773,9 +2230,10 @@ standin_repr(StandInObject *self)
     return PyUnicode_FromFormat(
         "<StandIn %R (%U) of worker generation %llu: %llu of %llu bytes "
         "loaded%s>",
-        self->model_id, self->kind, (unsigned long long)self->generation,
+        self->model_id, self->kind,
+        (unsigned long long)cs_model_generation(self->record),
         (unsigned long long)standin_loaded(self),
-        (unsigned long long)self->size,
+        (unsigned long long)cs_model_size(self->record),
         cs_model_stale(self->record) ? ", stale" : "");
 }
 
@@ -1991,10 +2449,10 @@ apply_echo(PyObject *module, PyObject *args, PyObject *kwargs)
         return NULL;
     }
     cs_module_state *state = cs_state_of_module(module);
-    code = cs_value_check(resident_obj, s->size, &resident);
+    code = cs_value_check(resident_obj, cs_model_size(s->record), &resident);
     if (code != 0) {
         return cs_value_error(state->echo_error, code, "resident",
-                              resident_obj, s->size),
+                              resident_obj, cs_model_size(s->record)),
                NULL;
     }
     if (seq_obj != Py_None) {
@@ -2252,6 +2710,41 @@ cs_standin_exec(PyObject *module, cs_module_state *state)
     if (state->standin_type == NULL ||
         PyModule_AddType(module, state->standin_type) < 0) {
         return -1;
+    }
+    PyObject *roster_type = PyType_FromModuleAndSpec(module, &roster_spec,
+                                                     NULL);
+    if (roster_type == NULL) {
+        return -1;
+    }
+    if (PyModule_AddObjectRef(module, "_Roster", roster_type) < 0) {
+        Py_DECREF(roster_type);
+        return -1;
+    }
+    Py_DECREF(roster_type);
+    struct {
+        PyObject **slot;
+        const char *text;
+    } names[] = {{&str_adopted, "_adopted"}, {&str_ledger, "_ledger"},
+                 {&str_adopt, "_adopt"},     {&str_lock, "_lock"},
+                 {&str_acquire, "acquire"},  {&str_release, "release"},
+                 {&str_roster, "_Roster"}};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        if (*names[i].slot == NULL) {
+            /* Process-wide constants, kept for the process's life. */
+            *names[i].slot = PyUnicode_InternFromString(names[i].text);
+            if (*names[i].slot == NULL) {
+                return -1;
+            }
+        }
+    }
+    for (int i = 0; i < STANDIN_NARGS; i++) {
+        if (standin_keyword_str[i] == NULL) {
+            standin_keyword_str[i] =
+                PyUnicode_InternFromString(standin_keywords[i]);
+            if (standin_keyword_str[i] == NULL) {
+                return -1;
+            }
+        }
     }
     return PyModule_AddFunctions(module, sync_functions);
 }

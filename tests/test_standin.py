@@ -11,6 +11,8 @@ import copy
 import gc
 import pickle
 import re
+import threading
+import time
 import uuid
 import weakref
 from types import SimpleNamespace
@@ -619,3 +621,227 @@ def test_eviction_deferred_is_writable_with_a_bool(make_standin):
     assert s.eviction_deferred is False
     with pytest.raises(TypeError, match="deleted"):
         del s.eviction_deferred
+
+
+# ---- lean construction: lazy members, the pool's roster (issue 11) ---------
+
+
+def _is_c(impl) -> bool:
+    return hasattr(impl, "_Roster") or impl.__name__ == "comfy_standin"
+
+
+def test_model_and_sentinel_are_made_once_on_first_use(impl, make_standin):
+    s = make_standin()
+    if _is_c(impl):
+        # Nothing but the stand-in is made at construction...
+        kinds = {type(o).__name__ for o in gc.get_referents(s)}
+        assert "StandInModule" not in kinds
+        assert "CloneBaseSentinel" not in kinds
+    model, sentinel = s.model, s.clone_base_uuid
+    # ...and from then on the same objects, on every path that returns them.
+    assert s.model is model and s.clone_base_uuid is sentinel
+    assert s.detach() is model
+    assert gc.get_referents(s).count(model) == 1
+    assert gc.get_referents(s).count(sentinel) == 1
+    weakref.ref(model)  # ComfyUI's weakref.finalize target
+
+
+def test_lazy_module_keeps_what_was_assigned(impl, standin, devices):
+    s = standin
+    assert s.current_loaded_device() is devices[1]  # no module yet
+    impl.apply_echo(s, resident=10, seq=1)
+    assert s.current_loaded_device() is devices[0]
+    s.model.device = devices[1]
+    assert s.current_loaded_device() is devices[1]
+    assert s.model.device is devices[1]
+
+
+def test_lazily_made_module_dies_with_its_standin(make_standin):
+    """weakref.finalize(s.model, ...) fires when the last reference to the
+    stand-in goes, by reference counting (no collector pass)."""
+    s = make_standin()
+    fired = []
+    weakref.finalize(s.model, fired.append, "inner")
+    gc.disable()
+    try:
+        del s
+        assert fired == ["inner"]
+    finally:
+        gc.enable()
+
+
+def test_cycle_through_lazily_made_members_is_collected(make_standin):
+    class Id(str):
+        pass
+
+    model_id = Id("cyclic")
+    s = make_standin(model_id=model_id)
+    model_id.owner = s  # id -> stand-in -> sentinel -> id
+    _ = s.clone_base_uuid
+    s.model.device = s  # stand-in -> module -> stand-in
+    ref = weakref.ref(s)
+    del s, model_id, _
+    gc.collect()
+    assert ref() is None
+
+
+def test_pool_lists_live_standins_only(impl, pool, make_worker, make_standin):
+    w = make_worker()
+    a = make_standin(worker=w)
+    b = make_standin(worker=w)
+    assert sorted(map(id, pool.standins()[w])) == sorted([id(a), id(b)])
+    seen = []
+    # A weakref callback runs while `a` dies: the pool no longer lists it.
+    keep = weakref.ref(a, lambda _: seen.append(pool.standins()[w]))
+    gc.disable()
+    try:
+        del a
+    finally:
+        gc.enable()
+    assert keep() is None
+    assert seen == [[b]]
+    assert pool.standins()[w] == [b]
+
+
+def test_pool_drops_standins_cleared_by_the_collector(
+    impl, pool, make_worker, make_standin
+):
+    w = make_worker()
+    s = make_standin(worker=w)
+    s.model.device = s  # a cycle: only the collector frees it
+    del s
+    gc.collect()
+    assert pool.standins().get(w, []) == []
+
+
+def test_adoption_runs_no_python_for_the_pool(
+    both_impls, make_worker, monkeypatch
+):
+    """The C constructor adopts a stand-in itself: it makes a new worker's
+    entry under the pool's lock (when free) and lists a stand-in of a
+    worker already adopted at this generation; Pool._adopt runs for a
+    newer generation (which buries the older stand-ins) or when the lock
+    is busy."""
+    c = both_impls[0]
+    pool = c.Pool()
+    ids = iter(range(1000))
+
+    def make_standin(worker, generation):
+        return c.StandIn(
+            worker, generation, f"m{next(ids)}", 10, "cuda", "cpu", pool=pool
+        )
+
+    calls: list[int] = []
+    adopt = type(pool)._adopt
+
+    def counting(self, standin):
+        calls.append(standin.worker_generation)
+        return adopt(self, standin)
+
+    monkeypatch.setattr(type(pool), "_adopt", counting)
+    w = make_worker()
+    old = make_standin(w, 1)
+    same = make_standin(w, 1)
+    assert calls == []
+    assert pool.standins()[w] == [old, same]
+    newer = make_standin(w, 2)
+    assert calls == [2]
+    assert pool.graveyard_size() == 2 and old.stale and same.stale
+    assert pool.standins()[w] == [old, same, newer]
+    # The lock held by another thread: the constructor leaves the new
+    # worker to Pool._adopt, which waits for it with the GIL released.
+    other = make_worker()
+    made: list = []
+    t = threading.Thread(target=lambda: made.append(make_standin(other, 1)))
+    with pool._lock:
+        t.start()
+        while not calls[1:]:
+            time.sleep(0.001)  # until it is in Pool._adopt
+    t.join()
+    assert calls == [2, 1]
+    assert pool.standins()[other] == made
+
+
+def test_constructor_arguments(impl, pool, make_worker, devices):
+    w = make_worker()
+    args = (w, 1, "m", 10, *devices)
+    s = impl.StandIn(*args, "vae", pool)
+    assert (s.kind, s.pool) == ("vae", pool)
+    s = impl.StandIn(
+        *args[:3],
+        model_size=10,
+        load_device=devices[0],
+        offload_device=devices[1],
+        pool=pool,
+    )
+    assert (s.kind, s.size) == ("other", 10)
+    for bad_args, bad_kwargs in [
+        (args[:5], {"pool": pool}),  # offload_device missing
+        (args, {"worker": w, "pool": pool}),  # twice
+        (args, {"pool": pool, "colour": "red"}),
+        ((*args, "vae", pool, None), {}),  # too many
+    ]:
+        with pytest.raises(TypeError):
+            impl.StandIn(*bad_args, **bad_kwargs)
+
+
+def test_roster_add_is_idempotent_and_moves(both_impls, make_worker):
+    from comfy_standin import _core
+
+    c = both_impls[0]
+    pool = c.Pool()
+    s = c.StandIn(make_worker(), 1, "m", 10, "cuda", "cpu", pool=pool)
+    (first,) = [members for _, members, _ in pool._adopted.values()]
+    first.add(s)
+    assert len(first) == 1 and list(first) == [s]
+    second = _core._Roster()
+    second.add(s)  # as after forget(): the newer roster lists it
+    assert (len(first), list(second)) == (0, [s])
+    with pytest.raises(TypeError):
+        second.add(object())
+    with pytest.raises(TypeError):
+        _core._Roster(1)
+    del s
+    assert (len(first), len(second)) == (0, 0)
+
+
+def test_new_worker_adoption_never_holds_the_lock_across_a_collection(
+    both_impls, make_worker
+):
+    """The C constructor makes a new worker's pool entry before it takes
+    the pool's lock: a collection those allocations start may run a
+    finalizer that takes the lock itself (here: pool.standins())."""
+    c = both_impls[0]
+    pool = c.Pool()
+    seen: list = []
+
+    class Finalized:
+        def __init__(self) -> None:
+            self.cycle = self
+
+        def __del__(self) -> None:
+            seen.append(len(pool.standins()))
+            if len(seen) < 5000:
+                Finalized()  # garbage for the next collection, always
+
+    made: list = []
+
+    def construct() -> None:
+        old = gc.get_threshold()
+        gc.set_threshold(1)
+        try:
+            for i in range(50):
+                Finalized()
+                made.append(
+                    c.StandIn(
+                        make_worker(), 1, f"m{i}", 10, "cuda", "cpu", pool=pool
+                    )
+                )
+        finally:
+            gc.set_threshold(*old)
+
+    t = threading.Thread(target=construct, daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "deadlocked on the pool's lock"
+    assert len(made) == 50 and seen

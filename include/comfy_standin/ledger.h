@@ -240,6 +240,10 @@ void cs_model_decref(cs_model *model);
 void cs_model_release_handle(cs_model *model);
 
 const char *cs_model_id(const cs_model *model, size_t *len);
+/* Counts a malformed reply a binding rejected; returns the new count
+ * (wraps at 2**32).  Any thread. */
+uint32_t cs_model_bad_reply(cs_model *model);
+uint32_t cs_model_bad_replies(const cs_model *model);
 uint64_t cs_model_size(const cs_model *model);
 uint64_t cs_model_generation(const cs_model *model);
 cs_worker *cs_model_worker(const cs_model *model); /* borrowed */

@@ -203,7 +203,17 @@ class Pool:
         with self._lock:
             slot = self._adopted.get(id(worker))
             if slot is None:
-                slot = (worker, weakref.WeakSet(), [generation])
+                # The C type's module has a roster: it lists live
+                # stand-ins like the weak set, without a weak reference per
+                # stand-in, and lets the constructor list one without
+                # calling here.
+                roster = getattr(
+                    sys.modules.get(type(standin).__module__), "_Roster", None
+                )
+                members: Any = (
+                    roster() if roster is not None else weakref.WeakSet()
+                )
+                slot = (worker, members, [generation])
                 self._adopted[id(worker)] = slot
             elif not standin.stale and generation > slot[2][0]:
                 # Registering a newer generation restarted the worker's

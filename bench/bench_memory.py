@@ -1,0 +1,218 @@
+"""Bytes per stand-in: the C type, the pure-Python reference and comfy-env's
+own ``SubprocessModelPatcher``, side by side in one run.
+
+Each figure comes from a fresh interpreter per implementation and per
+method, making N stand-ins (default 100,000; MODELS_PER_WORKER per worker)
+over one pool:
+
+- tracemalloc: Python allocations while making them (blind to the C
+  core's malloc, i.e. the ledger record of the C type);
+- RSS: resident set growth while making them, tracemalloc off (sees
+  everything, the ledger record included; page-granular, so only
+  meaningful for large N).
+
+Model id strings, workers and the pool are made before either measurement
+starts, so an id's own bytes are not counted.  The figure that counts is
+the larger of the two (issue budget: 250 bytes per stand-in).
+
+    python bench/bench_memory.py            # print the table
+    python bench/bench_memory.py --write    # and update RESULTS.md
+    python bench/bench_memory.py -n 20000   # fewer stand-ins
+
+Two layouts: MODELS_PER_WORKER stand-ins per worker (what bench_standin.py
+builds: each worker's books and the pool's entry for it are shared by 8),
+and all on one worker (what one stand-in costs on its own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import re
+import subprocess
+import sys
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_standin as bs  # noqa: E402
+
+METHODS = ("tracemalloc", "rss")
+BUDGET = 250  # bytes per stand-in, issue 11
+RESULTS_PATH = Path(__file__).resolve().parent / "RESULTS.md"
+BEGIN_MARKER = "<!-- memory:begin -->"
+END_MARKER = "<!-- memory:end -->"
+HEADING = "## memory per stand-in"
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _trim() -> None:
+    """Give free C heap pages back to the system (glibc), so the stand-ins
+    cannot reuse memory freed before the measurement without it showing in
+    the resident set (a one-worker run otherwise reads low: its growing
+    hash table frees its old arrays into the heap)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def child(impl_name: str, method: str, n: int, per: int) -> float:
+    """Bytes per stand-in for one implementation, one method, `per`
+    stand-ins per worker."""
+    impls, _ = bs.load_impls()
+    (impl,) = [i for i in impls if i.name == impl_name]
+    pool = impl.new_pool()
+    workers = [bs.Worker(f"w{i}") for i in range(-(-n // per))]
+    ids = [f"model-{i}" for i in range(n)]
+    keep: list[Any] = [None] * n
+    # first-call allocations (type caches, code paths) are not per stand-in
+    warm = [
+        impl.make(impl.new_pool(), bs.Worker("warm"), f"warm-{i}")
+        for i in range(per)
+    ]
+    del warm
+    gc.collect()
+    gc.disable()
+    make = impl.make
+    if method == "tracemalloc":
+        tracemalloc.start()
+        t0, _ = tracemalloc.get_traced_memory()
+        for i in range(n):
+            keep[i] = make(pool, workers[i // per], ids[i])
+        t1, _ = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        delta = t1 - t0
+    else:
+        _trim()
+        r0 = _rss_bytes()
+        for i in range(n):
+            keep[i] = make(pool, workers[i // per], ids[i])
+        delta = _rss_bytes() - r0
+    gc.enable()
+    return delta / n
+
+
+def measure(
+    n: int, per: int
+) -> tuple[dict[str, dict[str, float]], str | None]:
+    impls, missing = bs.load_impls()
+    out: dict[str, dict[str, float]] = {}
+    for impl in impls:
+        for method in METHODS:
+            cmd = [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--child",
+                impl.name,
+                method,
+                str(n),
+                str(per),
+            ]
+            done = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=600, check=False
+            )
+            if done.returncode != 0:
+                raise RuntimeError(
+                    f"child {impl.name}/{method} failed:\n{done.stderr}"
+                )
+            value = json.loads(done.stdout.strip().splitlines()[-1])
+            out.setdefault(impl.name, {})[method] = value
+        out[impl.name]["max"] = max(out[impl.name][m] for m in METHODS)
+    return out, missing
+
+
+def format_table(
+    results: dict[str, dict[str, float]], n: int, per: int
+) -> str:
+    names = list(results)
+    layout = "all on one worker" if per >= n else f"{per} per worker"
+    lines = [
+        f"Bytes per stand-in over {n:,} stand-ins, {layout} "
+        "(model ids not counted):",
+        "",
+        "| bytes per stand-in | " + " | ".join(names) + " |",
+        "|---|" + "---:|" * len(names),
+    ]
+    for row in (*METHODS, "max"):
+        label = {"max": "**larger of the two**", "rss": "RSS delta"}.get(
+            row, row
+        )
+        cells = " | ".join(f"{results[name][row]:.0f}" for name in names)
+        lines.append(f"| {label} | {cells} |")
+    return "\n".join(lines)
+
+
+def format_section(tables: list[str], missing: str | None, cmd: str) -> str:
+    lines = [
+        BEGIN_MARKER,
+        "",
+        f"`{cmd}` on CPython {sys.version.split()[0]}, "
+        f"{os.uname().machine}: each figure from a fresh interpreter per "
+        "implementation and method (bench/bench_memory.py's docstring). "
+        f"The figure that counts is the larger of the two; budget "
+        f"{BUDGET} B (issue 11). C counts its ledger record (RSS only: "
+        "tracemalloc is blind to the core's malloc).",
+        "",
+    ]
+    for table in tables:
+        lines += [table, ""]
+    if missing:
+        lines += [f"comfy-env not measured: {missing}", ""]
+    lines.append(END_MARKER)
+    return "\n".join(lines)
+
+
+def write_section(path: Path, section: str) -> None:
+    """Replace our section between the markers, or append it."""
+    text = path.read_text() if path.exists() else "# Benchmark results\n"
+    pattern = re.compile(
+        re.escape(BEGIN_MARKER) + r".*?" + re.escape(END_MARKER), re.DOTALL
+    )
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section, text, count=1)
+    else:
+        text = f"{text.rstrip()}\n\n{HEADING}\n\n{section}\n"
+    path.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-n", type=int, default=100_000)
+    parser.add_argument("--write", action="store_true")
+    parser.add_argument(
+        "--child", nargs=4, metavar=("IMPL", "METHOD", "N", "PER")
+    )
+    args = parser.parse_args(argv)
+    if args.child:
+        name, method, count, per = args.child
+        print(json.dumps(child(name, method, int(count), int(per))))
+        return 0
+    tables = []
+    missing = None
+    for per in (bs.MODELS_PER_WORKER, args.n):
+        results, missing = measure(args.n, per)
+        tables.append(format_table(results, args.n, per))
+        print(tables[-1], "\n")
+    if missing:
+        print(f"comfy-env absent: {missing}")
+    if args.write:
+        cmd = " ".join(["python bench/bench_memory.py", *argv])
+        write_section(RESULTS_PATH, format_section(tables, missing, cmd))
+        print(f"wrote {RESULTS_PATH}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
