@@ -886,10 +886,6 @@ standin_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     if (cs_check_model_id(model_id) < 0) {
         return NULL;
     }
-    id = PyUnicode_AsUTF8AndSize(model_id, &id_len);
-    if (id == NULL) {
-        return NULL;
-    }
     code = cs_value_check(size_obj, CS_VALUE_MAX, &size);
     if (code != 0) {
         return cs_value_error(NULL, code, "model_size", size_obj,
@@ -910,6 +906,16 @@ standin_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
         Py_INCREF(kind);
     }
 
+    /* An exact str copy (no caller code runs): a str subclass's __hash__,
+     * __eq__ or attributes never reach the worker, the table or a cycle. */
+    model_id = PyUnicode_FromObject(model_id);
+    if (model_id == NULL) {
+        goto error;
+    }
+    id = PyUnicode_AsUTF8AndSize(model_id, &id_len);
+    if (id == NULL) {
+        goto error;
+    }
     pool = resolve_pool(pool_arg, state, &ledger);
     if (pool == NULL) {
         goto error;
@@ -953,9 +959,11 @@ standin_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     }
     Py_DECREF(books);
     Py_DECREF(ledger);
+    Py_DECREF(model_id);
     return (PyObject *)self;
 
 error:
+    Py_XDECREF(model_id);
     Py_XDECREF(self);
     if (record != NULL) {
         cs_model_release_handle(record);
@@ -1601,8 +1609,8 @@ decode_reply(StandInObject *self, PyObject *reply, const char *command,
     }
     if (!PyDict_Check(reply)) {
         PyErr_Format(state->echo_error,
-                     "reply from %s for model %R: expected a dict, got %R",
-                     command, self->model_id, reply);
+                     "reply from %s: expected a dict, got %R", command,
+                     reply);
         return -1;
     }
     if (required != NULL) {
@@ -1612,9 +1620,8 @@ decode_reply(StandInObject *self, PyObject *reply, const char *command,
             return -1;
         }
         if (r == 0) {
-            PyErr_Format(state->echo_error,
-                         "reply[%R] from %s for model %R: missing", required,
-                         command, self->model_id);
+            PyErr_Format(state->echo_error, "reply[%R] from %s: missing",
+                         required, command);
             return -1;
         }
     }
@@ -1661,6 +1668,37 @@ gone_error(StandInObject *self, PyObject *cause)
     PyErr_SetObject((PyObject *)Py_TYPE(error), error);
     Py_DECREF(error);
     return NULL;
+}
+
+/* A load reply that did not decode: an EchoError is counted and logged
+ * as for an eviction and stays pending for the caller; anything else
+ * pending (a BaseException from the reply lookup) is left as it is, with
+ * nothing counted. */
+static void
+bad_load_reply(StandInObject *self)
+{
+    PyObject *type, *value, *traceback, *text;
+    if (!PyErr_ExceptionMatches(state_of((PyObject *)self)->echo_error)) {
+        return;
+    }
+    (void)cs_model_bad_reply(self->record);
+    PyErr_Fetch(&type, &value, &traceback);
+    PyErr_NormalizeException(&type, &value, &traceback);
+    text = value != NULL ? describe_exception(value) : NULL;
+    if (text == NULL && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+            /* A BaseException while describing it replaces the error. */
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(traceback);
+            return;
+        }
+        PyErr_Clear();
+    }
+    PyErr_Restore(type, value, traceback);
+    cs_log_warning("comfy_standin: bad reply for model %R: %S",
+                   self->model_id, text != NULL ? text : Py_None);
+    Py_XDECREF(text);
 }
 
 static PyObject *
@@ -1741,7 +1779,7 @@ standin_partially_load(StandInObject *self, PyObject *args, PyObject *kwargs)
     if (decode_reply(self, reply, "model_partial_load", state->str_loaded,
                      &loaded, state->str_resident, &resident, &has_resident,
                      &seq) < 0) {
-        (void)cs_model_bad_reply(self->record);
+        bad_load_reply(self);
         goto done;
     }
     if (!has_resident) {

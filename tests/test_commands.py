@@ -668,6 +668,48 @@ def test_pool_worker_gone_after_forget_spares_a_new_generation(
     assert not t.stale and t.loaded_size() == 700
 
 
+@pytest.mark.parametrize("how", ["sibling", "pool"])
+def test_forgotten_worker_death_zeroes_every_sibling(
+    impl, pool, s, worker, how
+):
+    """Issue 8 defects 9 and 10: after pool.forget(worker), whoever learns
+    of the death first (a sibling's command, or pool.worker_gone), every
+    stand-in of the worker reads 0 / "worker gone", not deferred (the
+    reference's s turned stale but kept its receipt and deferred flag)."""
+    sibling = impl.StandIn(worker, 1, "vae", SIZE, "cuda:0", "cpu",
+                           pool=pool)
+    resident(impl, s, 500, seq=1)
+    resident(impl, sibling, 300, seq=2)
+    worker.replies = [TimeoutError("worker busy")]
+    assert s.partially_unload("cpu", 100) == 0
+    assert s.eviction_deferred
+    pool.forget(worker)
+    worker.alive = False
+    if how == "sibling":
+        assert sibling.partially_unload("cpu", 100) == 300
+    else:
+        pool.worker_gone(worker)
+    for t, seq in ((s, 1), (sibling, 2)):
+        assert t.stale
+        assert receipt(t) == (0, seq, "worker gone")
+        assert not t.eviction_deferred
+    assert s.partially_unload("cpu", 100) == 0
+
+
+def test_model_id_is_stored_and_sent_as_an_exact_str(impl, pool, worker):
+    class Id(str):
+        def __hash__(self) -> int:
+            raise AssertionError("the host hashed the caller's id")
+
+    t = impl.StandIn(worker, 1, Id("unet"), SIZE, "cuda:0", "cpu",
+                     pool=pool)
+    assert type(t.model_id) is str and t.model_id == "unet"
+    worker.replies.append({"loaded": 5})
+    assert t.partially_load("cuda:0", 5) == 5
+    [(_, kwargs)] = worker.calls
+    assert type(kwargs["model_id"]) is str
+
+
 @pytest.mark.parametrize("how", ["eviction", "pool"])
 def test_eviction_deferred_clears_when_the_worker_is_gone(
     impl, pool, s, worker, how

@@ -387,6 +387,82 @@ def test_log_bad_reply(impl, s, worker, caplog):
     assert s.bad_replies == 1
 
 
+def test_log_bad_load_reply(impl, s, worker, caplog):
+    # partially_load raises the EchoError, after the same line as the
+    # eviction paths (issue 8 defect 11: C raised it without the line).
+    worker.reply = {"loaded": -1}
+
+    def load() -> None:
+        with pytest.raises(impl.EchoError):
+            s.partially_load("cuda:0", 100)
+
+    lines = logged(caplog, load)
+    assert len(lines) == 1
+    assert lines[0].startswith(
+        "comfy_standin: bad reply for model 'unet': EchoError: "
+        "reply['loaded'] from model_partial_load"
+    )
+    assert s.bad_replies == 1
+
+
+#: The field each command's reply is read for first.
+REPLY_KEY = {
+    "partially_unload": "freed",
+    "detach": "seq",
+    "partially_load": "loaded",
+}
+
+
+def key_raising(name: str, exc: type[BaseException]) -> str:
+    """A str-subclass key equal to `name` in hash: looking `name` up in a
+    dict holding it runs its __eq__, which raises `exc`."""
+
+    class Key(str):
+        def __hash__(self) -> int:
+            return str.__hash__(self)
+
+        def __eq__(self, other: object) -> bool:
+            raise exc("lookup")
+
+    return Key(name)
+
+
+@pytest.mark.parametrize("exc", BASE_EXCEPTIONS)
+@pytest.mark.parametrize("method", METHODS)
+def test_base_exception_from_the_reply_lookup_changes_nothing(
+    impl, s, worker, caplog, method, exc
+):
+    # C's partially_load counted a bad reply for a KeyboardInterrupt out
+    # of the reply lookup; the reference did not.  No reply was read:
+    # nothing is counted, logged or written.
+    worker.reply = {key_raising(REPLY_KEY[method], exc): 5}
+    before = state(s)
+
+    def run() -> None:
+        with pytest.raises(exc, match="lookup"):
+            evict(s, method)
+
+    assert logged(caplog, run) == []
+    assert state(s) == before
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_exception_from_the_reply_lookup_is_a_bad_reply(
+    impl, s, worker, method
+):
+    worker.reply = {key_raising(REPLY_KEY[method], RuntimeError): 5}
+    if method == "partially_load":
+        with pytest.raises(
+            impl.EchoError, match="looking it up raised"
+        ) as info:
+            evict(s, method)
+        assert isinstance(info.value.__cause__, RuntimeError)
+    else:
+        evict(s, method)
+        assert s.eviction_deferred
+    assert s.bad_replies == 1
+
+
 @pytest.mark.parametrize("method", ["partially_unload", "detach"])
 def test_log_worker_gone(impl, s, worker, caplog, method):
     worker.die_on_send = True

@@ -326,9 +326,9 @@ WORKLOADS = {
         pool.on_pressure = pressure
         for raised in (KeyboardInterrupt(), TimeoutError()):
             w = Worker()
-            s = cs.StandIn(w, 1, Text("m"), 1000, "cuda:0", "cpu",
-                           pool=pool)
-            s.model_id.back = s  # a cycle through the id
+            s = cs.StandIn(w, 1, "m", 1000, "cuda:0", "cpu",
+                           kind=Text("unet"), pool=pool)
+            s.kind.back = s  # a cycle through the kind (the id is copied)
             cs.apply_echo(s, 800, seq=1)
             w.send_command = lambda *a, raised=raised, **k: (_ for _ in
                                                               ()).throw(raised)

@@ -354,6 +354,7 @@ class WorkerBooks:
         "_in_flight",
         "_ledger",
         "_lock",
+        "_orphans",
         "_overhead",
         "_pinned",
         "_reading",
@@ -378,6 +379,10 @@ class WorkerBooks:
         self._table: weakref.WeakValueDictionary[str, ModelRecord] = (
             weakref.WeakValueDictionary()
         )
+        # The table's models when the pool forgot the worker: off the
+        # table (no census finds them), still this process's models, so
+        # its death zeroes them as it does the table's.
+        self._orphans: weakref.WeakSet[ModelRecord] = weakref.WeakSet()
 
     def __repr__(self) -> str:
         state = "alive" if self._alive else "gone"
@@ -472,8 +477,9 @@ class WorkerBooks:
             if not self._alive:
                 return
             self._alive = False
-            for record in list(self._table.values()):
+            for record in [*self._table.values(), *self._orphans]:
                 record._write_locked(0, None, "worker gone", 0)
+            self._orphans = weakref.WeakSet()
             self._clear_locked()
             self._released()
 
@@ -585,6 +591,8 @@ class WorkerBooks:
 
     def _forgotten(self) -> None:
         with self._lock:
+            if self._alive:
+                self._orphans.update(self._table.values())
             self._table.clear()
             self._ledger = None
 
