@@ -424,8 +424,11 @@ def test_sigterm_cleans_up_and_exits_143(delay):
     tag = f"term-{delay}"
     code, out, err, left = interrupt_demo(signal.SIGTERM, delay, tag,
                                           group=False)
-    if code == 0:  # the demo had finished before the signal came
-        assert "checks held" in out
+    if code in (0, -signal.SIGTERM):
+        # The demo had finished before the signal came (0), or it came in
+        # the last moment of interpreter exit, after main() had put the
+        # default handler back (-15): the run was complete and said so.
+        assert "checks held" in out, (code, err)
     else:
         assert code == 143, (code, err)
         assert err.splitlines() == [
@@ -439,8 +442,8 @@ def test_ctrl_c_cleans_up_and_exits_130(delay):
     tag = f"int-{delay}"
     code, out, err, left = interrupt_demo(signal.SIGINT, delay, tag,
                                           group=True)
-    if code == 0:
-        assert "checks held" in out
+    if code in (0, -signal.SIGINT):  # finished first (see above)
+        assert "checks held" in out, (code, err)
     else:
         assert code == 130, (code, err)
         assert err.splitlines() == [
