@@ -129,8 +129,9 @@ contract_getattro(PyObject *self, PyObject *name)
 
 /* ---- sentinel --------------------------------------------------------- */
 
-/* A GC type: model_id may be a str subclass whose attributes lead back to
- * the stand-in that owns this sentinel. */
+/* A GC type: it owns an object (model_id, an exact str today) and is
+ * visited like every other owner, so no later change of what it holds can
+ * make an uncollectable cycle. */
 static int
 sentinel_traverse(SentinelObject *self, visitproc visit, void *arg)
 {
