@@ -27,6 +27,7 @@ from __future__ import annotations
 import ast
 import inspect
 import json
+import os
 import re
 import subprocess
 import sys
@@ -676,9 +677,15 @@ def _source(names: list[str], runner: str, sampler: str) -> str:
 
 
 def _run(source: str) -> str:
+    # The same environment for every run, whatever earlier tests of this
+    # session did to it: the package's own variables dropped, the hash
+    # seed fixed (dict and set growth then repeats run to run).
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(("COMFY", "CS_"))}
+    env["PYTHONHASHSEED"] = "0"
     out = subprocess.run(
         [sys.executable, "-c", source], capture_output=True, text=True,
-        timeout=900,
+        timeout=900, env=env,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout.strip().splitlines()[-1]
