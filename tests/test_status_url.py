@@ -145,11 +145,17 @@ def test_url_without_value_is_comfyuis_address():
 
 
 def test_watch_prints_until_interrupted(registered, monkeypatch):
+    import threading
     import time
 
     sleeps = []
+    real_sleep = time.sleep
 
     def sleep(seconds):
+        # Only the command's own waits (the main thread); the test server
+        # and library threads sleep as usual.
+        if threading.current_thread() is not threading.main_thread():
+            return real_sleep(seconds)
         sleeps.append(seconds)
         if len(sleeps) == 2:
             raise KeyboardInterrupt
