@@ -638,6 +638,13 @@ adopt_new_worker(StandInObject *self, PyObject *adopted, PyObject *key)
     got = PyObject_CallMethodNoArgs(lock, str_release);
     Py_XDECREF(got);
     if (type != NULL) {
+        if (got == NULL && !PyErr_ExceptionMatches(PyExc_Exception)) {
+            /* A KeyboardInterrupt from release wins over an Exception. */
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(traceback);
+            goto out; /* still pending: out returns -1 */
+        }
         PyErr_Clear();
         PyErr_Restore(type, value, traceback); /* the first failure wins */
     }
@@ -2006,6 +2013,9 @@ detach_body(StandInObject *self)
                        ? PyUnicode_Contains(cause, needle)
                        : 0;
         Py_XDECREF(needle);
+        if (lost < 0 && !PyErr_ExceptionMatches(PyExc_Exception)) {
+            return;
+        }
         if (lost < 0) {
             PyErr_Clear(); /* two str: only MemoryError; not "lost" */
             lost = 0;

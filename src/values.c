@@ -20,6 +20,8 @@ cs_value_check(PyObject *value, uint64_t max, uint64_t *out)
     }
     v = PyLong_AsLongLongAndOverflow(value, &overflow);
     if (v == -1 && PyErr_Occurred()) {
+        /* On an int (subclasses too) this runs no Python code: the only
+         * possible error is an internal one, never a KeyboardInterrupt. */
         PyErr_Clear();
         return 1;
     }
@@ -134,7 +136,14 @@ cs_log_warning(const char *format, ...)
     }
     r = PyObject_CallMethod(logger, "warning", "O", message);
 error:
-    /* Logging must never be why an eviction path raised. */
+    /* Logging must never be why an eviction path raised an Exception; a
+     * KeyboardInterrupt from a log handler is delivered again at the next
+     * check, as if Ctrl-C came a moment later. */
+    if (PyErr_Occurred() &&
+        PyErr_ExceptionMatches(PyExc_KeyboardInterrupt)) {
+        PyErr_Clear();
+        PyErr_SetInterrupt();
+    }
     PyErr_Clear();
     Py_XDECREF(r);
     Py_XDECREF(logger);
@@ -161,7 +170,8 @@ static PyObject *
 entry_get(PyObject *entry, PyObject *key)
 {
     PyObject *value = PyDict_GetItemWithError(entry, key);
-    if (value == NULL) {
+    if (value == NULL && PyErr_Occurred() &&
+        PyErr_ExceptionMatches(PyExc_Exception)) {
         PyErr_Clear();
     }
     return value;

@@ -539,3 +539,27 @@ def test_log_lines_are_identical_across_implementations(both_impls, caplog):
     c_lines = [comparable(line) for line in run(c)]
     assert c_lines == [comparable(line) for line in run(reference)]
     assert len(c_lines) == 10
+
+
+def test_keyboard_interrupt_from_a_log_handler_reaches_the_caller(
+    impl, s, worker
+):
+    # A handler that raises KeyboardInterrupt (Ctrl-C inside logging):
+    # the eviction path's log line must not swallow it.  The reference
+    # lets it out of the call; C re-delivers it at the next check, so it
+    # arrives before the caller's next line either way.
+    class Interrupting(logging.Handler):
+        def emit(self, record):
+            raise KeyboardInterrupt
+
+    logger = logging.getLogger("comfy_standin")
+    handler = Interrupting()
+    logger.addHandler(handler)
+    worker.send_raises = TimeoutError("worker busy")
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            s.partially_unload("cpu", 100)
+            for _ in range(1000):  # bytecodes: a pending interrupt fires
+                pass
+    finally:
+        logger.removeHandler(handler)
