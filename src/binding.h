@@ -130,6 +130,12 @@ PyObject *cs_census_fast(PyObject *echo_error, PyObject *census);
  * any pending exception as it was. */
 void cs_log_warning(const char *format, ...);
 
+/* obj.<name> with the name interned.  PyObject_GetAttrString and
+ * PyObject_CallMethod make a fresh str per call, and the type attribute
+ * cache of Python 3.10 and 3.11 keeps a reference to every name it caches
+ * (up to 4096 of them): fresh names there churn the heap on every call. */
+PyObject *cs_getattr_interned(PyObject *obj, const char *name);
+
 /* ---- ledger binding (ledger_binding.c) ------------------------------- */
 
 typedef struct cs_worker cs_worker;

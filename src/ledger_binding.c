@@ -534,11 +534,15 @@ books_find(BooksObject *self, PyObject *id_obj)
     }
     /* A new handle on the same model: the record keeps it on the table
      * while it lives, like any holder. */
-    PyObject *r = PyObject_CallMethod((PyObject *)self, "register", "OKK",
-                                      id_obj,
-                                      (unsigned long long)cs_model_size(model),
-                                      (unsigned long long)
-                                          cs_model_generation(model));
+    PyObject *r = NULL;
+    PyObject *method = cs_getattr_interned((PyObject *)self, "register");
+    if (method != NULL) {
+        r = PyObject_CallFunction(method, "OKK", id_obj,
+                                  (unsigned long long)cs_model_size(model),
+                                  (unsigned long long)
+                                      cs_model_generation(model));
+        Py_DECREF(method);
+    }
     cs_model_decref(model);
     return r;
 }

@@ -759,8 +759,13 @@ resolve_pool(PyObject *pool, cs_module_state *state, PyObject **ledger)
         if (package == NULL) {
             return NULL;
         }
-        pool = PyObject_CallMethod(package, "default_pool", NULL);
+        PyObject *factory = cs_getattr_interned(package, "default_pool");
         Py_DECREF(package);
+        if (factory == NULL) {
+            return NULL;
+        }
+        pool = PyObject_CallNoArgs(factory);
+        Py_DECREF(factory);
         if (pool == NULL) {
             return NULL;
         }
@@ -1476,8 +1481,12 @@ standin_worker_gone(StandInObject *self)
     if (self->pool == NULL) {
         return 0; /* cleared by the GC */
     }
-    PyObject *r =
-        PyObject_CallMethod(self->pool, "worker_gone", "O", self->worker);
+    PyObject *r = NULL;
+    PyObject *method = cs_getattr_interned(self->pool, "worker_gone");
+    if (method != NULL) {
+        r = PyObject_CallOneArg(method, self->worker);
+        Py_DECREF(method);
+    }
     if (r == NULL) {
         PyObject *cause = take_cause();
         if (cause == NULL) {
@@ -1501,7 +1510,7 @@ standin_pressure(StandInObject *self, uint64_t shortfall)
     if (self->pool == NULL) {
         return 0;
     }
-    PyObject *callback = PyObject_GetAttrString(self->pool, "on_pressure");
+    PyObject *callback = cs_getattr_interned(self->pool, "on_pressure");
     if (callback == NULL) {
         if (!PyErr_ExceptionMatches(PyExc_Exception)) {
             return -1;

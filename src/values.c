@@ -112,11 +112,37 @@ cs_seconds_in_range(PyObject *value, const char *field, uint64_t min_ns,
     return 0;
 }
 
+PyObject *
+cs_getattr_interned(PyObject *obj, const char *name)
+{
+    PyObject *key = PyUnicode_InternFromString(name);
+    if (key == NULL) {
+        return NULL;
+    }
+    PyObject *value = PyObject_GetAttr(obj, key);
+    Py_DECREF(key);
+    return value;
+}
+
+/* obj.<name>(arg), the name interned (cs_getattr_interned). */
+static PyObject *
+call_method1(PyObject *obj, const char *name, PyObject *arg)
+{
+    PyObject *method = cs_getattr_interned(obj, name);
+    if (method == NULL) {
+        return NULL;
+    }
+    PyObject *r = PyObject_CallOneArg(method, arg);
+    Py_DECREF(method);
+    return r;
+}
+
 void
 cs_log_warning(const char *format, ...)
 {
     PyObject *type, *value, *traceback;
     PyObject *message = NULL, *logging = NULL, *logger = NULL, *r = NULL;
+    PyObject *name = NULL;
     va_list va;
 
     PyErr_Fetch(&type, &value, &traceback);
@@ -130,11 +156,15 @@ cs_log_warning(const char *format, ...)
     if (logging == NULL) {
         goto error;
     }
-    logger = PyObject_CallMethod(logging, "getLogger", "s", "comfy_standin");
+    name = PyUnicode_InternFromString("comfy_standin");
+    if (name == NULL) {
+        goto error;
+    }
+    logger = call_method1(logging, "getLogger", name);
     if (logger == NULL) {
         goto error;
     }
-    r = PyObject_CallMethod(logger, "warning", "O", message);
+    r = call_method1(logger, "warning", message);
 error:
     /* Logging must never be why an eviction path raised an Exception; a
      * KeyboardInterrupt from a log handler is delivered again at the next
@@ -148,6 +178,7 @@ error:
     Py_XDECREF(r);
     Py_XDECREF(logger);
     Py_XDECREF(logging);
+    Py_XDECREF(name);
     Py_XDECREF(message);
     PyErr_Restore(type, value, traceback);
 }

@@ -97,6 +97,47 @@ def test_pager_off_or_absent_forwards_nothing(impl, mm, aimdo, monkeypatch):
     assert pool2.publish_reserve(mm, total=24 * GiB) > 400 * MiB
 
 
+class ImportSpy:
+    """A meta-path finder that records every module the import system is
+    asked to find, and finds none."""
+
+    def __init__(self):
+        self.asked = []
+
+    def find_spec(self, name, path=None, target=None):
+        self.asked.append(name)
+        return None
+
+
+def test_publish_imports_nothing(impl, mm, monkeypatch):
+    # Outside ComfyUI (or before it imported them) comfy.memory_management,
+    # comfy.cli_args and comfy_aimdo are absent: publishing must not try to
+    # import them.  A failed import scans sys.path on every boundary and
+    # allocates as it fails (a leak check saw 35 B per call), and importing
+    # comfy.cli_args would parse this process's argv.
+    for name in ("comfy.memory_management", "comfy.cli_args",
+                 "comfy_aimdo", "comfy_aimdo.control"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    spy = ImportSpy()
+    monkeypatch.setattr(sys, "meta_path", [spy, *sys.meta_path])
+    pool, s = charged_pool(impl, process_local=True)
+    for _ in range(3):
+        assert pool.publish_reserve(mm, total=24 * GiB) > 400 * MiB
+    assert spy.asked == []
+    assert "comfy.cli_args" not in sys.modules
+
+
+def test_a_broken_pager_module_forwards_nothing(impl, mm, aimdo):
+    class Exploding(types.ModuleType):
+        def __getattr__(self, name):
+            raise RuntimeError("half-imported")
+
+    sys.modules["comfy_aimdo.control"] = Exploding("comfy_aimdo.control")
+    pool, s = charged_pool(impl, process_local=False)
+    assert pool.publish_reserve(mm) == 400 * MiB
+    assert aimdo.written == []
+
+
 def test_a_failing_setter_never_fails_the_boundary(impl, mm, aimdo):
     def broken(value):
         raise OSError("pager gone")

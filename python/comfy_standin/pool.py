@@ -735,30 +735,39 @@ def _aimdo_setter() -> Callable[[int], object] | None:
     """comfy-aimdo's ``set_simple_vram_headroom`` when ComfyUI runs the
     pager (``comfy.memory_management.aimdo_enabled``), else None.  The
     module-level wrapper first, then the C export on ``control.lib``
-    (older wheels ship only that), as comfy-env 0.4.46 looks it up."""
+    (older wheels ship only that), as comfy-env 0.4.46 looks it up.
+
+    Only modules ComfyUI has already imported are read (``sys.modules``):
+    ComfyUI imports both before it turns the pager on, and an import from
+    here would scan ``sys.path`` on every call outside ComfyUI (and
+    allocate as it fails) or run a module's import-time code."""
     try:
-        cmm = importlib.import_module("comfy.memory_management")
-        if not getattr(cmm, "aimdo_enabled", False):
+        cmm = sys.modules.get("comfy.memory_management")
+        if cmm is None or not getattr(cmm, "aimdo_enabled", False):
             return None
-        control = importlib.import_module("comfy_aimdo.control")
-    except Exception:  # noqa: BLE001 - no pager: nothing to forward
+        control = sys.modules.get("comfy_aimdo.control")
+        if control is None:
+            return None
+        setter = getattr(control, "set_simple_vram_headroom", None)
+        if setter is None:
+            setter = getattr(getattr(control, "lib", None),
+                             "set_simple_vram_headroom", None)
+    except Exception:  # noqa: BLE001 - a broken module: nothing to forward
         return None
-    setter = getattr(control, "set_simple_vram_headroom", None)
-    if setter is None:
-        setter = getattr(getattr(control, "lib", None),
-                         "set_simple_vram_headroom", None)
     return setter if callable(setter) else None
 
 
 def _aimdo_seed() -> int:
     """The headroom ComfyUI seeded the pager with: ``--reserve-vram`` GiB
-    in bytes, else comfy-aimdo's default."""
+    in bytes, else comfy-aimdo's default.  ``comfy.cli_args`` is read from
+    ``sys.modules`` only: importing it parses ``sys.argv``."""
     try:
-        args = importlib.import_module("comfy.cli_args").args
-        value = getattr(args, "reserve_vram", None)
+        cli_args = sys.modules.get("comfy.cli_args")
+        value = getattr(getattr(cli_args, "args", None), "reserve_vram",
+                        None)
         if value is not None:
             return max(0, int(float(value) * (1 << 30)))
-    except Exception:  # noqa: BLE001 - no ComfyUI args: the default
+    except Exception:  # noqa: BLE001 - unreadable args: the default
         pass
     return AIMDO_DEFAULT_HEADROOM
 
@@ -815,12 +824,19 @@ def _probe(impl: ModuleType) -> Mapping[str, Any]:
     return probe()
 
 
+_PID_PATHS = (("pid",), ("process", "pid"), ("_process", "pid"),
+              ("proc", "pid"))
+
+
 def _default_pid_of(worker: Any) -> int | None:
     """comfy-env's SubprocessWorker and plain Popen-like objects."""
-    for path in ("pid", "process.pid", "_process.pid", "proc.pid"):
+    # The names are literals (interned): a name built at run time (a
+    # split) is a fresh str each call, and Python 3.10/3.11's attribute
+    # cache keeps a reference to every name it caches.
+    for path in _PID_PATHS:
         obj = worker
         try:
-            for name in path.split("."):
+            for name in path:
                 obj = getattr(obj, name)
         except AttributeError:
             continue
