@@ -42,6 +42,11 @@ typedef struct {
     PyObject *str_id;
     PyObject *str_get;
     PyObject *mapping_abc; /* collections.abc.Mapping */
+    /* Borrowed: the StandIn made last, whose (load_device, offload_device,
+     * kind) tuple the next one shares when it holds the same objects.  A
+     * weak reference by hand: the stand-in sets it NULL when it is cleared
+     * or freed, and it keeps nothing alive. */
+    struct StandInObject *last_standin;
     /* Set once the exec hook completed; cleared by m_clear.  Checked by
      * cs_state_checked() so no object outliving its module's state hands
      * out a cleared (NULL) field. */

@@ -5,7 +5,7 @@
  *
  * Thread safety: the receipt lives in the C core (seqlock; any thread).
  * The PyObject fields below are immutable after construction except
- * ModuleObject.device_assigned, StandInObject.module and .sentinel (made
+ * ModuleObject.device_assigned and .sentinel, StandInObject.module (made
  * on first use) and the roster links, which are touched only with the GIL
  * held (this module does not claim free-threading support).
  */
@@ -35,14 +35,18 @@ typedef struct {
     PyObject *board;             /* strong Board or NULL; GIL */
     uint32_t board_slot;         /* GIL, with `board` */
     uint64_t board_tag;          /* GIL, with `board`: the slot's tag */
+    PyObject *sentinel; /* the stand-in's clone_base_uuid, or NULL until
+                         * first use; GIL */
     PyObject *weakreflist;
 } ModuleObject;
 
-/* The size and generation live in the record.  The inner module and the
- * sentinel are made on first use (ComfyUI reads `.model` in a few places
- * only) and kept from then on, so every access returns the same object;
- * until the module exists no device was assigned and no board attached,
- * and the stand-in answers from the record and its own devices. */
+/* The size and generation live in the record.  The inner module is made on
+ * first use (ComfyUI reads `.model` in a few places only), the sentinel on
+ * its first use, in the module; both are kept from then on, so every
+ * access returns the same object.  Until the module exists no device was
+ * assigned and no board attached, and the stand-in answers from the record
+ * and its profile.  Ten pointers: 112 bytes with the GC header, one
+ * pymalloc size class below thirteen (bench/RESULTS.md, memory). */
 typedef struct StandInObject StandInObject;
 
 /* A pool's roster of one worker's stand-ins (the pool's `_adopted` entry):
@@ -64,10 +68,10 @@ struct StandInObject {
     PyObject *worker;   /* strong; immutable; NULL once GC-cleared */
     PyObject *pool;     /* strong; immutable */
     PyObject *model_id; /* strong str; immutable */
-    PyObject *kind;     /* strong str; immutable */
-    PyObject *sentinel; /* strong SentinelObject, or NULL until first use */
-    PyObject *load_device;    /* strong; immutable */
-    PyObject *offload_device; /* strong; immutable */
+    /* Strong tuple (load_device, offload_device, kind); immutable; NULL
+     * once GC-cleared.  Shared with the stand-in made before it when they
+     * hold the same three objects (profile_for). */
+    PyObject *profile;
     PyObject *weakreflist;
     RosterObject *roster; /* strong while listed, else NULL; GIL */
     StandInObject *roster_prev, *roster_next; /* borrowed; GIL */
@@ -77,6 +81,15 @@ static inline cs_module_state *
 state_of(PyObject *self)
 {
     return (cs_module_state *)PyType_GetModuleState(Py_TYPE(self));
+}
+
+enum { PROFILE_LOAD, PROFILE_OFFLOAD, PROFILE_KIND };
+
+/* A field of the profile, borrowed; NULL once GC-cleared. */
+static inline PyObject *
+profile_item(StandInObject *self, Py_ssize_t index)
+{
+    return self->profile ? PyTuple_GET_ITEM(self->profile, index) : NULL;
 }
 
 /* "StandIn" of "comfy_standin._core.StandIn" (heap types keep the dotted
@@ -265,6 +278,7 @@ module_traverse(ModuleObject *self, visitproc visit, void *arg)
     Py_VISIT(self->offload_device);
     Py_VISIT(self->device_assigned);
     Py_VISIT(self->board);
+    Py_VISIT(self->sentinel);
     return 0;
 }
 
@@ -275,6 +289,7 @@ module_clear(ModuleObject *self)
     Py_CLEAR(self->offload_device);
     Py_CLEAR(self->device_assigned);
     Py_CLEAR(self->board);
+    Py_CLEAR(self->sentinel);
     return 0;
 }
 
@@ -751,6 +766,25 @@ check_worker(PyObject *worker, cs_module_state *state)
     return 0;
 }
 
+/* The profile tuple (load_device, offload_device, kind), a new reference:
+ * the last made stand-in's when it holds these very objects (stand-ins are
+ * made in runs with the same devices and kind), else a new one.  Identity
+ * only: no caller code runs. */
+static PyObject *
+profile_for(cs_module_state *state, PyObject *load_device,
+            PyObject *offload_device, PyObject *kind)
+{
+    StandInObject *last = state->last_standin;
+    PyObject *profile = last != NULL ? last->profile : NULL;
+    if (profile != NULL &&
+        PyTuple_GET_ITEM(profile, PROFILE_LOAD) == load_device &&
+        PyTuple_GET_ITEM(profile, PROFILE_OFFLOAD) == offload_device &&
+        PyTuple_GET_ITEM(profile, PROFILE_KIND) == kind) {
+        return Py_NewRef(profile);
+    }
+    return PyTuple_Pack(3, load_device, offload_device, kind);
+}
+
 static PyObject *
 resolve_pool(PyObject *pool, cs_module_state *state, PyObject **ledger)
 {
@@ -867,7 +901,7 @@ standin_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     PyObject *argv[STANDIN_NARGS];
     cs_module_state *state = PyType_GetModuleState(type);
     PyObject *worker, *generation_obj, *model_id, *size_obj, *load_device,
-        *offload_device, *kind = NULL, *pool_arg = NULL;
+        *offload_device, *kind = NULL, *pool_arg = NULL, *profile = NULL;
     PyObject *pool = NULL, *ledger = NULL, *books = NULL, *r = NULL;
     StandInObject *self = NULL;
     uint64_t generation, size;
@@ -929,6 +963,10 @@ standin_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     if (id == NULL) {
         goto error;
     }
+    profile = profile_for(state, load_device, offload_device, kind);
+    if (profile == NULL) {
+        goto error;
+    }
     pool = resolve_pool(pool_arg, state, &ledger);
     if (pool == NULL) {
         goto error;
@@ -948,14 +986,12 @@ standin_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     }
     self->record = record;
     record = NULL;
-    self->load_device = Py_NewRef(load_device);
-    self->offload_device = Py_NewRef(offload_device);
+    self->profile = profile;
+    profile = NULL;
     self->worker = Py_NewRef(worker);
     self->pool = pool;
     pool = NULL;
     self->model_id = Py_NewRef(model_id);
-    self->kind = kind;
-    kind = NULL;
 
     /* The pool keeps the stand-in for its graveyard (docs/architecture.md). */
     code = adopt_fast(self);
@@ -973,6 +1009,8 @@ standin_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     Py_DECREF(books);
     Py_DECREF(ledger);
     Py_DECREF(model_id);
+    Py_DECREF(kind);
+    state->last_standin = self; /* cleared by standin_clear */
     return (PyObject *)self;
 
 error:
@@ -985,6 +1023,7 @@ error:
     Py_XDECREF(ledger);
     Py_XDECREF(pool);
     Py_XDECREF(kind);
+    Py_XDECREF(profile);
     return NULL;
 }
 
@@ -995,28 +1034,29 @@ standin_traverse(StandInObject *self, visitproc visit, void *arg)
     Py_VISIT(self->module);
     Py_VISIT(self->worker);
     Py_VISIT(self->pool);
-    Py_VISIT(self->sentinel);
-    Py_VISIT(self->load_device);
-    Py_VISIT(self->offload_device);
+    Py_VISIT(self->profile);
     Py_VISIT(self->roster);
     Py_VISIT(self->model_id);
-    Py_VISIT(self->kind);
     return 0;
 }
 
-/* model_id and kind are kept: every message and accessor reads them, and a
- * cycle through them also runs through the other party (a str subclass's
- * __dict__ or slots), whose own clear breaks it. */
+/* model_id is kept: every message and accessor reads it, and a cycle
+ * through it also runs through the other party (a str subclass's __dict__
+ * or slots), whose own clear breaks it.  The profile goes (a device may be
+ * any object, a tuple with no clear of its own): a cleared stand-in's
+ * devices and kind read None. */
 static int
 standin_clear(StandInObject *self)
 {
+    cs_module_state *state = state_of((PyObject *)self);
+    if (state != NULL && state->last_standin == self) {
+        state->last_standin = NULL;
+    }
     roster_unlink(self); /* first: the roster lists live stand-ins only */
     Py_CLEAR(self->module);
     Py_CLEAR(self->worker);
     Py_CLEAR(self->pool);
-    Py_CLEAR(self->sentinel);
-    Py_CLEAR(self->load_device);
-    Py_CLEAR(self->offload_device);
+    Py_CLEAR(self->profile);
     return 0;
 }
 
@@ -1031,7 +1071,6 @@ standin_dealloc(StandInObject *self)
     }
     standin_clear(self);
     Py_CLEAR(self->model_id);
-    Py_CLEAR(self->kind);
     if (self->record != NULL) {
         cs_model_release_handle(self->record);
     }
@@ -1067,13 +1106,14 @@ standin_module_get(StandInObject *self)
     }
     cs_model_incref(self->record);
     m->record = self->record;
-    m->load_device = Py_XNewRef(self->load_device);
-    m->offload_device = Py_XNewRef(self->offload_device);
+    m->load_device = Py_XNewRef(profile_item(self, PROFILE_LOAD));
+    m->offload_device = Py_XNewRef(profile_item(self, PROFILE_OFFLOAD));
     m->device_assigned = NULL;
     m->device_assigned_at = 0;
     m->board = NULL;
     m->board_slot = 0;
     m->board_tag = 0;
+    m->sentinel = NULL;
     m->weakreflist = NULL;
     PyObject_GC_Track(m);
     if (self->module != NULL || self->worker == NULL) {
@@ -1084,29 +1124,38 @@ standin_module_get(StandInObject *self)
     return (PyObject *)m;
 }
 
-/* The clone_base_uuid sentinel, made on first use; as standin_module_get. */
+/* The clone_base_uuid sentinel, made on first use and kept in the module
+ * (made too if need be); as standin_module_get.  None once GC-cleared. */
 static PyObject *
 standin_sentinel_get(StandInObject *self)
 {
-    if (self->sentinel != NULL) {
-        return Py_NewRef(self->sentinel);
+    PyObject *module = standin_module_get(self);
+    if (module == NULL || module == Py_None) {
+        return module;
     }
-    if (self->worker == NULL) {
-        Py_RETURN_NONE;
+    ModuleObject *m = (ModuleObject *)module;
+    if (m->sentinel == NULL) {
+        cs_module_state *state = state_of((PyObject *)self);
+        SentinelObject *o =
+            PyObject_GC_New(SentinelObject, state->sentinel_type);
+        if (o == NULL) {
+            Py_DECREF(module);
+            return NULL;
+        }
+        o->model_id = Py_NewRef(self->model_id);
+        PyObject_GC_Track(o);
+        /* The allocation may have run the collector and Python that made
+         * the sentinel first: whoever made it first wins. */
+        if (m->sentinel == NULL) {
+            m->sentinel = (PyObject *)o;
+        }
+        else {
+            Py_DECREF(o);
+        }
     }
-    cs_module_state *state = state_of((PyObject *)self);
-    SentinelObject *o = PyObject_GC_New(SentinelObject, state->sentinel_type);
-    if (o == NULL) {
-        return NULL;
-    }
-    o->model_id = Py_XNewRef(self->model_id);
-    PyObject_GC_Track(o);
-    if (self->sentinel != NULL || self->worker == NULL) {
-        Py_DECREF(o);
-        return Py_NewRef(self->sentinel ? self->sentinel : Py_None);
-    }
-    self->sentinel = Py_NewRef((PyObject *)o);
-    return (PyObject *)o;
+    PyObject *sentinel = Py_NewRef(m->sentinel);
+    Py_DECREF(module);
+    return sentinel;
 }
 
 /* ---- StandIn: what ComfyUI reads --------------------------------------- */
@@ -1141,8 +1190,8 @@ standin_current_loaded_device(StandInObject *self, PyObject *unused)
         Py_RETURN_NONE; /* GC-cleared */
     }
     PyObject *device = cs_model_loaded(self->record) > 0
-                           ? self->load_device
-                           : self->offload_device;
+                           ? profile_item(self, PROFILE_LOAD)
+                           : profile_item(self, PROFILE_OFFLOAD);
     return Py_NewRef(device != NULL ? device : Py_None);
 }
 
@@ -1995,7 +2044,7 @@ detach_body(StandInObject *self)
         (void)standin_worker_gone(self);
         return;
     }
-    offload = self->offload_device;
+    offload = profile_item(self, PROFILE_OFFLOAD);
     device_str = PyObject_Str(offload != NULL ? offload : Py_None);
     if (device_str == NULL) {
         return;
@@ -2168,13 +2217,15 @@ standin_get_board(StandInObject *self, void *closure)
 static PyObject *
 standin_get_load_device(StandInObject *self, void *closure)
 {
-    return Py_NewRef(self->load_device ? self->load_device : Py_None);
+    PyObject *device = profile_item(self, PROFILE_LOAD);
+    return Py_NewRef(device ? device : Py_None);
 }
 
 static PyObject *
 standin_get_offload_device(StandInObject *self, void *closure)
 {
-    return Py_NewRef(self->offload_device ? self->offload_device : Py_None);
+    PyObject *device = profile_item(self, PROFILE_OFFLOAD);
+    return Py_NewRef(device ? device : Py_None);
 }
 
 static PyObject *
@@ -2222,7 +2273,8 @@ standin_get_model_id(StandInObject *self, void *closure)
 static PyObject *
 standin_get_kind(StandInObject *self, void *closure)
 {
-    return Py_NewRef(self->kind);
+    PyObject *kind = profile_item(self, PROFILE_KIND);
+    return Py_NewRef(kind ? kind : Py_None);
 }
 
 static PyObject *
@@ -2285,10 +2337,15 @@ standin_get_seq(StandInObject *self, void *closure)
 static PyObject *
 standin_repr(StandInObject *self)
 {
+    PyObject *kind = profile_item(self, PROFILE_KIND);
+    if (kind == NULL) { /* GC-cleared */
+        return PyUnicode_FromFormat("<StandIn %R (cleared)>",
+                                    self->model_id);
+    }
     return PyUnicode_FromFormat(
         "<StandIn %R (%U) of worker generation %llu: %llu of %llu bytes "
         "loaded%s>",
-        self->model_id, self->kind,
+        self->model_id, kind,
         (unsigned long long)cs_model_generation(self->record),
         (unsigned long long)standin_loaded(self),
         (unsigned long long)cs_model_size(self->record),
