@@ -838,52 +838,42 @@ static PyObject *standin_keyword_str[STANDIN_NARGS];
  * PyArg_ParseTupleAndKeywords's checks and messages.  Keyword names match
  * the interned constants by pointer first (what a call site passes), so
  * the common call builds no string; comparing str runs no Python. */
+/* One keyword argument into out[]; 0, or -1 with TypeError. */
 static int
-standin_parse(PyObject *args, PyObject *kwargs, PyObject **out)
+standin_keyword(PyObject *key, PyObject *value, PyObject **out)
 {
-    Py_ssize_t nargs = PyTuple_GET_SIZE(args), pos = 0;
-    Py_ssize_t nkw = kwargs != NULL ? PyDict_GET_SIZE(kwargs) : 0;
-    PyObject *key, *value;
-
-    if (nargs + nkw > STANDIN_NARGS) {
-        PyErr_Format(PyExc_TypeError,
-                     "StandIn() takes at most %d %sarguments (%zd given)",
-                     STANDIN_NARGS, nargs == 0 ? "keyword " : "",
-                     nargs + nkw);
+    int j = 0;
+    if (!PyUnicode_Check(key)) {
+        PyErr_SetString(PyExc_TypeError, "keywords must be strings");
         return -1;
     }
-    for (Py_ssize_t i = 0; i < STANDIN_NARGS; i++) {
-        out[i] = i < nargs ? PyTuple_GET_ITEM(args, i) : NULL;
+    while (j < STANDIN_NARGS && key != standin_keyword_str[j]) {
+        j++;
     }
-    while (nkw > 0 && PyDict_Next(kwargs, &pos, &key, &value)) {
-        int j = 0;
-        if (!PyUnicode_Check(key)) {
-            PyErr_SetString(PyExc_TypeError, "keywords must be strings");
-            return -1;
+    for (int k = 0; j == STANDIN_NARGS && k < STANDIN_NARGS; k++) {
+        if (PyUnicode_Compare(key, standin_keyword_str[k]) == 0) {
+            j = k;
         }
-        while (j < STANDIN_NARGS && key != standin_keyword_str[j]) {
-            j++;
-        }
-        for (int k = 0; j == STANDIN_NARGS && k < STANDIN_NARGS; k++) {
-            if (PyUnicode_Compare(key, standin_keyword_str[k]) == 0) {
-                j = k;
-            }
-        }
-        if (j == STANDIN_NARGS) {
-            PyErr_Format(PyExc_TypeError,
-                         "%R is an invalid keyword argument for StandIn()",
-                         key);
-            return -1;
-        }
-        if (out[j] != NULL) {
-            PyErr_Format(PyExc_TypeError,
-                         "argument for StandIn() given by name ('%s') and "
-                         "position (%d)",
-                         standin_keywords[j], j + 1);
-            return -1;
-        }
-        out[j] = value;
     }
+    if (j == STANDIN_NARGS) {
+        PyErr_Format(PyExc_TypeError,
+                     "%R is an invalid keyword argument for StandIn()", key);
+        return -1;
+    }
+    if (out[j] != NULL) {
+        PyErr_Format(PyExc_TypeError,
+                     "argument for StandIn() given by name ('%s') and "
+                     "position (%d)",
+                     standin_keywords[j], j + 1);
+        return -1;
+    }
+    out[j] = value;
+    return 0;
+}
+
+static int
+standin_check_required(PyObject **out)
+{
     for (int i = 0; i < STANDIN_NREQUIRED; i++) {
         if (out[i] == NULL) {
             PyErr_Format(PyExc_TypeError,
@@ -895,10 +885,103 @@ standin_parse(PyObject *args, PyObject *kwargs, PyObject **out)
     return 0;
 }
 
+static int
+standin_too_many(Py_ssize_t nargs, Py_ssize_t nkw)
+{
+    if (nargs + nkw > STANDIN_NARGS) {
+        PyErr_Format(PyExc_TypeError,
+                     "StandIn() takes at most %d %sarguments (%zd given)",
+                     STANDIN_NARGS, nargs == 0 ? "keyword " : "",
+                     nargs + nkw);
+        return -1;
+    }
+    return 0;
+}
+
+/* The vectorcall form of standin_parse: positional args[0..nargs), then
+ * one value per name in kwnames.  No tuple or dict is made for the call. */
+static int
+standin_parse_vector(PyObject *const *args, Py_ssize_t nargs,
+                     PyObject *kwnames, PyObject **out)
+{
+    Py_ssize_t nkw = kwnames != NULL ? PyTuple_GET_SIZE(kwnames) : 0;
+    if (standin_too_many(nargs, nkw) < 0) {
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < STANDIN_NARGS; i++) {
+        out[i] = i < nargs ? args[i] : NULL;
+    }
+    for (Py_ssize_t i = 0; i < nkw; i++) {
+        if (standin_keyword(PyTuple_GET_ITEM(kwnames, i), args[nargs + i],
+                            out) < 0) {
+            return -1;
+        }
+    }
+    return standin_check_required(out);
+}
+
+static int
+standin_parse(PyObject *args, PyObject *kwargs, PyObject **out)
+{
+    Py_ssize_t nargs = PyTuple_GET_SIZE(args), pos = 0;
+    Py_ssize_t nkw = kwargs != NULL ? PyDict_GET_SIZE(kwargs) : 0;
+    PyObject *key, *value;
+
+    if (standin_too_many(nargs, nkw) < 0) {
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < STANDIN_NARGS; i++) {
+        out[i] = i < nargs ? PyTuple_GET_ITEM(args, i) : NULL;
+    }
+    /* Nothing in this loop runs Python (keys compared as str). */
+    while (nkw > 0 && PyDict_Next(kwargs, &pos, &key, &value)) {
+        if (standin_keyword(key, value, out) < 0) {
+            return -1;
+        }
+    }
+    return standin_check_required(out);
+}
+
+static PyObject *standin_make(PyTypeObject *type, PyObject **argv);
+
 static PyObject *
 standin_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
     PyObject *argv[STANDIN_NARGS];
+    if (standin_parse(args, kwargs, argv) < 0) {
+        return NULL;
+    }
+    /* The keyword dict may be one caller code still holds (PyObject_Call
+     * from C, StandIn.__new__(StandIn, **d) paths): own the values across
+     * the checks, which run the worker's code. */
+    for (int i = 0; i < STANDIN_NARGS; i++) {
+        Py_XINCREF(argv[i]);
+    }
+    PyObject *made = standin_make(type, argv);
+    for (int i = 0; i < STANDIN_NARGS; i++) {
+        Py_XDECREF(argv[i]);
+    }
+    return made;
+}
+
+/* StandIn(...) itself: the type's vectorcall, so a call makes no argument
+ * tuple or keyword dict (StandIn is not subclassable: `type` is it). */
+static PyObject *
+standin_vectorcall(PyObject *type, PyObject *const *args, size_t nargsf,
+                   PyObject *kwnames)
+{
+    PyObject *argv[STANDIN_NARGS];
+    if (standin_parse_vector(args, PyVectorcall_NARGS(nargsf), kwnames,
+                             argv) < 0) {
+        return NULL;
+    }
+    return standin_make((PyTypeObject *)type, argv);
+}
+
+/* The constructor proper, from parsed arguments (borrowed). */
+static PyObject *
+standin_make(PyTypeObject *type, PyObject **argv)
+{
     cs_module_state *state = PyType_GetModuleState(type);
     PyObject *worker, *generation_obj, *model_id, *size_obj, *load_device,
         *offload_device, *kind = NULL, *pool_arg = NULL, *profile = NULL;
@@ -910,9 +993,6 @@ standin_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     const char *id;
     int code;
 
-    if (standin_parse(args, kwargs, argv) < 0) {
-        return NULL;
-    }
     worker = argv[0];
     generation_obj = argv[1];
     model_id = argv[2];
@@ -2822,8 +2902,13 @@ cs_standin_exec(PyObject *module, cs_module_state *state)
     }
     state->standin_type = (PyTypeObject *)PyType_FromModuleAndSpec(
         module, &standin_spec, NULL);
-    if (state->standin_type == NULL ||
-        PyModule_AddType(module, state->standin_type) < 0) {
+    if (state->standin_type == NULL) {
+        return -1;
+    }
+    /* Calls of the type go straight to standin_vectorcall (the type is
+     * final and immutable; tp_new stays for StandIn.__new__). */
+    state->standin_type->tp_vectorcall = standin_vectorcall;
+    if (PyModule_AddType(module, state->standin_type) < 0) {
         return -1;
     }
     PyObject *roster_type = PyType_FromModuleAndSpec(module, &roster_spec,

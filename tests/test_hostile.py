@@ -978,3 +978,55 @@ def test_both_implementations_agree_on_random_censuses(both_impls):
         )
 
     check()
+
+
+# ---- the constructor's own arguments ---------------------------------------
+
+
+class Device:
+    """A device object only the keyword dict below holds."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def scenario_keyword_dict_emptied_by_the_worker(impl: Any) -> None:
+    """StandIn.__new__ called from C with a dict its caller still holds
+    (PyObject_Call passes it down as is): the worker's attribute lookup,
+    run by the constructor's checks, empties that dict, freeing the only
+    references to the id and the devices."""
+    kwargs: dict[str, Any] = {}
+
+    class Worker:
+        def __getattribute__(self, name: str) -> Any:
+            kwargs.clear()
+            return object.__getattribute__(self, name)
+
+        def send_command(self, command: str, **kw: Any) -> dict:
+            return {}
+
+        def is_alive(self) -> bool:
+            return True
+
+    pool = impl.Pool(process_local=True)
+    kwargs.update(
+        worker=Worker(), worker_generation=1,
+        model_id="".join(["m", "o", "d", "e", "l"]) * 3, model_size=SIZE,
+        load_device=Device("cuda:0"), offload_device=Device("cpu"),
+        kind="".join(["u", "n", "e", "t"]), pool=pool,
+    )
+    call = ctypes.pythonapi.PyObject_Call
+    call.restype = ctypes.py_object
+    call.argtypes = [ctypes.py_object] * 3
+    s = call(impl.StandIn.__new__, (impl.StandIn,), kwargs)
+    assert kwargs == {}
+    gc.collect()
+    assert s.model_id == "model" * 3 and s.kind == "unet"
+    assert s.load_device.name == "cuda:0"
+    assert s.offload_device.name == "cpu"
+
+
+def test_keyword_dict_emptied_during_construction():
+    # The C type only: the reference's __new__ is object.__new__, whose
+    # keyword dict its own __init__ never sees again.
+    isolated(load("c"), scenario_keyword_dict_emptied_by_the_worker)
