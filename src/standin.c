@@ -49,8 +49,9 @@ typedef struct {
  * pymalloc size class below thirteen (bench/RESULTS.md, memory). */
 typedef struct StandInObject StandInObject;
 
-/* A pool's roster of one worker's stand-ins (the pool's `_adopted` entry):
- * an intrusive list through the stand-ins, each of which holds its roster
+/* A pool's roster of one worker's stand-ins, the pool's `_adopted` entry
+ * for that worker: the worker, the newest generation adopted, and an
+ * intrusive list through the stand-ins, each of which holds its roster
  * strongly and leaves the list when it is cleared or freed, so the roster
  * lists live stand-ins only, as a weak set would, without a weak reference
  * per stand-in.  Touched with the GIL held only, by code that runs no
@@ -59,6 +60,8 @@ typedef struct {
     PyObject_HEAD
     StandInObject *head, *tail; /* borrowed; in adoption order */
     Py_ssize_t count;
+    PyObject *worker; /* strong; NULL once GC-cleared */
+    uint64_t newest;  /* the newest worker generation adopted; GIL */
 } RosterObject;
 
 struct StandInObject {
@@ -491,20 +494,54 @@ is_roster(PyObject *obj)
     return Py_TYPE(obj)->tp_dealloc == (destructor)roster_dealloc;
 }
 
+/* A roster of `worker` whose newest generation is `newest`: no Python
+ * runs (a GC allocation may start a collection, as any allocation). */
 static PyObject *
-roster_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+roster_make(PyTypeObject *type, PyObject *worker, uint64_t newest)
 {
-    if (PyTuple_GET_SIZE(args) != 0 ||
-        (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0)) {
-        PyErr_SetString(PyExc_TypeError, "_Roster() takes no arguments");
-        return NULL;
-    }
     RosterObject *self = (RosterObject *)type->tp_alloc(type, 0);
     if (self != NULL) {
         self->head = self->tail = NULL;
         self->count = 0;
+        self->worker = Py_NewRef(worker);
+        self->newest = newest;
     }
     return (PyObject *)self;
+}
+
+static PyObject *
+roster_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    PyObject *worker, *newest_obj;
+    uint64_t newest;
+    static char *keywords[] = {"worker", "newest", NULL};
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO:_Roster", keywords,
+                                     &worker, &newest_obj)) {
+        return NULL;
+    }
+    int code = cs_value_check(newest_obj, CS_VALUE_MAX, &newest);
+    if (code != 0) {
+        return cs_value_error(NULL, code, "newest", newest_obj,
+                              CS_VALUE_MAX),
+               NULL;
+    }
+    return roster_make(type, worker, newest);
+}
+
+static int
+roster_traverse(RosterObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->worker);
+    return 0;
+}
+
+static int
+roster_clear(RosterObject *self)
+{
+    Py_CLEAR(self->worker);
+    return 0;
 }
 
 static void
@@ -512,9 +549,49 @@ roster_dealloc(RosterObject *self)
 {
     /* Every listed stand-in holds the roster: none is left here. */
     PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    roster_clear(self);
     tp->tp_free(self);
     Py_DECREF(tp);
 }
+
+static PyObject *
+roster_get_worker(RosterObject *self, void *closure)
+{
+    return Py_NewRef(self->worker ? self->worker : Py_None);
+}
+
+static PyObject *
+roster_get_newest(RosterObject *self, void *closure)
+{
+    return PyLong_FromUnsignedLongLong(self->newest);
+}
+
+static int
+roster_set_newest(RosterObject *self, PyObject *value, void *closure)
+{
+    uint64_t newest;
+    if (value == NULL) {
+        PyErr_SetString(PyExc_TypeError, "newest cannot be deleted");
+        return -1;
+    }
+    int code = cs_value_check(value, CS_VALUE_MAX, &newest);
+    if (code != 0) {
+        cs_value_error(NULL, code, "newest", value, CS_VALUE_MAX);
+        return -1;
+    }
+    self->newest = newest;
+    return 0;
+}
+
+static PyGetSetDef roster_getset[] = {
+    {"worker", (getter)roster_get_worker, NULL,
+     "The worker whose stand-ins this lists (None once GC-cleared).",
+     NULL},
+    {"newest", (getter)roster_get_newest, (setter)roster_set_newest,
+     "The newest worker generation adopted.", NULL},
+    {NULL},
+};
 
 static Py_ssize_t
 roster_len(RosterObject *self)
@@ -570,10 +647,15 @@ static PyMethodDef roster_methods[] = {
 };
 
 static PyType_Slot roster_slots[] = {
-    {Py_tp_doc, "_Roster()\n--\n\nThe pool's list of one worker's live "
-                "stand-ins (C implementation): add(), len(), iter()."},
+    {Py_tp_doc, "_Roster(worker, newest)\n--\n\nThe pool's entry for one "
+                "worker (C implementation): its live stand-ins (add(), "
+                "len(), iter()), the worker and the newest generation "
+                "adopted."},
     {Py_tp_new, roster_new},
     {Py_tp_dealloc, roster_dealloc},
+    {Py_tp_traverse, roster_traverse},
+    {Py_tp_clear, roster_clear},
+    {Py_tp_getset, roster_getset},
     {Py_tp_iter, roster_iter},
     {Py_sq_length, roster_len},
     {Py_tp_methods, roster_methods},
@@ -583,7 +665,8 @@ static PyType_Slot roster_slots[] = {
 static PyType_Spec roster_spec = {
     .name = "comfy_standin._core._Roster",
     .basicsize = sizeof(RosterObject),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC |
+             Py_TPFLAGS_IMMUTABLETYPE,
     .slots = roster_slots,
 };
 
@@ -600,15 +683,15 @@ standin_type_of_roster(PyObject *roster)
 }
 
 /* Pool._adopt for a worker the pool has not adopted yet: under the pool's
- * lock, if it can be had without waiting, makes the worker's entry
- * (worker, roster, [generation]) and lists the stand-in.  Returns 1 when
+ * lock, if it can be had without waiting, makes the worker's entry (its
+ * roster) and lists the stand-in.  Returns 1 when
  * done, 0 when Pool._adopt must run (the lock is busy, or anything is not
  * as expected), -1 with a BaseException that is not an Exception. */
 static int
 adopt_new_worker(StandInObject *self, PyObject *adopted, PyObject *key)
 {
-    PyObject *lock = NULL, *got, *roster = NULL, *gens = NULL;
-    PyObject *entry = NULL, *module, *roster_type = NULL, *generation;
+    PyObject *lock = NULL, *got, *roster = NULL;
+    PyObject *module, *roster_type = NULL;
     PyObject *type, *value, *traceback;
     int done = 0;
 
@@ -618,18 +701,11 @@ adopt_new_worker(StandInObject *self, PyObject *adopted, PyObject *key)
     if (self->roster != NULL ||
         (module = PyType_GetModule(Py_TYPE(self))) == NULL ||
         (roster_type = PyObject_GetAttr(module, str_roster)) == NULL ||
-        (roster = PyObject_CallNoArgs(roster_type)) == NULL ||
-        !is_roster(roster) || (gens = PyList_New(1)) == NULL) {
-        goto out;
-    }
-    generation =
-        PyLong_FromUnsignedLongLong(cs_model_generation(self->record));
-    if (generation == NULL) {
-        goto out;
-    }
-    PyList_SET_ITEM(gens, 0, generation);
-    entry = PyTuple_Pack(3, self->worker, roster, gens);
-    if (entry == NULL) {
+        !PyType_Check(roster_type) ||
+        ((PyTypeObject *)roster_type)->tp_dealloc !=
+            (destructor)roster_dealloc ||
+        (roster = roster_make((PyTypeObject *)roster_type, self->worker,
+                              cs_model_generation(self->record))) == NULL) {
         goto out;
     }
     lock = PyObject_GetAttr(self->pool, str_lock);
@@ -645,7 +721,7 @@ adopt_new_worker(StandInObject *self, PyObject *adopted, PyObject *key)
     /* Under the lock: an int key into an exact dict; no Python runs and
      * nothing here allocates a tracked object. */
     if (PyDict_GetItemWithError(adopted, key) == NULL && !PyErr_Occurred() &&
-        self->roster == NULL && PyDict_SetItem(adopted, key, entry) == 0) {
+        self->roster == NULL && PyDict_SetItem(adopted, key, roster) == 0) {
         roster_link((RosterObject *)roster, self);
         done = 1;
     }
@@ -666,8 +742,6 @@ adopt_new_worker(StandInObject *self, PyObject *adopted, PyObject *key)
 out:
     Py_XDECREF(lock);
     Py_XDECREF(roster_type);
-    Py_XDECREF(entry);
-    Py_XDECREF(gens);
     Py_XDECREF(roster);
     if (PyErr_Occurred()) {
         if (!PyErr_ExceptionMatches(PyExc_Exception)) {
@@ -688,7 +762,7 @@ out:
 static int
 adopt_fast(StandInObject *self)
 {
-    PyObject *key = NULL, *slot, *gens;
+    PyObject *key = NULL, *slot;
     int done = 0;
 
     /* The only step that may run Python (a Pool subclass's descriptor). */
@@ -713,21 +787,13 @@ adopt_fast(StandInObject *self)
     if (slot == NULL && !PyErr_Occurred()) {
         done = adopt_new_worker(self, adopted, key);
     }
-    else if (slot != NULL && PyTuple_CheckExact(slot) &&
-        PyTuple_GET_SIZE(slot) == 3 &&
-        PyTuple_GET_ITEM(slot, 0) == self->worker &&
-        is_roster(PyTuple_GET_ITEM(slot, 1)) &&
-        PyList_CheckExact(gens = PyTuple_GET_ITEM(slot, 2)) &&
-        PyList_GET_SIZE(gens) >= 1 &&
-        PyLong_CheckExact(PyList_GET_ITEM(gens, 0))) {
-        int overflow;
-        long long newest =
-            PyLong_AsLongLongAndOverflow(PyList_GET_ITEM(gens, 0), &overflow);
-        if (overflow == 0 && newest >= 0 && self->roster == NULL &&
-            cs_model_generation(self->record) <= (uint64_t)newest) {
-            roster_link((RosterObject *)PyTuple_GET_ITEM(slot, 1), self);
-            done = 1;
-        }
+    else if (slot != NULL && is_roster(slot) &&
+             ((RosterObject *)slot)->worker == self->worker &&
+             self->roster == NULL &&
+             cs_model_generation(self->record) <=
+                 ((RosterObject *)slot)->newest) {
+        roster_link((RosterObject *)slot, self);
+        done = 1;
     }
     Py_DECREF(key);
     Py_DECREF(adopted);

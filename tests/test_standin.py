@@ -849,16 +849,23 @@ def test_roster_add_is_idempotent_and_moves(both_impls, make_worker):
     c = both_impls[0]
     pool = c.Pool()
     s = c.StandIn(make_worker(), 1, "m", 10, "cuda", "cpu", pool=pool)
-    (first,) = [members for _, members, _ in pool._adopted.values()]
+    (first,) = pool._adopted.values()
+    assert (first.worker, first.newest) == (s.worker, 1)
     first.add(s)
     assert len(first) == 1 and list(first) == [s]
-    second = _core._Roster()
+    second = _core._Roster(s.worker, 1)
     second.add(s)  # as after forget(): the newer roster lists it
     assert (len(first), list(second)) == (0, [s])
     with pytest.raises(TypeError):
         second.add(object())
     with pytest.raises(TypeError):
         _core._Roster(1)
+    for bad in (-1, "2", 1.0):
+        with pytest.raises((TypeError, ValueError)):
+            second.newest = bad
+    assert second.newest == 1
+    second.newest = 3
+    assert second.newest == 3
     del s
     assert (len(first), len(second)) == (0, 0)
 

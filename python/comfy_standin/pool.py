@@ -113,6 +113,17 @@ class WorkerMap(Mapping[Any, Any]):
         return f"WorkerMap({{{inner}}})"
 
 
+
+class _WeakRoster(weakref.WeakSet):  # type: ignore[type-arg]
+    """The pool's entry for one worker with the reference implementation:
+    its stand-ins held weakly, the worker and the newest generation adopted
+    (what the C module's ``_Roster`` holds)."""
+
+    def __init__(self, worker: Any, newest: int) -> None:
+        super().__init__()
+        self.worker = worker
+        self.newest = newest
+
 class Pool:
     """Per-worker charges over one ledger, and the reserve they size.
 
@@ -147,11 +158,10 @@ class Pool:
         self._ledger = impl.Ledger(floor)
         self._process_local = process_local
         self._lock = threading.Lock()
-        # id(worker) -> (worker, its adopted stand-ins weakly, [the newest
-        # generation adopted]).
-        self._adopted: dict[
-            int, tuple[Any, weakref.WeakSet[Any], list[int]]
-        ] = {}
+        # id(worker) -> its roster: its adopted stand-ins (weakly), the
+        # worker and the newest generation adopted (``_WeakRoster``, or the
+        # C module's ``_Roster``).
+        self._adopted: dict[int, Any] = {}
         # Strong references to stand-ins of dead or restarted workers,
         # dropped at the next boundary().
         self._graveyard: dict[int, Any] = {}
@@ -210,12 +220,9 @@ class Pool:
                 roster = getattr(
                     sys.modules.get(type(standin).__module__), "_Roster", None
                 )
-                members: Any = (
-                    roster() if roster is not None else weakref.WeakSet()
-                )
-                slot = (worker, members, [generation])
+                slot = (roster or _WeakRoster)(worker, generation)
                 self._adopted[id(worker)] = slot
-            elif not standin.stale and generation > slot[2][0]:
+            elif not standin.stale and generation > slot.newest:
                 # Registering a newer generation restarted the worker's
                 # books; its older stand-ins are dead like after
                 # restarted().  Only a newer generation can doom anyone,
@@ -223,8 +230,8 @@ class Pool:
                 self._bury_locked(
                     worker, lambda s: s.worker_generation < generation
                 )
-            slot[2][0] = max(slot[2][0], generation)
-            slot[1].add(standin)
+            slot.newest = max(slot.newest, generation)
+            slot.add(standin)
 
     def _bury_locked(self, worker: Any, doomed: Callable[[Any], bool]) -> None:
         slot = self._adopted.get(id(worker))
@@ -233,7 +240,7 @@ class Pool:
         # The doomed stay in the weak set too: it is how boundary() knows
         # whether anyone still holds a stand-in of a gone worker.  The
         # graveyard is a dict so burying twice keeps one reference.
-        for standin in list(slot[1]):
+        for standin in list(slot):
             if doomed(standin):
                 self._graveyard[id(standin)] = standin
 
@@ -244,8 +251,8 @@ class Pool:
         (``WorkerMap``)."""
         with self._lock:
             return WorkerMap(
-                (worker, list(members))
-                for worker, members, _ in self._adopted.values()
+                (roster.worker, list(roster))
+                for roster in self._adopted.values()
             )
 
     def graveyard_size(self) -> int:
@@ -363,7 +370,7 @@ class Pool:
                 continue
             with self._lock:
                 slot = self._adopted.get(id(worker))
-                if slot is not None and len(slot[1]) > 0:
+                if slot is not None and len(slot) > 0:
                     continue  # someone still holds a stand-in of it
             self.forget(worker)
         return restored
@@ -448,7 +455,7 @@ class Pool:
             )
             slot = self._adopted.get(id(worker))
             if slot is not None:
-                slot[2][0] = max(slot[2][0], generation)
+                slot.newest = max(slot.newest, generation)
         self._close_board(worker)  # the old process's board
 
     def forget(self, worker: Any) -> None:
@@ -458,11 +465,11 @@ class Pool:
         self._ledger.forget(worker)
         with self._lock:
             slot = self._adopted.pop(id(worker), None)
-            if slot is not None and len(slot[1]) > 0:
+            if slot is not None and len(slot) > 0:
                 held = self._forgotten.setdefault(
                     id(worker), weakref.WeakSet()
                 )
-                for standin in slot[1]:
+                for standin in slot:
                     held.add(standin)
             self._release_held_locked(lambda s: s.worker is worker)
         self._close_board(worker)
