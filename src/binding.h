@@ -141,6 +141,17 @@ void cs_log_warning(const char *format, ...);
  * (up to 4096 of them): fresh names there churn the heap on every call. */
 PyObject *cs_getattr_interned(PyObject *obj, const char *name);
 
+/* A keyword entry point's parsed arguments are borrowed from its caller's
+ * args tuple and keyword dict, and PyObject_Call from C passes the
+ * caller's own dict down: any Python the entry point runs (the worker's
+ * methods, an argument's __float__ or __bool__, a collection on an
+ * allocation, another thread while the GIL is released) may empty that
+ * dict and free an argument still in use.  cs_args_hold takes a reference
+ * to each non-NULL objects[i] right after parsing; cs_args_release drops
+ * them on the way out. */
+void cs_args_hold(PyObject *const *objects, size_t n);
+void cs_args_release(PyObject *const *objects, size_t n);
+
 /* ---- ledger binding (ledger_binding.c) ------------------------------- */
 
 typedef struct cs_worker cs_worker;

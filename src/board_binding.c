@@ -203,18 +203,12 @@ Board_create(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     return board_wrap(type, board);
 }
 
+/* Board.open's body, on owned arguments (period_obj may be NULL). */
 static PyObject *
-Board_open(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+open_body(PyTypeObject *type, PyObject *source, PyObject *period_obj)
 {
-    static const char *keywords[] = {"source", "period", NULL};
-    PyObject *source = NULL, *period_obj = NULL;
     uint64_t period = 0, fd = 0;
     const char *name = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|$O:open",
-                                     (char **)keywords,
-                                     &source, &period_obj)) {
-        return NULL;
-    }
     if (PyUnicode_Check(source)) {
         name = PyUnicode_AsUTF8(source);
         if (name == NULL) {
@@ -259,6 +253,25 @@ Board_open(PyTypeObject *type, PyObject *args, PyObject *kwargs)
         return NULL;
     }
     return board_wrap(type, board);
+}
+
+static PyObject *
+Board_open(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static const char *keywords[] = {"source", "period", NULL};
+    PyObject *argv[2] = {NULL, NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|$O:open",
+                                     (char **)keywords, &argv[0],
+                                     &argv[1])) {
+        return NULL;
+    }
+    /* Owned while the GIL is released: another thread may empty a keyword
+     * dict its caller holds, and the name's UTF-8 lives in the source
+     * (cs_args_hold). */
+    cs_args_hold(argv, 2);
+    PyObject *result = open_body(type, argv[0], argv[1]);
+    cs_args_release(argv, 2);
+    return result;
 }
 
 /* Closes the handle (idempotent).  The pointer is cleared first, under the

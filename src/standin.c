@@ -1019,14 +1019,10 @@ standin_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     }
     /* The keyword dict may be one caller code still holds (PyObject_Call
      * from C, StandIn.__new__(StandIn, **d) paths): own the values across
-     * the checks, which run the worker's code. */
-    for (int i = 0; i < STANDIN_NARGS; i++) {
-        Py_XINCREF(argv[i]);
-    }
+     * the checks, which run the worker's code (cs_args_hold). */
+    cs_args_hold(argv, STANDIN_NARGS);
     PyObject *made = standin_make(type, argv);
-    for (int i = 0; i < STANDIN_NARGS; i++) {
-        Py_XDECREF(argv[i]);
-    }
+    cs_args_release(argv, STANDIN_NARGS);
     return made;
 }
 
@@ -1913,22 +1909,16 @@ bad_load_reply(StandInObject *self)
     Py_XDECREF(text);
 }
 
+/* partially_load's body, on owned arguments (extra may be NULL). */
 static PyObject *
-standin_partially_load(StandInObject *self, PyObject *args, PyObject *kwargs)
+load_body(StandInObject *self, PyObject *device_to, PyObject *extra)
 {
-    static char *keywords[] = {"device_to", "extra_memory",
-                               "force_patch_weights", NULL};
-    PyObject *device_to, *extra = NULL, *force = NULL;
     PyObject *want_obj = NULL, *device_str = NULL, *reply = NULL;
     PyObject *result = NULL;
     uint64_t loaded = 0, resident = 0, want;
     int has_resident = 0;
     int64_t seq;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|OO:partially_load",
-                                     keywords, &device_to, &extra, &force)) {
-        return NULL;
-    }
     if (cs_model_stale(self->record) || self->worker == NULL) {
         /* (worker NULL: cleared by the GC, never to be used again) */
         return gone_error(self, NULL);
@@ -2008,6 +1998,25 @@ done:
     Py_XDECREF(want_obj);
     Py_XDECREF(device_str);
     Py_XDECREF(reply);
+    return result;
+}
+
+static PyObject *
+standin_partially_load(StandInObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *keywords[] = {"device_to", "extra_memory",
+                               "force_patch_weights", NULL};
+    PyObject *argv[3] = {NULL, NULL, NULL};
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|OO:partially_load",
+                                     keywords, &argv[0], &argv[1],
+                                     &argv[2])) {
+        return NULL;
+    }
+    /* Owned across the worker's code and the amount's (cs_args_hold). */
+    cs_args_hold(argv, 3);
+    PyObject *result = load_body(self, argv[0], argv[1]);
+    cs_args_release(argv, 3);
     return result;
 }
 
@@ -2135,15 +2144,15 @@ standin_partially_unload(StandInObject *self, PyObject *args,
 {
     static char *keywords[] = {"device_to", "memory_to_free",
                                "force_patch_weights", NULL};
-    PyObject *device_to = NULL, *memory = NULL, *force = NULL;
+    PyObject *argv[3] = {NULL, NULL, NULL};
     PyObject *cause;
 
     /* Never raises an Exception: it runs inside ComfyUI's free_memory
      * loop, where one poisons every later load.  Even bad arguments answer
      * 0 (docs/semantics.md); a BaseException propagates. */
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|OOO:partially_unload",
-                                     keywords, &device_to, &memory,
-                                     &force)) {
+                                     keywords, &argv[0], &argv[1],
+                                     &argv[2])) {
         cause = take_cause();
         if (cause == NULL) {
             return NULL;
@@ -2154,7 +2163,11 @@ standin_partially_unload(StandInObject *self, PyObject *args,
         Py_DECREF(cause);
         return PyLong_FromLong(0);
     }
-    uint64_t freed = unload_body(self, memory);
+    /* Owned across the worker's code and the amount's own __float__,
+     * after which CPython may still read it (cs_args_hold). */
+    cs_args_hold(argv, 3);
+    uint64_t freed = unload_body(self, argv[1]);
+    cs_args_release(argv, 3);
     if (PyErr_Occurred()) {
         cause = take_cause();
         if (cause == NULL) {
@@ -2294,21 +2307,17 @@ standin_detach(StandInObject *self, PyObject *args, PyObject *kwargs)
 
 /* ---- StandIn: the live residency board --------------------------------- */
 
+/* attach_board's body, on owned arguments. */
 static PyObject *
-standin_attach_board(StandInObject *self, PyObject *args, PyObject *kwargs)
+attach_body(StandInObject *self, PyObject *board_obj, PyObject *slot_obj)
 {
-    static char *keywords[] = {"board", "slot", NULL};
-    PyObject *board_obj, *slot_obj = Py_None, *module;
+    PyObject *module;
     ModuleObject *m;
     uint32_t slot = 0;
     uint64_t tag = 0;
     size_t id_len;
     const char *id = cs_model_id(self->record, &id_len);
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|O:attach_board",
-                                     keywords, &board_obj, &slot_obj)) {
-        return NULL;
-    }
     if (self->worker == NULL) {
         PyErr_SetString(PyExc_ValueError, "attach_board: stand-in cleared");
         return NULL;
@@ -2336,6 +2345,24 @@ standin_attach_board(StandInObject *self, PyObject *args, PyObject *kwargs)
     m->board_tag = tag;
     Py_DECREF(module);
     return PyLong_FromUnsignedLong(slot);
+}
+
+static PyObject *
+standin_attach_board(StandInObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *keywords[] = {"board", "slot", NULL};
+    PyObject *argv[2] = {NULL, Py_None};
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|O:attach_board",
+                                     keywords, &argv[0], &argv[1])) {
+        return NULL;
+    }
+    /* Owned until the board is stored: making the module allocates, and
+     * an allocation may run the collector (cs_args_hold). */
+    cs_args_hold(argv, 2);
+    PyObject *result = attach_body(self, argv[0], argv[1]);
+    cs_args_release(argv, 2);
+    return result;
 }
 
 static PyObject *
@@ -2687,22 +2714,24 @@ as_standin(PyObject *module, PyObject *object, const char *what)
     return (StandInObject *)object;
 }
 
+/* apply_echo's body, on owned arguments: argv is (standin, resident,
+ * seq, unmapped, in_flight), the flags NULL when not given. */
 static PyObject *
-apply_echo(PyObject *module, PyObject *args, PyObject *kwargs)
+echo_body(PyObject *module, PyObject *const *argv)
 {
-    static char *keywords[] = {"standin", "resident", "seq", "unmapped",
-                               "in_flight", NULL};
-    PyObject *object, *resident_obj, *seq_obj = Py_None;
-    int unmapped = 0, in_flight = 0;
+    PyObject *object = argv[0], *resident_obj = argv[1], *seq_obj = argv[2];
     uint64_t resident, seq_value;
     int64_t seq = CS_SEQ_NONE;
     int code;
 
-    /* "p" runs __bool__ of the flags: user code, before anything is read
-     * from the stand-in.  The arguments are owned by the call. */
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|Opp:apply_echo",
-                                     keywords, &object, &resident_obj,
-                                     &seq_obj, &unmapped, &in_flight)) {
+    /* The flags' __bool__ is user code: it runs first, before anything is
+     * read from the stand-in. */
+    int unmapped = argv[3] != NULL ? PyObject_IsTrue(argv[3]) : 0;
+    if (unmapped < 0) {
+        return NULL;
+    }
+    int in_flight = argv[4] != NULL ? PyObject_IsTrue(argv[4]) : 0;
+    if (in_flight < 0) {
         return NULL;
     }
     StandInObject *s = as_standin(module, object, "standin");
@@ -2737,6 +2766,27 @@ apply_echo(PyObject *module, PyObject *args, PyObject *kwargs)
     cs_status status = cs_model_apply_echo(s->record, resident, seq, source,
                                            unmapped != 0, in_flight != 0);
     return PyBool_FromLong(status == CS_OK);
+}
+
+static PyObject *
+apply_echo(PyObject *module, PyObject *args, PyObject *kwargs)
+{
+    static char *keywords[] = {"standin", "resident", "seq", "unmapped",
+                               "in_flight", NULL};
+    PyObject *argv[5] = {NULL, NULL, Py_None, NULL, NULL};
+
+    /* The flags are parsed as objects ("p" would run their __bool__
+     * inside the parser, on borrowed references) and tested once every
+     * argument is owned (cs_args_hold). */
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|OOO:apply_echo",
+                                     keywords, &argv[0], &argv[1], &argv[2],
+                                     &argv[3], &argv[4])) {
+        return NULL;
+    }
+    cs_args_hold(argv, 5);
+    PyObject *result = echo_body(module, argv);
+    cs_args_release(argv, 5);
+    return result;
 }
 
 /* One (key, stand-in) of the map into `table`: the value must be a C

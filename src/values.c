@@ -124,6 +124,22 @@ cs_getattr_interned(PyObject *obj, const char *name)
     return value;
 }
 
+void
+cs_args_hold(PyObject *const *objects, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        Py_XINCREF(objects[i]);
+    }
+}
+
+void
+cs_args_release(PyObject *const *objects, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        Py_XDECREF(objects[i]);
+    }
+}
+
 /* obj.<name>(arg), the name interned (cs_getattr_interned). */
 static PyObject *
 call_method1(PyObject *obj, const char *name, PyObject *arg)

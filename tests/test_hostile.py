@@ -499,6 +499,22 @@ def test_apply_echo_flag_whose_bool_raises(impl, exc):
     assert loaded(table) == [0, 0, 0]
 
 
+def test_apply_echo_unknown_keyword_before_the_flags_run(impl):
+    # The flags are tested after the arguments are parsed (and owned):
+    # a wrong call runs none of the caller's code, as for a Python function.
+    _, _, table = setup(impl)
+    ran: list[str] = []
+
+    class Flag:
+        def __bool__(self) -> bool:
+            ran.append("bool")
+            return True
+
+    with pytest.raises(TypeError, match="in_fligth"):
+        impl.apply_echo(table["m0"], 5, unmapped=Flag(), in_fligth=True)
+    assert ran == [] and loaded(table) == [0, 0, 0]
+
+
 # ---- command replies -------------------------------------------------------
 
 
@@ -1030,3 +1046,277 @@ def test_keyword_dict_emptied_during_construction():
     # The C type only: the reference's __new__ is object.__new__, whose
     # keyword dict its own __init__ never sees again.
     isolated(load("c"), scenario_keyword_dict_emptied_by_the_worker)
+
+
+# ---- keyword arguments of the other C entry points -------------------------
+#
+# Each scenario calls one C entry point through PyObject_Call with a keyword
+# dict it keeps, and empties that dict from Python code the entry point runs
+# (the worker, an argument's own __float__ or __bool__, a collection, another
+# thread while the GIL is released).  The arguments' finalizers log when they
+# are freed: none may be freed before the function is done with it.
+
+
+def c_call() -> Any:
+    """PyObject_Call(callable, args, kwargs): the dict goes down as is."""
+    call = ctypes.pythonapi["PyObject_Call"]
+    call.restype = ctypes.py_object
+    call.argtypes = [ctypes.py_object] * 3
+    return call
+
+
+class Argument:
+    """An argument only the keyword dict holds; logs when it is freed."""
+
+    def __init__(self, name: str, log: list[str], value: int = 0) -> None:
+        self.name = name
+        self.log = log
+        self.value = value
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __float__(self) -> float:
+        return float(self.value)
+
+    def __del__(self) -> None:
+        self.log.append(f"freed {self.name}")
+
+
+def scenario_partially_load_keywords_emptied_by_is_alive(impl: Any) -> None:
+    """device_to and extra_memory are read after worker.is_alive()."""
+    log: list[str] = []
+    kwargs: dict[str, Any] = {}
+    sent: list[dict] = []
+
+    class LoadWorker(Worker):
+        armed = False
+
+        def is_alive(self) -> bool:
+            if self.armed:
+                kwargs.clear()
+                log.append("cleared")
+            return True
+
+        def send_command(self, command: str, **kw: Any) -> Any:
+            log.append("sent")
+            sent.append(kw)
+            return {"loaded": kw["extra_bytes"]}
+
+    worker = LoadWorker()
+    pool = impl.Pool(process_local=True)
+    s = impl.StandIn(worker, 1, "m", SIZE, "cuda:0", "cpu", pool=pool)
+    worker.armed = True
+    kwargs.update(
+        device_to=Argument("cuda:1", log),
+        extra_memory=Argument("extra", log, 300),
+    )
+    assert c_call()(s.partially_load, (), kwargs) == 300
+    assert log[:2] == ["cleared", "sent"], log
+    assert sorted(log[2:]) == ["freed cuda:1", "freed extra"], log
+    assert sent == [{"model_id": "m", "extra_bytes": 300, "device": "cuda:1"}]
+
+
+def scenario_partially_unload_keywords_emptied_by_float(impl: Any) -> None:
+    """memory_to_free's own __float__ empties the dict and answers a float
+    subclass: CPython names the object's type in a DeprecationWarning after
+    __float__ returned, so it must still be alive then."""
+    import warnings
+
+    log: list[str] = []
+    kwargs: dict[str, Any] = {}
+
+    class Bytes(float):
+        pass
+
+    class Amount:
+        def __float__(self) -> Any:
+            kwargs.clear()
+            log.append("cleared")
+            return Bytes(400.0)
+
+        def __del__(self) -> None:
+            log.append("freed")
+
+    pool, worker, table = setup(
+        impl, ids=("m",),
+        model_partial_unload=lambda: {"freed": 400},
+    )
+    s = table["m"]
+    assert impl.apply_echo(s, SIZE)
+    kwargs.update(device_to="cpu", memory_to_free=Amount())
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = lambda *a, **k: log.append("warned")
+        freed = c_call()(s.partially_unload, (), kwargs)
+    assert log == ["cleared", "warned", "freed"], log
+    assert freed == 400 and s.loaded_size() == SIZE - 400
+
+
+def scenario_attach_board_keywords_emptied_by_a_collection(impl: Any) -> None:
+    """A collection runs in the allocation of the stand-in's inner module
+    (Python 3.10 and 3.11 collect inside an allocation), after the slot is
+    assigned and before the board is stored; a gc callback, as a finalizer
+    could, empties the dict."""
+    import weakref
+
+    log: list[str] = []
+    kwargs: dict[str, Any] = {}
+    pool, worker, table = setup(impl, ids=())
+    s: Any = None
+    ref: Any = None
+    model_id = ""
+
+    def on_free(dead: Any) -> None:
+        if dead is ref:  # the board of this attempt, not an earlier one
+            log.append("freed")
+
+    def on_collection(phase: str, info: dict) -> None:
+        board = ref() if ref is not None and kwargs else None
+        if phase != "start" or board is None:
+            return
+        inside = s.board is None and board.find(model_id) is not None
+        del board
+        if inside:
+            kwargs.clear()
+            log.append("cleared")
+
+    # Arguments converted up front: the call allocates no container
+    # object before attach_board's own.
+    call = ctypes.pythonapi["PyObject_Call"]
+    call.restype = ctypes.py_object
+    threshold = gc.get_threshold()
+    gc.callbacks.append(on_collection)
+    gc.set_threshold(100)
+    try:
+        # A collection runs in the allocation that takes the count of new
+        # container objects past 100: each attempt allocates one more
+        # before the call, until that allocation is attach_board's.
+        for extra in range(101):
+            model_id = f"m{extra}"
+            s = impl.StandIn(worker, 1, model_id, SIZE, "cuda:0", "cpu",
+                             pool=pool)
+            board = impl.Board.create(slots=4)
+            ref = weakref.ref(board, on_free)
+            kwargs.update(board=board)
+            del board
+            args = [ctypes.py_object(s.attach_board), ctypes.py_object(()),
+                    ctypes.py_object(kwargs)]
+            padding: list[list] = []
+            gc.collect()
+            for _ in range(extra):
+                padding.append([])
+            slot = call(*args)
+            del padding
+            if log:
+                break
+            ref = None  # this board now lives as long as this stand-in
+            kwargs.clear()
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(on_collection)
+    assert log == ["cleared"], log
+    board = ref()
+    assert board is not None and s.board == (board, slot)
+    assert board.find(model_id) == slot and s.loaded_size() == 0
+
+
+def scenario_apply_echo_keywords_emptied_by_a_flag(impl: Any) -> None:
+    """unmapped's __bool__ empties the dict: resident and seq are read
+    after it."""
+    log: list[str] = []
+    kwargs: dict[str, Any] = {}
+
+    class Count(int):
+        def __del__(self) -> None:
+            log.append(f"freed {int(self)}")
+
+    class Flag:
+        def __bool__(self) -> bool:
+            kwargs.clear()
+            log.append("cleared")
+            return False
+
+    pool, worker, table = setup(impl, ids=("m",))
+    s = table["m"]
+    kwargs.update(standin=s, resident=Count(600), seq=Count(7),
+                  unmapped=Flag())
+    assert c_call()(impl.apply_echo, (), kwargs) is True
+    assert log[0] == "cleared", log
+    assert sorted(log[1:]) == ["freed 600", "freed 7"], log
+    assert s.loaded_size() == 600 and s.receipt()[1] == 7
+
+
+def scenario_board_open_keywords_emptied_while_the_gil_is_released(
+    impl: Any,
+) -> None:
+    """Board.open(source=name) releases the GIL to open the segment:
+    another thread empties the dict then, and the name (and its UTF-8) is
+    still used after."""
+    import itertools
+    import threading
+
+    log: list[str] = []
+    kwargs: dict[str, Any] = {}
+
+    class Name(str):
+        def __del__(self) -> None:
+            log.append("freed")
+
+    def other(gate: Any) -> None:
+        with gate:  # released from C just before the call below
+            kwargs.clear()
+            log.append("cleared")
+
+    call = c_call()
+    sys.setswitchinterval(1e-4)
+    for skip in (10**6, 10**7, 10**8):
+        log.clear()
+        gate = threading.Lock()
+        gate.acquire()
+        thread = threading.Thread(target=other, args=(gate,))
+        thread.start()
+        kwargs.update(source=Name("".join(["cs-", "kw", "audit"])))
+        # One C call: release the gate, spin in C (no eval breaker, so
+        # the other thread waits for the GIL and asks for it), then
+        # Board.open, whose GIL release hands it over.
+        steps = itertools.chain(
+            [(gate.release, (), {})],
+            itertools.islice(
+                itertools.repeat((impl.Board.open, (), kwargs)), skip,
+                skip + 1,
+            ),
+        )
+        try:
+            list(itertools.starmap(call, steps))
+        except (ValueError, OSError):
+            pass
+        log.append("returned")
+        thread.join()
+        if log.index("cleared") < log.index("returned"):
+            break
+    assert log == ["cleared", "freed", "returned"], log
+
+
+@pytest.mark.parametrize(
+    "scenario",
+    [
+        scenario_partially_load_keywords_emptied_by_is_alive,
+        scenario_partially_unload_keywords_emptied_by_float,
+        pytest.param(
+            scenario_attach_board_keywords_emptied_by_a_collection,
+            marks=pytest.mark.skipif(
+                sys.version_info >= (3, 12),
+                reason="from 3.12 on an allocation only schedules a "
+                "collection: no Python runs inside attach_board",
+            ),
+        ),
+        scenario_apply_echo_keywords_emptied_by_a_flag,
+        scenario_board_open_keywords_emptied_while_the_gil_is_released,
+    ],
+    ids=lambda f: f.__name__.removeprefix("scenario_"),
+)
+def test_keyword_dict_emptied_during_the_call(scenario):
+    # The C entry points only: a Python function's frame owns its keyword
+    # arguments.
+    isolated(load("c"), scenario)
