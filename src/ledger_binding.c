@@ -16,6 +16,11 @@ typedef struct {
      * process handle, and two handles that compare equal are still two
      * processes. */
     PyObject *books;
+    /* Borrowed: the books found or made last (stand-ins are made in runs
+     * on one worker), valid while `books` holds them: forget() and clear
+     * reset it before they leave.  Found again by their key, the worker
+     * they hold strongly, so a freed worker's address never matches. */
+    PyObject *last_books;
 } LedgerObject;
 
 typedef struct {
@@ -674,6 +679,7 @@ ledger_traverse(LedgerObject *self, visitproc visit, void *arg)
 static int
 ledger_clear(LedgerObject *self)
 {
+    self->last_books = NULL;
     Py_CLEAR(self->books);
     return 0;
 }
@@ -695,12 +701,19 @@ ledger_find_books(LedgerObject *self, PyObject *key)
     if (self->books == NULL) {
         return cleared_error("Ledger");
     }
+    BooksObject *last = (BooksObject *)self->last_books;
+    if (last != NULL && last->key == key) {
+        return (PyObject *)last;
+    }
     PyObject *id = PyLong_FromVoidPtr(key);
     if (id == NULL) {
         return NULL;
     }
     PyObject *books = PyDict_GetItemWithError(self->books, id);
     Py_DECREF(id);
+    if (books != NULL) {
+        self->last_books = books;
+    }
     return books; /* borrowed, or NULL (maybe with an error) */
 }
 
@@ -735,6 +748,10 @@ cs_ledger_books_for(cs_module_state *state, PyObject *ledger, PyObject *key,
         return NULL;
     }
     PyObject *id = PyLong_FromVoidPtr(key);
+    /* The allocations above may have run a collection and Python that
+     * made books for this key: those the item below replaces must not be
+     * left in the cache. */
+    self->last_books = NULL;
     if (id == NULL || PyDict_SetItem(self->books, id, books) < 0) {
         Py_XDECREF(id);
         cs_ledger_forget_worker(self->ledger,
@@ -743,6 +760,7 @@ cs_ledger_books_for(cs_module_state *state, PyObject *ledger, PyObject *key,
         return NULL;
     }
     Py_DECREF(id);
+    self->last_books = books;
     return books;
 }
 
@@ -794,6 +812,9 @@ ledger_forget(LedgerObject *self, PyObject *key)
     PyObject *books = PyDict_GetItemWithError(self->books, id);
     if (books != NULL) {
         Py_INCREF(books);
+        if (self->last_books == books) {
+            self->last_books = NULL;
+        }
         cs_ledger_forget_worker(self->ledger,
                                 ((BooksObject *)books)->worker);
         int r = PyDict_DelItem(self->books, id);

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import re
 
 import pytest
@@ -838,3 +839,30 @@ def test_worker_map_compares_as_a_dict(impl):
     assert dict(charges) == {w: 10}
     assert dict(charges.items()) == {w: 10}
     assert "WorkerMap" in repr(charges)
+
+
+def test_books_found_again_after_forget_and_among_several_workers(impl):
+    """The C ledger remembers the books it found last (stand-ins come in
+    runs on one worker): forgetting them, or asking for another worker's,
+    must never answer with the wrong or a freed one."""
+    ledger = impl.Ledger()
+    a, b = object(), object()
+    first = ledger.worker(a, 1)
+    assert ledger.find(a) is first and ledger.worker(a, 1) is first
+    other = ledger.worker(b, 1)
+    assert other is not first
+    assert ledger.find(a) is first and ledger.find(b) is other
+    ledger.forget(a)
+    assert ledger.find(a) is None
+    again = ledger.worker(a, 2)
+    assert again is not first and ledger.find(a) is again
+    del first
+    gc.collect()
+    # A new worker object, perhaps at the freed one's address, is a new
+    # worker to the ledger.
+    ledger.forget(b)
+    del b, other
+    gc.collect()
+    fresh = [object() for _ in range(64)]
+    assert all(ledger.find(w) is None for w in fresh)
+    assert sorted(map(id, ledger.keys())) == [id(a)]
