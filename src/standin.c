@@ -62,6 +62,9 @@ typedef struct {
     Py_ssize_t count;
     PyObject *worker; /* strong; NULL once GC-cleared */
     uint64_t newest;  /* the newest worker generation adopted; GIL */
+    /* Set by Pool.forget() as it drops the roster from `_adopted`: no
+     * stand-in made from then on joins it. GIL */
+    bool retired;
 } RosterObject;
 
 struct StandInObject {
@@ -505,6 +508,7 @@ roster_make(PyTypeObject *type, PyObject *worker, uint64_t newest)
         self->count = 0;
         self->worker = Py_NewRef(worker);
         self->newest = newest;
+        self->retired = false;
     }
     return (PyObject *)self;
 }
@@ -584,12 +588,31 @@ roster_set_newest(RosterObject *self, PyObject *value, void *closure)
     return 0;
 }
 
+static PyObject *
+roster_get_retired(RosterObject *self, void *closure)
+{
+    return PyBool_FromLong(self->retired);
+}
+
+static int
+roster_set_retired(RosterObject *self, PyObject *value, void *closure)
+{
+    if (value == NULL || !PyBool_Check(value)) {
+        PyErr_SetString(PyExc_TypeError, "retired: expected a bool");
+        return -1;
+    }
+    self->retired = value == Py_True;
+    return 0;
+}
+
 static PyGetSetDef roster_getset[] = {
     {"worker", (getter)roster_get_worker, NULL,
      "The worker whose stand-ins this lists (None once GC-cleared).",
      NULL},
     {"newest", (getter)roster_get_newest, (setter)roster_set_newest,
      "The newest worker generation adopted.", NULL},
+    {"retired", (getter)roster_get_retired, (setter)roster_set_retired,
+     "Set when the pool drops this roster (forget()).", NULL},
     {NULL},
 };
 
@@ -765,6 +788,18 @@ adopt_fast(StandInObject *self)
     PyObject *key = NULL, *slot;
     int done = 0;
 
+    /* Stand-ins come in runs on one worker: the one made last, of the same
+     * worker and pool, is on the roster that is the pool's entry for the
+     * worker unless forget() retired it since (nothing else takes an entry
+     * out of `_adopted`).  No Python runs on this path. */
+    StandInObject *last = state_of((PyObject *)self)->last_standin;
+    if (last != NULL && last != self && last->worker == self->worker &&
+        last->pool == self->pool && last->roster != NULL &&
+        !last->roster->retired && self->roster == NULL &&
+        cs_model_generation(self->record) <= last->roster->newest) {
+        roster_link(last->roster, self);
+        return 1;
+    }
     /* The only step that may run Python (a Pool subclass's descriptor). */
     PyObject *adopted = PyObject_GetAttr(self->pool, str_adopted);
     if (adopted == NULL) {

@@ -866,8 +866,46 @@ def test_roster_add_is_idempotent_and_moves(both_impls, make_worker):
     assert second.newest == 1
     second.newest = 3
     assert second.newest == 3
+    assert second.retired is False
+    with pytest.raises(TypeError):
+        second.retired = 1
+    second.retired = True
+    assert second.retired is True
     del s
     assert (len(first), len(second)) == (0, 0)
+
+
+def test_a_run_of_stand_ins_never_joins_a_forgotten_workers_roster(
+    impl, make_worker
+):
+    """The C constructor lists a stand-in on the roster of the one made
+    just before it (same worker, same pool) without looking the pool up:
+    once forget() dropped that roster, the next stand-in must get the
+    pool's new entry, in both implementations."""
+    pool = impl.Pool()
+    worker = make_worker()
+    a = impl.StandIn(worker, 1, "a", 10, "cuda:0", "cpu", pool=pool)
+    b = impl.StandIn(worker, 1, "b", 10, "cuda:0", "cpu", pool=pool)
+    (old,) = pool._adopted.values()
+    assert sorted(s.model_id for s in old) == ["a", "b"]
+    assert old.retired is False
+    pool.forget(worker)
+    assert old.retired is True and pool._adopted == {}
+    c = impl.StandIn(worker, 1, "c", 10, "cuda:0", "cpu", pool=pool)
+    (new,) = pool._adopted.values()
+    assert new is not old and list(new) == [c]
+    assert sorted(s.model_id for s in old) == ["a", "b"]
+    assert pool.standins()[worker] == [c]
+    # A newer generation is not listed on the older roster either.
+    d = impl.StandIn(worker, 2, "d", 10, "cuda:0", "cpu", pool=pool)
+    assert new.newest == 2 and d in list(new)
+    # Another pool's stand-in of the same worker, made right after, is
+    # that pool's.
+    other = impl.Pool()
+    e = impl.StandIn(worker, 2, "e", 10, "cuda:0", "cpu", pool=other)
+    assert list(other.standins()[worker]) == [e]
+    assert e not in list(new)
+    del a, b
 
 
 def test_new_worker_adoption_never_holds_the_lock_across_a_collection(

@@ -123,6 +123,7 @@ class _WeakRoster(weakref.WeakSet):  # type: ignore[type-arg]
         super().__init__()
         self.worker = worker
         self.newest = newest
+        self.retired = False
 
 class Pool:
     """Per-worker charges over one ledger, and the reserve they size.
@@ -465,6 +466,10 @@ class Pool:
         self._ledger.forget(worker)
         with self._lock:
             slot = self._adopted.pop(id(worker), None)
+            if slot is not None:
+                # No stand-in made from now on joins it (the C constructor
+                # lists a run of stand-ins on the last one's roster).
+                slot.retired = True
             if slot is not None and len(slot) > 0:
                 held = self._forgotten.setdefault(
                     id(worker), weakref.WeakSet()
