@@ -192,22 +192,6 @@ cs_monotonic_ns(void)
 #endif
 }
 
-/* The monotonic clock at its tick's resolution (a few ms), for the
- * registration stamp: the same clock as cs_monotonic_ns, never ahead of
- * it, and on Linux a read of the vDSO page with no hardware counter (a
- * precise read cost 30 ns of a 400 ns construction on a VM). */
-static uint64_t
-monotonic_coarse_ns(void)
-{
-#if defined(CLOCK_MONOTONIC_COARSE)
-    struct timespec ts;
-    if (clock_gettime(CLOCK_MONOTONIC_COARSE, &ts) == 0) {
-        return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-    }
-#endif
-    return cs_monotonic_ns();
-}
-
 static uint64_t
 add_saturating(uint64_t a, uint64_t b)
 {
@@ -360,7 +344,11 @@ model_new(cs_worker *worker, uint64_t generation, const char *id,
     atomic_init(&m->rc_version, 0);
     atomic_init(&m->rc_loaded, 0);
     atomic_init(&m->rc_seq, CS_SEQ_NONE);
-    atomic_init(&m->rc_time, monotonic_coarse_ns());
+    /* The precise clock, not a coarse one: a board reading published
+     * before the registration must read as older than it (a coarse stamp
+     * lags by up to a tick, and the differential referee caught a board
+     * value winning over a newer registration that way). */
+    atomic_init(&m->rc_time, cs_monotonic_ns());
     atomic_init(&m->rc_source, (uint8_t)CS_SOURCE_REGISTERED);
     atomic_init(&m->bad_replies, 0);
     atomic_init(&m->peak, 0);

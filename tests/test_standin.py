@@ -948,3 +948,21 @@ def test_new_worker_adoption_never_holds_the_lock_across_a_collection(
     t.join(60)
     assert not t.is_alive(), "deadlocked on the pool's lock"
     assert len(made) == 50 and seen
+
+
+def test_the_registration_stamp_is_never_earlier_than_the_registration(
+    impl, pool, make_worker
+):
+    """A board reading wins over the receipt only when newer: a reading
+    published before a stand-in was made must read as older than its
+    registration.  So the registration stamp is the precise monotonic
+    clock: a coarse one lags by up to a tick (4 ms), and the differential
+    referee caught a board value winning over a newer registration so."""
+    for i in range(50):
+        t0 = time.monotonic_ns()
+        s = impl.StandIn(make_worker(), 1, f"m{i}", 10, "cuda:0", "cpu",
+                         pool=pool)
+        age = s.receipt()[2]
+        t1 = time.monotonic_ns()
+        assert s.receipt()[3] == "registered"
+        assert age <= (t1 - t0) / 1e9 + 1e-9, (i, age, (t1 - t0) / 1e9)
