@@ -966,3 +966,18 @@ def test_the_registration_stamp_is_never_earlier_than_the_registration(
         t1 = time.monotonic_ns()
         assert s.receipt()[3] == "registered"
         assert age <= (t1 - t0) / 1e9 + 1e-9, (i, age, (t1 - t0) / 1e9)
+
+
+def test_bad_replies_are_the_models_count(impl, pool, make_worker):
+    """Two stand-ins of one model on one worker share its receipt, its
+    deferral and its count of bad replies (the differential referee found
+    the reference counting per stand-in)."""
+    worker = make_worker()
+    a = impl.StandIn(worker, 1, "m", 1000, "cuda:0", "cpu", pool=pool)
+    b = impl.StandIn(worker, 1, "m", 1000, "cuda:0", "cpu", pool=pool)
+    worker.send_command = lambda command, **kw: {"loaded": "garbage"}
+    with pytest.raises(impl.EchoError):
+        a.partially_load("cuda:0", 100)
+    assert (a.bad_replies, b.bad_replies) == (1, 1)
+    other = impl.StandIn(worker, 1, "n", 1000, "cuda:0", "cpu", pool=pool)
+    assert other.bad_replies == 0

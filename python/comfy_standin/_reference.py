@@ -197,6 +197,7 @@ class ModelRecord:
 
     __slots__ = (
         "__weakref__",
+        "_bad_replies",
         "_deferred",
         "_peak",
         "_receipt",
@@ -229,6 +230,9 @@ class ModelRecord:
         self._peak = 0
         self._deferred = False
         self._writes = 0
+        # Malformed replies about this model, whichever of its stand-ins
+        # got them (the C record counts them the same way).
+        self._bad_replies = 0
 
     def __repr__(self) -> str:
         loaded, seq, _, source = self.read()
@@ -326,6 +330,14 @@ class ModelRecord:
                 return False
             self._write_locked(0, None, "worker gone", 0)
             return True
+
+    @property
+    def bad_replies(self) -> int:
+        return self._bad_replies
+
+    def add_bad_reply(self) -> None:
+        with self.books._lock:
+            self._bad_replies += 1
 
     def set_deferred(self, value: bool = True) -> None:
         with self.books._lock:
@@ -1027,7 +1039,6 @@ class StandIn:
 
     __slots__ = (
         "__weakref__",
-        "_bad_replies",
         "_generation",
         "_kind",
         "_load_device",
@@ -1078,7 +1089,6 @@ class StandIn:
         self._record = record
         self._model = StandInModule(record, load_device, offload_device)
         self._uuid = _CloneBaseSentinel(model_id)
-        self._bad_replies = 0
         pool._adopt(self)
 
     def __repr__(self) -> str:
@@ -1220,7 +1230,7 @@ class StandIn:
 
     @property
     def bad_replies(self) -> int:
-        return self._bad_replies
+        return self._record.bad_replies
 
     def receipt(self) -> tuple[int, int | None, float, str]:
         """(loaded bytes, worker seq or None, age in seconds, source)."""
@@ -1370,7 +1380,7 @@ class StandIn:
         self._record.set_deferred()
 
     def _bad_reply(self, exc: EchoError) -> None:
-        self._bad_replies += 1
+        self._record.add_bad_reply()
         log.warning(
             "comfy_standin: bad reply for model %r: %s",
             self._record.model_id,
