@@ -1594,7 +1594,10 @@ take_cause(void)
         PyErr_Clear();
         text = PyUnicode_FromString("exception");
         if (text == NULL) {
-            PyErr_Clear();
+            if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+                return NULL;
+            }
+            PyErr_Clear(); /* a MemoryError: no description */
             text = Py_NewRef(Py_None);
         }
     }

@@ -20,9 +20,12 @@ cs_value_check(PyObject *value, uint64_t max, uint64_t *out)
     }
     v = PyLong_AsLongLongAndOverflow(value, &overflow);
     if (v == -1 && PyErr_Occurred()) {
-        /* On an int (subclasses too) this runs no Python code: the only
-         * possible error is an internal one, never a KeyboardInterrupt. */
-        PyErr_Clear();
+        /* On an int (subclasses too) this runs no Python code; whatever it
+         * raised, only an Exception is cleared (cs_value_error keeps any
+         * other pending). */
+        if (PyErr_ExceptionMatches(PyExc_Exception)) {
+            PyErr_Clear();
+        }
         return 1;
     }
     if (overflow != 0 || v < 0 || (uint64_t)v > max) {
@@ -36,6 +39,9 @@ int
 cs_value_error(PyObject *exc, int code, const char *field, PyObject *value,
                uint64_t max)
 {
+    if (PyErr_Occurred()) {
+        return -1; /* a BaseException cs_value_check let through wins */
+    }
     if (exc == NULL) {
         exc = code == 1 ? PyExc_TypeError : PyExc_ValueError;
     }
@@ -153,6 +159,37 @@ call_method1(PyObject *obj, const char *name, PyObject *arg)
     return r;
 }
 
+/* Raises `arg` (an exception instance; the reference is the call's). */
+static int
+raise_pending(void *arg)
+{
+    PyObject *exc = (PyObject *)arg;
+    PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+    Py_DECREF(exc);
+    return -1;
+}
+
+/* Takes the pending exception and has the main thread raise it at its
+ * next check (Py_AddPendingCall); if the queue is full it is lost, the
+ * only way left for a function that must not raise. */
+static void
+redeliver_later(void)
+{
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyErr_NormalizeException(&type, &value, &traceback);
+    Py_XDECREF(type);
+    Py_XDECREF(traceback);
+    if (value == NULL) {
+        PyErr_Clear();
+        return;
+    }
+    if (Py_AddPendingCall(raise_pending, value) != 0) {
+        Py_DECREF(value);
+    }
+    PyErr_Clear();
+}
+
 void
 cs_log_warning(const char *format, ...)
 {
@@ -182,15 +219,23 @@ cs_log_warning(const char *format, ...)
     }
     r = call_method1(logger, "warning", message);
 error:
-    /* Logging must never be why an eviction path raised an Exception; a
-     * KeyboardInterrupt from a log handler is delivered again at the next
-     * check, as if Ctrl-C came a moment later. */
-    if (PyErr_Occurred() &&
-        PyErr_ExceptionMatches(PyExc_KeyboardInterrupt)) {
-        PyErr_Clear();
-        PyErr_SetInterrupt();
+    /* Logging must never be why an eviction path raised an Exception, so
+     * an Exception is dropped.  Any other BaseException from a log handler
+     * is delivered again at the next check, as if it came a moment later:
+     * a KeyboardInterrupt as Ctrl-C, the rest (SystemExit...) raised by a
+     * pending call in the main thread. */
+    if (PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_Exception)) {
+            PyErr_Clear();
+        }
+        else if (PyErr_ExceptionMatches(PyExc_KeyboardInterrupt)) {
+            PyErr_Clear();
+            PyErr_SetInterrupt();
+        }
+        else {
+            redeliver_later();
+        }
     }
-    PyErr_Clear();
     Py_XDECREF(r);
     Py_XDECREF(logger);
     Py_XDECREF(logging);

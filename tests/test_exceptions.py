@@ -563,3 +563,25 @@ def test_keyboard_interrupt_from_a_log_handler_reaches_the_caller(
                 pass
     finally:
         logger.removeHandler(handler)
+
+
+def test_system_exit_from_a_log_handler_reaches_the_caller(impl, s, worker):
+    # As the KeyboardInterrupt above, for any other BaseException: the C
+    # log path never raises, so it has the main thread raise it at its
+    # next check; the reference lets it out of the call.
+    class Exiting(logging.Handler):
+        def emit(self, record):
+            raise SystemExit(3)
+
+    logger = logging.getLogger("comfy_standin")
+    handler = Exiting()
+    logger.addHandler(handler)
+    worker.send_raises = TimeoutError("worker busy")
+    try:
+        with pytest.raises(SystemExit) as caught:
+            s.partially_unload("cpu", 100)
+            for _ in range(1000):  # bytecodes: the pending call runs
+                pass
+        assert caught.value.code == 3
+    finally:
+        logger.removeHandler(handler)
