@@ -113,7 +113,6 @@ class WorkerMap(Mapping[Any, Any]):
         return f"WorkerMap({{{inner}}})"
 
 
-
 class _WeakRoster(weakref.WeakSet):  # type: ignore[type-arg]
     """The pool's entry for one worker with the reference implementation:
     its stand-ins held weakly, the worker and the newest generation adopted
@@ -124,6 +123,7 @@ class _WeakRoster(weakref.WeakSet):  # type: ignore[type-arg]
         self.worker = worker
         self.newest = newest
         self.retired = False
+
 
 class Pool:
     """Per-worker charges over one ledger, and the reserve they size.
@@ -470,12 +470,12 @@ class Pool:
                 # No stand-in made from now on joins it (the C constructor
                 # lists a run of stand-ins on the last one's roster).
                 slot.retired = True
-            if slot is not None and len(slot) > 0:
-                held = self._forgotten.setdefault(
-                    id(worker), weakref.WeakSet()
-                )
-                for standin in slot:
-                    held.add(standin)
+                if len(slot) > 0:
+                    held = self._forgotten.setdefault(
+                        id(worker), weakref.WeakSet()
+                    )
+                    for standin in slot:
+                        held.add(standin)
             self._release_held_locked(lambda s: s.worker is worker)
         self._close_board(worker)
 
