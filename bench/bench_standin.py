@@ -450,13 +450,6 @@ def row_names() -> list[tuple[str, str, str]]:
             "ns/stand-in",
         )
     )
-    rows.append(
-        (
-            "construct-noadopt",
-            "construction, pool._adopt stubbed",
-            "ns/stand-in",
-        )
-    )
     rows.append(("mem-tracemalloc", "memory: tracemalloc", "B/stand-in"))
     rows.append(("mem-getsizeof", "memory: getsizeof graph", "B/stand-in"))
     rows.append(("mem-rss", "memory: RSS delta", "B/stand-in"))
@@ -544,22 +537,6 @@ def measure_census(impls: list[Impl], counts: Counts) -> Measured:
     return out
 
 
-class _NoAdopt:
-    """Diagnostic only: a pool of the same implementation whose
-    ``_adopt`` does nothing, to show what a constructor costs without the
-    shared Python pool bookkeeping.  The C constructor adopts its stand-ins
-    itself (the pool's C roster) and calls ``_adopt`` only for a newer
-    generation or when the pool's lock is busy, so for C the two rows
-    measure the same work."""
-
-    @staticmethod
-    def new_pool(impl: Impl) -> Any:
-        pool = impl.new_pool()
-        if pool is not None:
-            pool._adopt = lambda standin: None
-        return pool
-
-
 def measure_construction(impls: list[Impl], counts: Counts) -> Measured:
     """Build construct_n stand-ins (MODELS_PER_WORKER per worker) over a
     fresh pool; the pool, workers and ids are made before the clock
@@ -571,13 +548,10 @@ def measure_construction(impls: list[Impl], counts: Counts) -> Measured:
     per-worker bookkeeping a first stand-in pays -- paid once per worker
     process, whose spawn costs far more -- is left out."""
     n = counts.construct_n
-    out: Measured = {
-        "construct": {}, "construct-known": {}, "construct-noadopt": {}
-    }
+    out: Measured = {"construct": {}, "construct-known": {}}
     for key, new_pool in (
         ("construct", lambda impl: impl.new_pool()),
         ("construct-known", lambda impl: impl.new_pool()),
-        ("construct-noadopt", _NoAdopt.new_pool),
     ):
         best = {impl.name: float("inf") for impl in impls}
         # Many short rounds: the minimum of each is what the type costs,

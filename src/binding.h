@@ -41,12 +41,9 @@ typedef struct {
     PyObject *str_seq;
     PyObject *str_id;
     PyObject *str_get;
+    PyObject *str_ledger;    /* "_ledger" */
+    PyObject *str_restarted; /* "restarted" */
     PyObject *mapping_abc; /* collections.abc.Mapping */
-    /* Borrowed: the StandIn made last, whose (load_device, offload_device,
-     * kind) tuple the next one shares when it holds the same objects.  A
-     * weak reference by hand: the stand-in sets it NULL when it is cleared
-     * or freed, and it keeps nothing alive. */
-    struct StandInObject *last_standin;
     /* Set once the exec hook completed; cleared by m_clear.  Checked by
      * cs_state_checked() so no object outliving its module's state hands
      * out a cleared (NULL) field. */
@@ -156,13 +153,31 @@ void cs_args_release(PyObject *const *objects, size_t n);
 
 typedef struct cs_worker cs_worker;
 typedef struct cs_ledger cs_ledger;
+typedef struct StandInObject StandInObject;
 
-/* The C books of `key` under `ledger` (a Ledger object), created or bumped
- * to `generation` as Ledger.worker() does.  Returns a new reference to the
- * WorkerBooks object, or NULL with an exception. */
-PyObject *cs_ledger_books_for(cs_module_state *state, PyObject *ledger,
-                              PyObject *key, uint64_t generation);
+/* A worker's roster: its live stand-ins in adoption order, an intrusive
+ * list through them (standin.h).  It lives in the worker's books, which
+ * every listed stand-in holds strongly, and changes only with the GIL
+ * held, by code that runs no Python between reading and writing it. */
+typedef struct {
+    StandInObject *head, *tail; /* borrowed */
+    Py_ssize_t count;
+} cs_roster;
+
+/* The books of `key` under `ledger` (a Ledger object), made in one step
+ * (the Python object, then its C record and its entry) or bumped to
+ * `generation`, as Ledger.worker() does.  Only the making may run Python
+ * (a collection), and it looks again after it.  A new reference, or NULL
+ * with an exception. */
+PyObject *cs_ledger_books_for(PyObject *ledger, PyObject *key,
+                              uint64_t generation);
+/* The books of `key`, a new reference, or NULL (with an exception only if
+ * one was raised).  Runs no Python. */
+PyObject *cs_ledger_find(PyObject *ledger, PyObject *key);
 cs_worker *cs_books_worker(PyObject *books); /* borrowed */
+cs_roster *cs_books_roster(PyObject *books); /* borrowed */
+/* The roster's stand-ins, a new list (roster.c). */
+PyObject *cs_roster_snapshot(cs_roster *roster);
 
 /* A model id: a non-empty str (TypeError / ValueError naming model_id). */
 int cs_check_model_id(PyObject *id);

@@ -3,11 +3,12 @@
  * Pool) and `WorkerBooks` (one per worker process).  Pool (pool.py) keeps
  * the Python-object logic; every number lives in the C core.
  */
-#include "binding.h"
+#include "standin.h"
 
 #include "comfy_standin/ledger.h"
 
 #include <stdint.h>
+#include <structmember.h>
 
 typedef struct {
     PyObject_HEAD
@@ -16,18 +17,23 @@ typedef struct {
      * process handle, and two handles that compare equal are still two
      * processes. */
     PyObject *books;
-    /* Borrowed: the books found or made last (stand-ins are made in runs
-     * on one worker), valid while `books` holds them: forget() and clear
-     * reset it before they leave.  Found again by their key, the worker
-     * they hold strongly, so a freed worker's address never matches. */
+    /* Strong, or NULL: the books found or made last (stand-ins are made in
+     * runs on one worker), always an entry of `books`: forget() and clear
+     * drop it with the entry. */
     PyObject *last_books;
 } LedgerObject;
 
+/* One worker's books: the C record of its charges and the roster of its
+ * stand-ins, made in one step (cs_ledger_books_for) and owned together:
+ * the roster changes only with the GIL held, by code that runs no Python
+ * between reading and writing it (roster.c). */
 typedef struct {
     PyObject_HEAD
-    cs_worker *worker; /* strong (C refcount); immutable */
+    cs_worker *worker; /* strong (C refcount); immutable once made */
     PyObject *key;     /* strong: the worker object; immutable */
     uint64_t floor;    /* the ledger's floor; immutable */
+    cs_roster roster;  /* the worker's live stand-ins */
+    PyObject *weakreflist;
 } BooksObject;
 
 /* The module state, or NULL with RuntimeError once the module was
@@ -50,26 +56,54 @@ cleared_error(const char *what)
 
 /* ---- WorkerBooks ----------------------------------------------------- */
 
-static PyObject *
-books_new(cs_module_state *state, cs_worker *worker, PyObject *key,
-          uint64_t floor)
+/* Books with no worker yet: allocated before anything is looked up or
+ * added, because the allocation may run the collector (and so any
+ * Python); books_attach() then gives them their C record without running
+ * any. */
+static BooksObject *
+books_alloc(cs_module_state *state)
 {
     BooksObject *self = PyObject_GC_New(BooksObject, state->books_type);
     if (self == NULL) {
         return NULL;
     }
-    cs_worker_incref(worker);
-    self->worker = worker;
-    self->key = Py_NewRef(key);
-    self->floor = floor;
+    self->worker = NULL;
+    self->key = NULL;
+    self->floor = 0;
+    self->roster.head = self->roster.tail = NULL;
+    self->roster.count = 0;
+    self->weakreflist = NULL;
     PyObject_GC_Track(self);
-    return (PyObject *)self;
+    return self;
+}
+
+/* The C record of `key`'s charges on `ledger`, made in the books: 0, or
+ * -1 with MemoryError.  Runs no Python. */
+static int
+books_attach(BooksObject *self, cs_ledger *ledger, PyObject *key,
+             uint64_t generation)
+{
+    cs_worker *worker = cs_ledger_add_worker(ledger, generation);
+    if (worker == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    self->worker = worker; /* the reference cs_ledger_add_worker gave */
+    self->key = Py_NewRef(key);
+    self->floor = cs_ledger_floor(ledger);
+    return 0;
 }
 
 cs_worker *
 cs_books_worker(PyObject *books)
 {
     return ((BooksObject *)books)->worker;
+}
+
+cs_roster *
+cs_books_roster(PyObject *books)
+{
+    return &((BooksObject *)books)->roster;
 }
 
 static int
@@ -90,10 +124,16 @@ books_clear(BooksObject *self)
 static void
 books_dealloc(BooksObject *self)
 {
+    /* Every listed stand-in holds its books: the roster is empty here. */
     PyTypeObject *tp = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
+    if (self->weakreflist != NULL) {
+        PyObject_ClearWeakRefs((PyObject *)self);
+    }
     books_clear(self);
-    cs_worker_decref(self->worker);
+    if (self->worker != NULL) {
+        cs_worker_decref(self->worker);
+    }
     tp->tp_free(self);
     Py_DECREF(tp);
 }
@@ -298,6 +338,12 @@ charge_to_dict(const cs_charge *c)
         "models", (unsigned int)c->models, "alive",
         c->alive ? Py_True : Py_False, "held_from_reading",
         c->held_from_reading ? Py_True : Py_False);
+}
+
+static PyObject *
+books_standins(BooksObject *self, PyObject *unused)
+{
+    return cs_roster_snapshot(&self->roster);
 }
 
 static PyObject *
@@ -594,6 +640,9 @@ static PyMethodDef books_methods[] = {
      "all or nothing; returns the entries applied."},
     {"charge", (PyCFunction)books_charge, METH_NOARGS,
      "charge($self, /)\n--\n\nWhat the worker costs the card, and why."},
+    {"standins", (PyCFunction)books_standins, METH_NOARGS,
+     "standins($self, /)\n--\n\nThe worker's live stand-ins (its "
+     "roster), in adoption order: a new list."},
     {NULL},
 };
 
@@ -610,12 +659,19 @@ books_repr(BooksObject *self)
         cs_worker_in_flight(self->worker));
 }
 
+static PyMemberDef books_members[] = {
+    {"__weaklistoffset__", T_PYSSIZET, offsetof(BooksObject, weakreflist),
+     READONLY},
+    {NULL},
+};
+
 static PyType_Slot books_slots[] = {
     {Py_tp_doc, "The pool's books for one worker process."},
     {Py_tp_traverse, books_traverse},
     {Py_tp_clear, books_clear},
     {Py_tp_dealloc, books_dealloc},
     {Py_tp_getset, books_getset},
+    {Py_tp_members, books_members},
     {Py_tp_methods, books_methods},
     {Py_tp_repr, books_repr},
     {0, NULL},
@@ -673,13 +729,14 @@ ledger_traverse(LedgerObject *self, visitproc visit, void *arg)
 {
     Py_VISIT(Py_TYPE(self));
     Py_VISIT(self->books);
+    Py_VISIT(self->last_books);
     return 0;
 }
 
 static int
 ledger_clear(LedgerObject *self)
 {
-    self->last_books = NULL;
+    Py_CLEAR(self->last_books);
     Py_CLEAR(self->books);
     return 0;
 }
@@ -695,6 +752,8 @@ ledger_dealloc(LedgerObject *self)
     Py_DECREF(tp);
 }
 
+/* The books of `key`, borrowed from the table, or NULL (with an exception
+ * only when one was raised).  Runs no Python: the key is an int. */
 static PyObject *
 ledger_find_books(LedgerObject *self, PyObject *key)
 {
@@ -712,56 +771,76 @@ ledger_find_books(LedgerObject *self, PyObject *key)
     PyObject *books = PyDict_GetItemWithError(self->books, id);
     Py_DECREF(id);
     if (books != NULL) {
-        self->last_books = books;
+        /* The entry holds them, so the old cache entry stays alive too. */
+        Py_XSETREF(self->last_books, Py_NewRef(books));
     }
-    return books; /* borrowed, or NULL (maybe with an error) */
+    return books;
+}
+
+/* Files `books` under `key`: 0, or -1 with an exception.  Runs no Python
+ * (an int key; a dict resize allocates no tracked object). */
+static int
+ledger_insert(LedgerObject *self, PyObject *key, PyObject *books)
+{
+    PyObject *id = PyLong_FromVoidPtr(key);
+    if (id == NULL) {
+        return -1;
+    }
+    int r = PyDict_SetItem(self->books, id, books);
+    Py_DECREF(id);
+    if (r == 0) {
+        Py_XSETREF(self->last_books, Py_NewRef(books));
+    }
+    return r;
 }
 
 PyObject *
-cs_ledger_books_for(cs_module_state *state, PyObject *ledger, PyObject *key,
-                    uint64_t generation)
+cs_ledger_books_for(PyObject *ledger, PyObject *key, uint64_t generation)
 {
     LedgerObject *self = (LedgerObject *)ledger;
-    /* Callers may hold an unchecked state: check it here. */
-    state = cs_state_checked(Py_TYPE(ledger));
+    cs_module_state *state = cs_state_checked(Py_TYPE(ledger));
     if (state == NULL) {
         return NULL;
     }
     PyObject *books = ledger_find_books(self, key);
-    if (books != NULL) {
-        BooksObject *b = (BooksObject *)books;
-        if (generation > cs_worker_generation(b->worker)) {
-            cs_worker_bump_generation(b->worker, generation);
+    if (books == NULL && !PyErr_Occurred()) {
+        /* One step: the Python object first (its allocation may run the
+         * collector, and a finalizer may make this worker's books
+         * meanwhile: the second look finds those), then, running no
+         * Python, its C record and its entry. */
+        BooksObject *fresh = books_alloc(state);
+        if (fresh == NULL) {
+            return NULL;
         }
-        return Py_NewRef(books);
+        books = ledger_find_books(self, key);
+        if (books == NULL && !PyErr_Occurred()) {
+            if (books_attach(fresh, self->ledger, key, generation) < 0 ||
+                ledger_insert(self, key, (PyObject *)fresh) < 0) {
+                if (fresh->worker != NULL) {
+                    cs_ledger_forget_worker(self->ledger, fresh->worker);
+                }
+                Py_DECREF(fresh);
+                return NULL;
+            }
+            return (PyObject *)fresh;
+        }
+        Py_DECREF(fresh); /* no record, no key: frees without Python */
     }
-    if (PyErr_Occurred()) {
-        return NULL;
-    }
-    cs_worker *worker = cs_ledger_add_worker(self->ledger, generation);
-    if (worker == NULL) {
-        return PyErr_NoMemory();
-    }
-    books = books_new(state, worker, key, cs_ledger_floor(self->ledger));
-    cs_worker_decref(worker);
     if (books == NULL) {
         return NULL;
     }
-    PyObject *id = PyLong_FromVoidPtr(key);
-    /* The allocations above may have run a collection and Python that
-     * made books for this key: those the item below replaces must not be
-     * left in the cache. */
-    self->last_books = NULL;
-    if (id == NULL || PyDict_SetItem(self->books, id, books) < 0) {
-        Py_XDECREF(id);
-        cs_ledger_forget_worker(self->ledger,
-                                ((BooksObject *)books)->worker);
-        Py_DECREF(books);
-        return NULL;
+    BooksObject *b = (BooksObject *)books;
+    if (generation > cs_worker_generation(b->worker)) {
+        cs_worker_bump_generation(b->worker, generation);
     }
-    Py_DECREF(id);
-    self->last_books = books;
-    return books;
+    return Py_NewRef(books);
+}
+
+PyObject *
+cs_ledger_find(PyObject *ledger, PyObject *key)
+{
+    PyObject *books = ledger_find_books((LedgerObject *)ledger, key);
+    return Py_XNewRef(books);
 }
 
 static PyObject *
@@ -779,11 +858,7 @@ ledger_worker(LedgerObject *self, PyObject *args)
                               CS_VALUE_MAX),
                NULL;
     }
-    cs_module_state *state = state_of((PyObject *)self);
-    if (state == NULL) {
-        return NULL;
-    }
-    return cs_ledger_books_for(state, (PyObject *)self, key, generation);
+    return cs_ledger_books_for((PyObject *)self, key, generation);
 }
 
 static PyObject *
@@ -799,6 +874,8 @@ ledger_find(LedgerObject *self, PyObject *key)
     return Py_NewRef(books);
 }
 
+/* Takes the books of `key` off the ledger, roster and all, in one step:
+ * returns them (a new reference), or None when there were none. */
 static PyObject *
 ledger_forget(LedgerObject *self, PyObject *key)
 {
@@ -810,52 +887,71 @@ ledger_forget(LedgerObject *self, PyObject *key)
         return NULL;
     }
     PyObject *books = PyDict_GetItemWithError(self->books, id);
-    if (books != NULL) {
-        Py_INCREF(books);
-        if (self->last_books == books) {
-            self->last_books = NULL;
+    if (books == NULL) {
+        Py_DECREF(id);
+        if (PyErr_Occurred()) {
+            return NULL;
         }
-        cs_ledger_forget_worker(self->ledger,
-                                ((BooksObject *)books)->worker);
-        int r = PyDict_DelItem(self->books, id);
+        Py_RETURN_NONE;
+    }
+    Py_INCREF(books);
+    if (self->last_books == books) {
+        Py_CLEAR(self->last_books); /* not the last reference */
+    }
+    int r = PyDict_DelItem(self->books, id);
+    Py_DECREF(id);
+    if (r < 0) {
         Py_DECREF(books);
-        if (r < 0) {
-            Py_DECREF(id);
+        return NULL;
+    }
+    cs_ledger_forget_worker(self->ledger, ((BooksObject *)books)->worker);
+    return books;
+}
+
+/* The entries of the table, in insertion order, as a new list built by
+ * appending: a list's allocation may run the collector, whose finalizers
+ * may add or forget books, so nothing is sized before it is made. */
+static PyObject *
+ledger_entries(LedgerObject *self, int want_keys)
+{
+    if (self->books == NULL) {
+        return cleared_error("Ledger");
+    }
+    PyObject *list = PyList_New(0);
+    if (list == NULL) {
+        return NULL;
+    }
+    PyObject *id, *books;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(self->books, &pos, &id, &books)) {
+        PyObject *item = books;
+        if (want_keys) {
+            item = ((BooksObject *)books)->key;
+            if (item == NULL) {
+                Py_DECREF(list);
+                return cleared_error("WorkerBooks");
+            }
+        }
+        /* Appending grows the array with PyMem: no collection, no
+         * Python, so the table cannot change under this walk. */
+        if (PyList_Append(list, item) < 0) {
+            Py_DECREF(list);
             return NULL;
         }
     }
-    Py_DECREF(id);
-    if (PyErr_Occurred()) {
-        return NULL;
-    }
-    Py_RETURN_NONE;
+    return list;
 }
 
 static PyObject *
 ledger_keys(LedgerObject *self, PyObject *unused)
 {
-    PyObject *keys, *id, *books;
-    Py_ssize_t pos = 0;
+    return ledger_entries(self, 1);
+}
 
-    if (self->books == NULL) {
-        return cleared_error("Ledger");
-    }
-    keys = PyList_New(0);
-    if (keys == NULL) {
-        return NULL;
-    }
-    while (PyDict_Next(self->books, &pos, &id, &books)) {
-        PyObject *key = ((BooksObject *)books)->key;
-        if (key == NULL) {
-            Py_DECREF(keys);
-            return cleared_error("WorkerBooks");
-        }
-        if (PyList_Append(keys, key) < 0) {
-            Py_DECREF(keys);
-            return NULL;
-        }
-    }
-    return keys;
+static PyObject *
+ledger_all_books(LedgerObject *self, PyObject *unused)
+{
+    return ledger_entries(self, 0);
 }
 
 static PyObject *
@@ -919,9 +1015,12 @@ static PyMethodDef ledger_methods[] = {
     {"find", (PyCFunction)ledger_find, METH_O,
      "find($self, key, /)\n--\n\nThe books of a worker, or None."},
     {"forget", (PyCFunction)ledger_forget, METH_O,
-     "forget($self, key, /)\n--\n\nDrops a worker from the books."},
+     "forget($self, key, /)\n--\n\nTakes a worker's books (and their "
+     "roster) off the ledger; returns them, or None."},
     {"keys", (PyCFunction)ledger_keys, METH_NOARGS,
      "keys($self, /)\n--\n\nThe workers on the books, oldest first."},
+    {"books", (PyCFunction)ledger_all_books, METH_NOARGS,
+     "books($self, /)\n--\n\nEvery worker's books, oldest first."},
     {"reserve", (PyCFunction)(void (*)(void))ledger_reserve,
      METH_VARARGS | METH_KEYWORDS,
      "reserve($self, /, base, total, process_local)\n--\n\nThe reserve to "

@@ -48,6 +48,8 @@ cs_state_clear(cs_module_state *state)
     Py_CLEAR(state->str_seq);
     Py_CLEAR(state->str_id);
     Py_CLEAR(state->str_get);
+    Py_CLEAR(state->str_ledger);
+    Py_CLEAR(state->str_restarted);
     Py_CLEAR(state->mapping_abc);
     state->ready = 0;
 }
@@ -132,6 +134,8 @@ core_exec(PyObject *module)
         {&state->str_seq, "seq"},
         {&state->str_id, "id"},
         {&state->str_get, "get"},
+        {&state->str_ledger, "_ledger"},
+        {&state->str_restarted, "restarted"},
     };
     for (size_t i = 0; i < sizeof(strings) / sizeof(strings[0]); i++) {
         *strings[i].slot = PyUnicode_InternFromString(strings[i].text);

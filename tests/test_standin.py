@@ -627,7 +627,7 @@ def test_eviction_deferred_is_writable_with_a_bool(make_standin):
 
 
 def _is_c(impl) -> bool:
-    return hasattr(impl, "_Roster") or impl.__name__ == "comfy_standin"
+    return impl.__name__ == "comfy_standin"
 
 
 def test_model_and_sentinel_are_made_once_on_first_use(impl, make_standin):
@@ -678,18 +678,22 @@ def test_stand_ins_made_alike_share_their_devices_and_kind(impl, pool,
         assert s.kind == kind
     assert c.load_device is not load and c.load_device.name == "cuda:1"
     if _is_c(impl):
-        # One (load, offload, kind) tuple for a run of stand-ins made with
-        # the same objects, whatever their worker: 8 bytes each instead of
-        # 24 on the stand-in.  c and d differ from the one made before;
-        # e and f follow one like them.
+        # One (load, offload, kind) tuple for a run of stand-ins of one
+        # worker made with the same objects: 8 bytes each instead of 24 on
+        # the stand-in.  Each shares the tuple of the stand-in before it
+        # on its worker's roster: c and d differ from theirs; e is the
+        # first of its worker; f follows d (clip), h follows f.
         def profile(s):
             (t,) = [o for o in gc.get_referents(s) if type(o) is tuple]
             return t
 
+        h = make(worker, "h")
         assert profile(a) is profile(b)
         assert profile(c) is not profile(b) and profile(d) is not profile(c)
         assert profile(e) is not profile(d) and profile(e) is not profile(a)
-        assert profile(f) is profile(e)
+        assert profile(f) is not profile(d) and profile(f) is not profile(e)
+        assert profile(h) is profile(f)
+        del h
     # The last stand-in made is gone (its profile with it, unless shared):
     # the next is made from its own arguments, never from freed memory.
     del f
@@ -772,31 +776,29 @@ def test_pool_drops_standins_cleared_by_the_collector(
     assert pool.standins().get(w, []) == []
 
 
-def test_adoption_runs_no_python_for_the_pool(
-    both_impls, make_worker, monkeypatch
+def test_construction_runs_no_python_of_the_pool(
+    impl, make_worker, monkeypatch
 ):
-    """The C constructor adopts a stand-in itself: it makes a new worker's
-    entry under the pool's lock (when free) and lists a stand-in of a
-    worker already adopted at this generation; Pool._adopt runs for a
-    newer generation (which buries the older stand-ins) or when the lock
-    is busy."""
-    c = both_impls[0]
-    pool = c.Pool()
+    """A stand-in joins its worker's roster in the worker's books, in the
+    step that registers its model: no method of the pool runs, and the
+    pool's lock is never taken, except that a newer generation runs the
+    pool's restarted() first (it buries the older stand-ins)."""
+    pool = impl.Pool()
     ids = iter(range(1000))
 
     def make_standin(worker, generation):
-        return c.StandIn(
+        return impl.StandIn(
             worker, generation, f"m{next(ids)}", 10, "cuda", "cpu", pool=pool
         )
 
     calls: list[int] = []
-    adopt = type(pool)._adopt
+    restarted = type(pool).restarted
 
-    def counting(self, standin):
-        calls.append(standin.worker_generation)
-        return adopt(self, standin)
+    def counting(self, worker, generation):
+        calls.append(generation)
+        return restarted(self, worker, generation)
 
-    monkeypatch.setattr(type(pool), "_adopt", counting)
+    monkeypatch.setattr(type(pool), "restarted", counting)
     w = make_worker()
     old = make_standin(w, 1)
     same = make_standin(w, 1)
@@ -806,18 +808,26 @@ def test_adoption_runs_no_python_for_the_pool(
     assert calls == [2]
     assert pool.graveyard_size() == 2 and old.stale and same.stale
     assert pool.standins()[w] == [old, same, newer]
-    # The lock held by another thread: the constructor leaves the new
-    # worker to Pool._adopt, which waits for it with the GIL released.
+    older = make_standin(w, 1)  # a late one of the old process: no restart
+    assert calls == [2] and older.stale
+    # The pool's lock held by another thread does not hold construction.
     other = make_worker()
-    made: list = []
-    t = threading.Thread(target=lambda: made.append(make_standin(other, 1)))
-    with pool._lock:
-        t.start()
-        while not calls[1:]:
-            time.sleep(0.001)  # until it is in Pool._adopt
-    t.join()
-    assert calls == [2, 1]
-    assert pool.standins()[other] == made
+    held, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with pool._lock:
+            held.set()
+            done.wait(30)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    try:
+        held.wait(30)
+        made = make_standin(other, 1)
+    finally:
+        done.set()
+        t.join()
+    assert pool.standins()[other] == [made]
 
 
 def test_constructor_arguments(impl, pool, make_worker, devices):
@@ -843,78 +853,71 @@ def test_constructor_arguments(impl, pool, make_worker, devices):
             impl.StandIn(*bad_args, **bad_kwargs)
 
 
-def test_roster_add_is_idempotent_and_moves(both_impls, make_worker):
-    from comfy_standin import _core
-
-    c = both_impls[0]
-    pool = c.Pool()
-    s = c.StandIn(make_worker(), 1, "m", 10, "cuda", "cpu", pool=pool)
-    (first,) = pool._adopted.values()
-    assert (first.worker, first.newest) == (s.worker, 1)
-    first.add(s)
-    assert len(first) == 1 and list(first) == [s]
-    second = _core._Roster(s.worker, 1)
-    second.add(s)  # as after forget(): the newer roster lists it
-    assert (len(first), list(second)) == (0, [s])
-    with pytest.raises(TypeError):
-        second.add(object())
-    with pytest.raises(TypeError):
-        _core._Roster(1)
-    for bad in (-1, "2", 1.0):
-        with pytest.raises((TypeError, ValueError)):
-            second.newest = bad
-    assert second.newest == 1
-    second.newest = 3
-    assert second.newest == 3
-    assert second.retired is False
-    with pytest.raises(TypeError):
-        second.retired = 1
-    second.retired = True
-    assert second.retired is True
-    del s
-    assert (len(first), len(second)) == (0, 0)
+def test_the_books_own_the_roster(impl, make_worker):
+    """The roster of a worker's stand-ins lives in the worker's books:
+    made with them, and taken off the ledger with them by forget()."""
+    pool = impl.Pool()
+    worker = make_worker()
+    a = impl.StandIn(worker, 1, "a", 10, "cuda:0", "cpu", pool=pool)
+    b = impl.StandIn(worker, 1, "b", 10, "cuda:0", "cpu", pool=pool)
+    old = pool._ledger.find(worker)
+    assert old.standins() == [a, b]
+    assert pool._ledger.books() == [old]
+    assert pool._ledger.forget(worker) is old
+    assert pool._ledger.forget(worker) is None
+    assert old.standins() == [a, b] and pool.standins() == {}
+    c = impl.StandIn(worker, 1, "c", 10, "cuda:0", "cpu", pool=pool)
+    new = pool._ledger.find(worker)
+    assert new is not old and new.standins() == [c]
+    assert old.standins() == [a, b]
+    assert pool.standins()[worker] == [c]
+    # The roster lists live stand-ins only, in adoption order; the books
+    # live as long as a stand-in on their roster does.
+    ref = weakref.ref(old)
+    del a
+    assert old.standins() == [b]
+    del old, b
+    gc.collect()
+    assert ref() is None
 
 
 def test_a_run_of_stand_ins_never_joins_a_forgotten_workers_roster(
     impl, make_worker
 ):
-    """The C constructor lists a stand-in on the roster of the one made
-    just before it (same worker, same pool) without looking the pool up:
-    once forget() dropped that roster, the next stand-in must get the
-    pool's new entry, in both implementations."""
+    """Once forget() took a worker's books off the ledger, the next
+    stand-in of that worker gets new books, in both implementations."""
     pool = impl.Pool()
     worker = make_worker()
     a = impl.StandIn(worker, 1, "a", 10, "cuda:0", "cpu", pool=pool)
     b = impl.StandIn(worker, 1, "b", 10, "cuda:0", "cpu", pool=pool)
-    (old,) = pool._adopted.values()
-    assert sorted(s.model_id for s in old) == ["a", "b"]
-    assert old.retired is False
+    old = pool._ledger.find(worker)
+    assert sorted(s.model_id for s in old.standins()) == ["a", "b"]
     pool.forget(worker)
-    assert old.retired is True and pool._adopted == {}
+    assert pool.standins() == {}
     c = impl.StandIn(worker, 1, "c", 10, "cuda:0", "cpu", pool=pool)
-    (new,) = pool._adopted.values()
-    assert new is not old and list(new) == [c]
-    assert sorted(s.model_id for s in old) == ["a", "b"]
+    new = pool._ledger.find(worker)
+    assert new is not old and new.standins() == [c]
+    assert sorted(s.model_id for s in old.standins()) == ["a", "b"]
     assert pool.standins()[worker] == [c]
-    # A newer generation is not listed on the older roster either.
+    # A newer generation is listed on the current books too.
     d = impl.StandIn(worker, 2, "d", 10, "cuda:0", "cpu", pool=pool)
-    assert new.newest == 2 and d in list(new)
+    assert new.generation == 2 and new.standins() == [c, d]
     # Another pool's stand-in of the same worker, made right after, is
     # that pool's.
     other = impl.Pool()
     e = impl.StandIn(worker, 2, "e", 10, "cuda:0", "cpu", pool=other)
     assert list(other.standins()[worker]) == [e]
-    assert e not in list(new)
+    assert e not in new.standins()
     del a, b
 
 
-def test_new_worker_adoption_never_holds_the_lock_across_a_collection(
-    both_impls, make_worker
+def test_construction_never_deadlocks_on_a_finalizer_reading_the_pool(
+    impl, make_worker
 ):
-    """The C constructor makes a new worker's pool entry before it takes
-    the pool's lock: a collection those allocations start may run a
-    finalizer that takes the lock itself (here: pool.standins())."""
-    c = both_impls[0]
+    """Construction takes no lock a finalizer could want: a collection its
+    allocations start may run a finalizer that reads the pool (here:
+    pool.standins()), in both implementations."""
+    c = impl
     pool = c.Pool()
     seen: list = []
 

@@ -148,6 +148,16 @@ def _echo_seq(field: str, value: object) -> int | None:
     return number
 
 
+def _snapshot(table: dict[Any, Any]) -> list[Any]:
+    """The values of `table` as a new list, whatever a collection does to
+    the table meanwhile.  ``list(d.values())`` allocates the list and the
+    iterator before it reads the table and nothing while it does, so a
+    finalizer that adds or removes entries (any allocation may run the
+    collector) runs before the read or after it; ``d.copy()`` is not safe
+    (on 3.10 and 3.11 it reads the table's size after an allocation)."""
+    return list(table.values())
+
+
 def _saturate(value: int) -> int:
     return min(value, SATURATED)
 
@@ -370,6 +380,7 @@ class WorkerBooks:
         "_overhead",
         "_pinned",
         "_reading",
+        "_roster",
         "_table",
         "key",
     )
@@ -378,7 +389,9 @@ class WorkerBooks:
         self.key = key
         self._ledger: Ledger | None = ledger
         self._floor = ledger.floor
-        self._lock = threading.Lock()
+        # Reentrant: any allocation made under it may run the collector,
+        # and a finalizer may register a model of this worker.
+        self._lock = threading.RLock()
         self._generation = generation
         self._alive = True
         self._in_flight = 0
@@ -395,6 +408,13 @@ class WorkerBooks:
         # table (no census finds them), still this process's models, so
         # its death zeroes them as it does the table's.
         self._orphans: weakref.WeakSet[ModelRecord] = weakref.WeakSet()
+        # The roster: the worker's live stand-ins in adoption order, as
+        # {id(stand-in): weak reference}.  Each change is one dict
+        # operation and a snapshot is one list(values()), all atomic under
+        # the GIL and safe against a collection (and its finalizers)
+        # running in the middle (_snapshot), so it needs no lock a
+        # finalizer could find held.
+        self._roster: dict[int, weakref.ref[StandIn]] = {}
 
     def __repr__(self) -> str:
         state = "alive" if self._alive else "gone"
@@ -601,6 +621,22 @@ class WorkerBooks:
                 "held_from_reading": self._reading > self._held,
             }
 
+    def standins(self) -> list[StandIn]:
+        """The worker's live stand-ins (its roster), in adoption order."""
+        refs = _snapshot(self._roster)
+        return [s for s in (ref() for ref in refs) if s is not None]
+
+    def _enlist(self, standin: StandIn) -> None:
+        """Lists `standin` on the roster until it dies."""
+        key = id(standin)
+        roster = self._roster
+
+        def gone(ref: weakref.ref[StandIn]) -> None:
+            if roster.get(key) is ref:
+                del roster[key]
+
+        roster[key] = weakref.ref(standin, gone)
+
     def _forgotten(self) -> None:
         with self._lock:
             if self._alive:
@@ -632,11 +668,14 @@ class Ledger:
     def worker(self, key: Any, generation: int) -> WorkerBooks:
         """Get-or-create the books of `key` (compared by identity)."""
         generation = _host_bytes("generation", generation)
-        with self._lock:
-            books = self._books.get(id(key))
-            if books is None:
-                books = WorkerBooks(self, key, generation)
-                self._books[id(key)] = books
+        books = self._books.get(id(key))
+        if books is None:
+            # Made first, then filed with one atomic dict operation: the
+            # making may run the collector, and a finalizer may file this
+            # worker's books meanwhile (then those are the books).
+            fresh = WorkerBooks(self, key, generation)
+            books = self._books.setdefault(id(key), fresh)
+            if books is fresh:
                 return books
         with books._lock:
             if generation > books._generation:
@@ -646,20 +685,23 @@ class Ledger:
     def find(self, key: Any) -> WorkerBooks | None:
         return self._books.get(id(key))
 
-    def forget(self, key: Any) -> None:
-        with self._lock:
-            books = self._books.pop(id(key), None)
+    def forget(self, key: Any) -> WorkerBooks | None:
+        """Takes the books of `key` off the ledger, roster and all, in one
+        step; returns them (None when there were none)."""
+        books = self._books.pop(id(key), None)
         if books is not None:
             books._forgotten()
+        return books
+
+    def books(self) -> list[WorkerBooks]:
+        """Every worker's books, oldest first (a snapshot)."""
+        return _snapshot(self._books)
 
     def keys(self) -> list[Any]:
-        with self._lock:
-            return [books.key for books in self._books.values()]
+        return [books.key for books in self.books()]
 
     def total_charge(self) -> int:
-        with self._lock:
-            books = list(self._books.values())
-        return _saturate(sum(b.charge()["charge"] for b in books))
+        return _saturate(sum(b.charge()["charge"] for b in self.books()))
 
     def reserve(self, base: int, total: int, process_local: bool) -> int:
         base = _host_bytes("base", base)
@@ -672,7 +714,7 @@ class Ledger:
             # Swap the mark first: a release racing this call is either
             # seen now or kept for the next call, never lost.
             released, self._released = self._released, False
-            books = list(self._books.values())
+            books = self.books()
             total_charge = _saturate(sum(b.charge()["charge"] for b in books))
             target = _saturate(base + total_charge)
             cap = total * 3 // 4 if total > 0 else None
@@ -1078,7 +1120,13 @@ class StandIn:
             pool = default_pool()
         elif not isinstance(pool, _pool.Pool) or pool._impl is not _this:
             _bad_type("pool", f"None or a Pool of {__name__}", pool)
-        books = pool._ledger.worker(worker, generation)
+        ledger = pool._ledger
+        known = ledger.find(worker)
+        if known is not None and generation > known.generation:
+            # The worker restarted, and this registration is how the host
+            # learns it: the pool's restart runs first, as for any.
+            pool.restarted(worker, generation)
+        books = ledger.worker(worker, generation)
         record = books.register(model_id, size, generation)
         self._worker = worker
         self._generation = generation
@@ -1089,7 +1137,9 @@ class StandIn:
         self._record = record
         self._model = StandInModule(record, load_device, offload_device)
         self._uuid = _CloneBaseSentinel(model_id)
-        pool._adopt(self)
+        # Listed on its worker's roster, which the books own (the pool
+        # keeps it from there for its graveyard).
+        books._enlist(self)
 
     def __repr__(self) -> str:
         loaded, seq, _, source = self._record.read()

@@ -3,11 +3,13 @@
 One Python class shared by both implementations (docs/reserve.md,
 docs/semantics.md "The pool").  All arithmetic and state of charges live
 in the implementation's ``Ledger`` (the C core or the pure-Python
-reference); this class keeps only the Python-object logic: which stand-ins
-belong to which worker, and the graveyard that keeps stand-ins of a dead
-or restarted worker alive until the next node boundary, so no
-``weakref.finalize`` on their inner module fires inside ComfyUI's
-index-based ``free_memory`` loop.
+reference), and so does the roster of each worker's stand-ins, in the
+worker's books (docs/architecture.md, "One owner for each fact").  This
+class keeps the Python-object logic around them: the graveyard that keeps
+stand-ins of a dead or restarted worker alive until the next node
+boundary, so no ``weakref.finalize`` on their inner module fires inside
+ComfyUI's index-based ``free_memory`` loop, and the registrations it
+holds for ComfyUI.
 
 An implementation binds the class to itself with a subclass::
 
@@ -113,18 +115,6 @@ class WorkerMap(Mapping[Any, Any]):
         return f"WorkerMap({{{inner}}})"
 
 
-class _WeakRoster(weakref.WeakSet):  # type: ignore[type-arg]
-    """The pool's entry for one worker with the reference implementation:
-    its stand-ins held weakly, the worker and the newest generation adopted
-    (what the C module's ``_Roster`` holds)."""
-
-    def __init__(self, worker: Any, newest: int) -> None:
-        super().__init__()
-        self.worker = worker
-        self.newest = newest
-        self.retired = False
-
-
 class Pool:
     """Per-worker charges over one ledger, and the reserve they size.
 
@@ -158,11 +148,12 @@ class Pool:
         self._impl = impl
         self._ledger = impl.Ledger(floor)
         self._process_local = process_local
-        self._lock = threading.Lock()
-        # id(worker) -> its roster: its adopted stand-ins (weakly), the
-        # worker and the newest generation adopted (``_WeakRoster``, or the
-        # C module's ``_Roster``).
-        self._adopted: dict[int, Any] = {}
+        # Reentrant: a finalizer (any allocation may run the collector)
+        # may call back into the pool on a thread that holds the lock.  A
+        # worker's stand-ins are not here: the roster lives in the worker's
+        # books, in the ledger (docs/architecture.md, "One owner for each
+        # fact").
+        self._lock = threading.RLock()
         # Strong references to stand-ins of dead or restarted workers,
         # dropped at the next boundary().
         self._graveyard: dict[int, Any] = {}
@@ -176,10 +167,12 @@ class Pool:
         self.on_pressure: Callable[[int], object] | None = None
         # id(worker) -> (worker, the host side of its residency board).
         self._boards: dict[int, tuple[Any, Any]] = {}
-        # id(worker) -> the stand-ins of a worker forgotten while some were
-        # still held (weakly; each holds its worker, so the id stays that
-        # worker's while any is alive): worker_gone() still reaches them.
-        self._forgotten: dict[int, weakref.WeakSet[Any]] = {}
+        # id(worker) -> weak references to the books forget() took off
+        # the ledger while some of their stand-ins were alive: worker_gone()
+        # still reaches those stand-ins through their roster.  Each listed
+        # stand-in holds its books, so they live exactly as long as one of
+        # them does (and hold the worker, so the id stays that worker's).
+        self._forgotten: dict[int, list[weakref.ref[Any]]] = {}
         # publish_reserve(): ComfyUI's own reserve, read once; the value
         # last written there and into comfy-aimdo's headroom.
         self._reserve_base: int | None = None
@@ -207,54 +200,29 @@ class Pool:
 
     # ---- stand-ins --------------------------------------------------------
 
-    def _adopt(self, standin: Any) -> None:
-        """Called by every stand-in constructed over this pool."""
-        worker = standin.worker
-        generation = standin.worker_generation
-        with self._lock:
-            slot = self._adopted.get(id(worker))
-            if slot is None:
-                # The C type's module has a roster: it lists live
-                # stand-ins like the weak set, without a weak reference per
-                # stand-in, and lets the constructor list one without
-                # calling here.
-                roster = getattr(
-                    sys.modules.get(type(standin).__module__), "_Roster", None
-                )
-                slot = (roster or _WeakRoster)(worker, generation)
-                self._adopted[id(worker)] = slot
-            elif not standin.stale and generation > slot.newest:
-                # Registering a newer generation restarted the worker's
-                # books; its older stand-ins are dead like after
-                # restarted().  Only a newer generation can doom anyone,
-                # so the common case (same generation) walks nothing.
-                self._bury_locked(
-                    worker, lambda s: s.worker_generation < generation
-                )
-            slot.newest = max(slot.newest, generation)
-            slot.add(standin)
+    def _bury(self, worker: Any, doomed: Callable[[Any], bool]) -> None:
+        """Moves the worker's stand-ins that are `doomed` to the graveyard.
 
-    def _bury_locked(self, worker: Any, doomed: Callable[[Any], bool]) -> None:
-        slot = self._adopted.get(id(worker))
-        if slot is None:
-            return
-        # The doomed stay in the weak set too: it is how boundary() knows
-        # whether anyone still holds a stand-in of a gone worker.  The
-        # graveyard is a dict so burying twice keeps one reference.
-        for standin in list(slot):
-            if doomed(standin):
-                self._graveyard[id(standin)] = standin
+        The doomed stay on their roster too: it is how boundary() knows
+        whether anyone still holds a stand-in of a gone worker.  The
+        graveyard is a dict so burying twice keeps one reference.  The
+        roster is read before the lock is taken (the snapshot allocates,
+        and a collection may run a finalizer that calls back in)."""
+        books = self._ledger.find(worker)
+        members = [] if books is None else books.standins()
+        with self._lock:
+            for standin in members:
+                if doomed(standin):
+                    self._graveyard[id(standin)] = standin
 
     def standins(self) -> WorkerMap:
         """{worker: its stand-ins still alive}, those of dead or restarted
         workers included (they may sit in the graveyard until the next
         boundary).  For status displays; a snapshot, keyed by identity
-        (``WorkerMap``)."""
-        with self._lock:
-            return WorkerMap(
-                (roster.worker, list(roster))
-                for roster in self._adopted.values()
-            )
+        (``WorkerMap``).  A view of the rosters the workers' books keep."""
+        return WorkerMap(
+            (books.key, books.standins()) for books in self._ledger.books()
+        )
 
     def graveyard_size(self) -> int:
         """Stand-ins kept alive until the next boundary()."""
@@ -361,19 +329,25 @@ class Pool:
         with self._lock:
             self._release_held_locked(lambda s: id(s) in done)
             buried, self._graveyard = self._graveyard, {}
-            for key in [k for k, v in self._forgotten.items() if not v]:
-                del self._forgotten[key]
+            # Keys first (reading them allocates nothing), then entries: a
+            # finalizer run by an allocation here may call back in.
+            forgotten = [
+                (key, shelf) for key in list(self._forgotten)
+                if (shelf := self._forgotten.get(key)) is not None
+            ]
         # Finalizers (mm.cleanup_models) may run here, outside the lock.
         del buried
-        for worker in self._ledger.keys():
-            books = self._ledger.find(worker)
-            if books is None or books.alive:
-                continue
+        for key, shelf in forgotten:
+            alive = [ref for ref in shelf if _has_standins(ref())]
             with self._lock:
-                slot = self._adopted.get(id(worker))
-                if slot is not None and len(slot) > 0:
-                    continue  # someone still holds a stand-in of it
-            self.forget(worker)
+                if alive:
+                    self._forgotten[key] = alive
+                elif self._forgotten.get(key) is shelf:
+                    del self._forgotten[key]
+        for books in self._ledger.books():
+            if books.alive or books.standins():
+                continue  # alive, or someone still holds a stand-in of it
+            self.forget(books.key)
         return restored
 
     # ---- residency boards (docs/board.md) -----------------------------------
@@ -424,19 +398,21 @@ class Pool:
         """The worker's process died: its stand-ins read 0, never raise.
         Reaches the stand-ins of a worker forgotten before it died too."""
         books = self._ledger.find(worker)
+        members = []
         if books is not None:
             books.gone()
+            members = books.standins()
         with self._lock:
-            self._bury_locked(worker, lambda s: True)
-            forgotten = self._forgotten.pop(id(worker), None)
-            orphans = [
-                s for s in (forgotten or ()) if s.worker is worker
-            ]
-            for standin in orphans:
-                self._graveyard[id(standin)] = standin
-            self._release_held_locked(lambda s: s.worker is worker)
+            shelf = self._forgotten.pop(id(worker), ())
+        orphans = [
+            s for ref in shelf for s in _standins_of(ref(), worker)
+        ]
         for standin in orphans:
             standin._worker_gone()
+        with self._lock:
+            for standin in (*members, *orphans):
+                self._graveyard[id(standin)] = standin
+            self._release_held_locked(lambda s: s.worker is worker)
         self._close_board(worker)
 
     def restarted(self, worker: Any, generation: int) -> None:
@@ -446,36 +422,27 @@ class Pool:
             self._ledger.worker(worker, generation)
         else:
             books.bump(generation)
+        self._bury(worker, lambda s: s.worker_generation < generation)
         with self._lock:
-            self._bury_locked(
-                worker, lambda s: s.worker_generation < generation
-            )
             self._release_held_locked(
                 lambda s: s.worker is worker
                 and s.worker_generation < generation
             )
-            slot = self._adopted.get(id(worker))
-            if slot is not None:
-                slot.newest = max(slot.newest, generation)
         self._close_board(worker)  # the old process's board
 
     def forget(self, worker: Any) -> None:
         """Drop the worker's books: it is no longer charged.  Its stand-ins
         still held keep their receipts and learn of the worker's death from
-        ``worker_gone()`` or their own ``is_alive()`` checks."""
-        self._ledger.forget(worker)
+        ``worker_gone()`` or their own ``is_alive()`` checks.  The books
+        leave the ledger with their roster in one step, so no stand-in made
+        meanwhile is left on a roster the pool no longer sees."""
+        books = self._ledger.forget(worker)
+        members = [] if books is None else books.standins()
         with self._lock:
-            slot = self._adopted.pop(id(worker), None)
-            if slot is not None:
-                # No stand-in made from now on joins it (the C constructor
-                # lists a run of stand-ins on the last one's roster).
-                slot.retired = True
-                if len(slot) > 0:
-                    held = self._forgotten.setdefault(
-                        id(worker), weakref.WeakSet()
-                    )
-                    for standin in slot:
-                        held.add(standin)
+            if members:
+                self._forgotten.setdefault(id(worker), []).append(
+                    weakref.ref(books)
+                )
             self._release_held_locked(lambda s: s.worker is worker)
         self._close_board(worker)
 
@@ -782,6 +749,18 @@ def _aimdo_seed() -> int:
     except Exception:  # noqa: BLE001 - unreadable args: the default
         pass
     return AIMDO_DEFAULT_HEADROOM
+
+
+def _has_standins(books: Any) -> bool:
+    return books is not None and bool(books.standins())
+
+
+def _standins_of(books: Any, worker: Any) -> list[Any]:
+    """The stand-ins on forgotten `books` of `worker` (none once the books
+    are gone)."""
+    if books is None or books.key is not worker:
+        return []
+    return list(books.standins())
 
 
 def _still_resident(s: Any) -> bool:

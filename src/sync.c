@@ -1,0 +1,331 @@
+/*
+ * sync.c -- the state sync: apply_echo, apply_residency and raise_peak
+ * write what a worker said into its stand-ins' receipts
+ * (docs/semantics.md, "Receipts").
+ */
+#include "standin.h"
+
+/* The module state for the sync functions, or NULL with RuntimeError
+ * once the module was cleared. */
+static cs_module_state *
+sync_state(PyObject *module)
+{
+    cs_module_state *state = cs_state_of_module(module);
+    if (state == NULL || !state->ready) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "comfy_standin._core: the module was cleared; its "
+                        "functions can no longer be used");
+        return NULL;
+    }
+    return state;
+}
+
+static StandInObject *
+as_standin(PyObject *module, PyObject *object, const char *what)
+{
+    cs_module_state *state = sync_state(module);
+    if (state == NULL) {
+        return NULL;
+    }
+    if (!PyObject_TypeCheck(object, state->standin_type)) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s: expected a comfy_standin.StandIn (C "
+                     "implementation), got %R",
+                     what, object);
+        return NULL;
+    }
+    return (StandInObject *)object;
+}
+
+/* apply_echo's body, on owned arguments: argv is (standin, resident,
+ * seq, unmapped, in_flight), the flags NULL when not given. */
+static PyObject *
+echo_body(PyObject *module, PyObject *const *argv)
+{
+    PyObject *object = argv[0], *resident_obj = argv[1], *seq_obj = argv[2];
+    uint64_t resident, seq_value;
+    int64_t seq = CS_SEQ_NONE;
+    int code;
+
+    /* The flags' __bool__ is user code: it runs first, before anything is
+     * read from the stand-in. */
+    int unmapped = argv[3] != NULL ? PyObject_IsTrue(argv[3]) : 0;
+    if (unmapped < 0) {
+        return NULL;
+    }
+    int in_flight = argv[4] != NULL ? PyObject_IsTrue(argv[4]) : 0;
+    if (in_flight < 0) {
+        return NULL;
+    }
+    StandInObject *s = as_standin(module, object, "standin");
+    if (s == NULL) {
+        return NULL;
+    }
+    cs_module_state *state = cs_state_of_module(module);
+    code = cs_value_check(resident_obj, cs_model_size(s->record), &resident);
+    if (code != 0) {
+        return cs_value_error(state->echo_error, code, "resident",
+                              resident_obj, cs_model_size(s->record)),
+               NULL;
+    }
+    if (seq_obj != Py_None) {
+        code = cs_value_check(seq_obj, CS_VALUE_MAX, &seq_value);
+        if (code != 0) {
+            return cs_value_error(state->echo_error, code, "seq", seq_obj,
+                                  CS_VALUE_MAX),
+                   NULL;
+        }
+        seq = (int64_t)seq_value;
+    }
+    /* The source compares with the receipt the echo replaces, never with
+     * a board reading (docs/semantics.md, "Receipts"). */
+    cs_source source = CS_SOURCE_LOAD_ECHO;
+    if (unmapped) {
+        source = CS_SOURCE_DETACH_ECHO;
+    }
+    else if (resident < cs_model_loaded(s->record)) {
+        source = CS_SOURCE_UNLOAD_ECHO;
+    }
+    cs_status status = cs_model_apply_echo(s->record, resident, seq, source,
+                                           unmapped != 0, in_flight != 0);
+    return PyBool_FromLong(status == CS_OK);
+}
+
+static PyObject *
+apply_echo(PyObject *module, PyObject *args, PyObject *kwargs)
+{
+    static char *keywords[] = {"standin", "resident", "seq", "unmapped",
+                               "in_flight", NULL};
+    PyObject *argv[5] = {NULL, NULL, Py_None, NULL, NULL};
+
+    /* The flags are parsed as objects ("p" would run their __bool__
+     * inside the parser, on borrowed references) and tested once every
+     * argument is owned (cs_args_hold). */
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|OOO:apply_echo",
+                                     keywords, &argv[0], &argv[1], &argv[2],
+                                     &argv[3], &argv[4])) {
+        return NULL;
+    }
+    cs_args_hold(argv, 5);
+    PyObject *result = echo_body(module, argv);
+    cs_args_release(argv, 5);
+    return result;
+}
+
+/* One (key, stand-in) of the map into `table`: the value must be a C
+ * stand-in filed under its own id.  Runs no Python but the reprs of an
+ * error message (on references owned here). */
+static int
+table_add(cs_module_state *state, PyObject *table, PyObject *key,
+          PyObject *value)
+{
+    int result = -1;
+
+    Py_INCREF(key);
+    Py_INCREF(value);
+    if (!PyObject_TypeCheck(value, state->standin_type)) {
+        PyErr_Format(state->echo_error,
+                     "standins[%R]: expected a comfy_standin.StandIn (C "
+                     "implementation), got %R",
+                     key, value);
+        goto done;
+    }
+    PyObject *model_id = ((StandInObject *)value)->model_id;
+    /* Compares the characters: no __eq__ of a str subclass runs. */
+    int same = PyUnicode_Check(key) && model_id != NULL
+                   ? PyUnicode_Compare(model_id, key)
+                   : 1;
+    if (same == -1 && PyErr_Occurred()) {
+        goto done;
+    }
+    if (same != 0) {
+        PyErr_Format(state->echo_error,
+                     "standins[%R]: the stand-in is for model %R", key,
+                     model_id ? model_id : Py_None);
+        goto done;
+    }
+    PyObject *exact = PyUnicode_FromObject(key);
+    if (exact == NULL) {
+        goto done;
+    }
+    result = PyDict_SetItem(table, exact, value);
+    Py_DECREF(exact);
+done:
+    Py_DECREF(key);
+    Py_DECREF(value);
+    return result;
+}
+
+/* Reads the map once into a private dict {exact id: stand-in}: an exact
+ * dict from its storage, any other Mapping through its items() (the only
+ * user code of the map that runs).  Every value must be a C stand-in
+ * filed under its own id, whether or not the census names it: a wrong
+ * map is a caller's bug that would otherwise surface only on the census
+ * that happens to name it.  Returns a new reference or NULL. */
+static PyObject *
+standins_table(cs_module_state *state, PyObject *standins)
+{
+    PyObject *items = NULL, *pairs = NULL, *table = NULL;
+    int is_mapping = PyDict_Check(standins)
+                         ? 1
+                         : PyObject_IsInstance(standins, state->mapping_abc);
+
+    if (is_mapping <= 0) {
+        if (is_mapping == 0) {
+            PyErr_Format(PyExc_TypeError,
+                         "standins: expected a mapping of model id to "
+                         "StandIn, got %R",
+                         standins);
+        }
+        return NULL;
+    }
+    table = PyDict_New();
+    if (table == NULL) {
+        return NULL;
+    }
+    if (PyDict_CheckExact(standins)) {
+        /* table_add owns the pair it is given; PyDict_Next stays in
+         * bounds even if a finalizer changed the dict meanwhile. */
+        PyObject *key, *value;
+        Py_ssize_t pos = 0;
+        while (PyDict_Next(standins, &pos, &key, &value)) {
+            if (table_add(state, table, key, value) < 0) {
+                goto error;
+            }
+        }
+        return table;
+    }
+    items = PyMapping_Items(standins);
+    if (items == NULL) {
+        goto error;
+    }
+    pairs = PySequence_Tuple(items); /* ours: nobody can change it */
+    Py_CLEAR(items);
+    if (pairs == NULL) {
+        goto error;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(pairs); i++) {
+        PyObject *pair = PyTuple_GET_ITEM(pairs, i);
+        if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2) {
+            PyErr_Format(PyExc_TypeError,
+                         "standins.items(): expected (key, value) pairs, "
+                         "got %R",
+                         pair);
+            goto error;
+        }
+        if (table_add(state, table, PyTuple_GET_ITEM(pair, 0),
+                      PyTuple_GET_ITEM(pair, 1)) < 0) {
+            goto error;
+        }
+    }
+    Py_DECREF(pairs);
+    return table;
+error:
+    Py_XDECREF(pairs);
+    Py_DECREF(table);
+    return NULL;
+}
+
+static PyObject *
+apply_residency(PyObject *module, PyObject *args)
+{
+    cs_module_state *state = sync_state(module);
+    PyObject *standins, *census, *table = NULL, *result = NULL;
+    StandInObject **targets = NULL;
+    cs_census_snapshot snapshot = {0, NULL, NULL};
+    Py_ssize_t applied = 0;
+
+    if (state == NULL ||
+        !PyArg_ParseTuple(args, "OO:apply_residency", &standins, &census)) {
+        return NULL;
+    }
+    /* All user code runs in these two reads (the map's items(), the
+     * census entries' get()); the rest works on exact strs, C stand-ins
+     * held by `table`, and C memory. */
+    table = standins_table(state, standins);
+    if (table == NULL) {
+        return NULL;
+    }
+    if (cs_census_snapshot_take(state, census, &snapshot) < 0) {
+        goto done;
+    }
+    targets = PyMem_Calloc((size_t)snapshot.n + 1,
+                           sizeof(StandInObject *));
+    if (targets == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < snapshot.n; i++) {
+        /* Exact str in a dict of exact strs: runs no Python. */
+        PyObject *value = PyDict_GetItemWithError(table, snapshot.ids[i]);
+        if (value == NULL) {
+            if (!PyErr_Occurred()) {
+                PyErr_Format(state->echo_error,
+                             "census[%zd]['id']: unknown model id %R (no "
+                             "stand-in for it in the mapping)",
+                             i, snapshot.ids[i]);
+            }
+            goto done;
+        }
+        targets[i] = (StandInObject *)value; /* held by `table` */
+    }
+    for (Py_ssize_t i = 0; i < snapshot.n; i++) {
+        bool written = false;
+        const cs_census_entry *e = &snapshot.entries[i];
+        (void)cs_model_apply_census(targets[i]->record, e->has_seq, e->seq,
+                                    e->resident, &written);
+        applied += written;
+    }
+    result = PyLong_FromSsize_t(applied);
+done:
+    PyMem_Free(targets);
+    cs_census_snapshot_release(&snapshot);
+    Py_DECREF(table);
+    return result;
+}
+
+static PyObject *
+raise_peak(PyObject *module, PyObject *args)
+{
+    PyObject *object, *bytes_obj;
+    uint64_t bytes;
+
+    if (!PyArg_ParseTuple(args, "OO:raise_peak", &object, &bytes_obj)) {
+        return NULL;
+    }
+    StandInObject *s = as_standin(module, object, "standin");
+    if (s == NULL) {
+        return NULL;
+    }
+    int code = cs_value_check(bytes_obj, CS_VALUE_MAX, &bytes);
+    if (code != 0) {
+        return cs_value_error(cs_state_of_module(module)->echo_error, code,
+                              "resident", bytes_obj, CS_VALUE_MAX),
+               NULL;
+    }
+    return PyBool_FromLong(cs_model_raise_peak(s->record, bytes) == CS_OK);
+}
+
+static PyMethodDef sync_functions[] = {
+    {"raise_peak", (PyCFunction)raise_peak, METH_VARARGS,
+     "raise_peak(standin, resident, /)\n--\n\nRaises the admission peak "
+     "only (never lowers, never writes the receipt): comfy-env's peak pass "
+     "for calls with no node boundary.  False when stale."},
+    {"apply_echo", (PyCFunction)(void (*)(void))apply_echo,
+     METH_VARARGS | METH_KEYWORDS,
+     "apply_echo(standin, resident, seq=None, unmapped=False, "
+     "in_flight=False)\n--\n\nWrites a command echo to the stand-in's "
+     "receipt (docs/semantics.md).  Returns False when the stand-in is "
+     "stale."},
+    {"apply_residency", (PyCFunction)apply_residency, METH_VARARGS,
+     "apply_residency(standins, census, /)\n--\n\nApplies a node-boundary "
+     "census, all or nothing (docs/semantics.md).  Call it at a node "
+     "boundary, never inside free_memory.  Returns the entries applied."},
+    {NULL},
+};
+
+int
+cs_sync_exec(PyObject *module, cs_module_state *state)
+{
+    return PyModule_AddFunctions(module, sync_functions);
+}
