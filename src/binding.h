@@ -14,6 +14,9 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+/* The parameter names of every keyword signature (args.c). */
+#define CS_KEYWORD_COUNT 33
+
 typedef struct {
     /* Types (strong references, created from specs in the exec hooks). */
     PyTypeObject *ledger_type;
@@ -44,6 +47,8 @@ typedef struct {
     PyObject *str_ledger;    /* "_ledger" */
     PyObject *str_restarted; /* "restarted" */
     PyObject *mapping_abc; /* collections.abc.Mapping */
+    /* The parameter names of args.c's signatures, interned. */
+    PyObject *keywords[CS_KEYWORD_COUNT];
     /* Set once the exec hook completed; cleared by m_clear.  Checked by
      * cs_state_checked() so no object outliving its module's state hands
      * out a cleared (NULL) field. */
@@ -62,6 +67,37 @@ int cs_ledger_binding_exec(PyObject *module, cs_module_state *state);
 int cs_standin_exec(PyObject *module, cs_module_state *state);
 int cs_probe_binding_exec(PyObject *module, cs_module_state *state);
 int cs_board_binding_exec(PyObject *module, cs_module_state *state);
+
+/* ---- arguments (args.c) ---------------------------------------------- */
+
+typedef enum {
+    CS_SIG_STANDIN,
+    CS_SIG_PARTIALLY_LOAD,
+    CS_SIG_PARTIALLY_UNLOAD,
+    CS_SIG_ATTACH_BOARD,
+    CS_SIG_APPLY_ECHO,
+    CS_SIG_LEDGER,
+    CS_SIG_SET_REPORT,
+    CS_SIG_RESERVE,
+    CS_SIG_BOARD_CREATE,
+    CS_SIG_BOARD_OPEN,
+    CS_SIG_COUNT
+} cs_signature_id;
+
+int cs_args_exec(cs_module_state *state);
+void cs_args_clear(cs_module_state *state);
+
+/* Parses a call of signature `id` into out[] (one slot per parameter,
+ * borrowed, NULL when not given), with the checks and TypeError messages
+ * of Python's own functions: too many positional arguments, an unknown or
+ * repeated keyword, a missing required argument.  Runs no Python.  0, or
+ * -1 with TypeError.  The vectorcall form (METH_FASTCALL | METH_KEYWORDS)
+ * and the tuple-and-dict form (tp_new). */
+int cs_parse_vector(cs_module_state *state, cs_signature_id id,
+                    PyObject *const *args, Py_ssize_t nargs,
+                    PyObject *kwnames, PyObject **out);
+int cs_parse_tuple(cs_module_state *state, cs_signature_id id,
+                   PyObject *args, PyObject *kwargs, PyObject **out);
 
 /* ---- values (values.c) ----------------------------------------------- */
 
@@ -128,9 +164,37 @@ void cs_census_snapshot_release(cs_census_snapshot *snapshot);
  * a sequence-fast object or NULL with `echo_error` raised. */
 PyObject *cs_census_fast(PyObject *echo_error, PyObject *census);
 
-/* Logs a warning on the "comfy_standin" logger; never raises and keeps
- * any pending exception as it was. */
-void cs_log_warning(const char *format, ...);
+/* ---- exceptions (errors.c): one rule -------------------------------- */
+
+/* What a path that must not fail with an Exception (an eviction, a log
+ * line) does with what Python raised: an Exception is caught (taken off,
+ * kept and described); any other BaseException is left pending, and the
+ * caller returns at once so it propagates (docs/semantics.md,
+ * "Exceptions on the command paths"). */
+typedef struct {
+    PyObject *error; /* the exception instance, traceback attached */
+    PyObject *text;  /* "Type: message" ("Type" for an empty message), or
+                      * None when even that could not be made */
+} cs_caught;
+
+/* 0: the pending exception was an Exception and is now in *out, nothing
+ * pending.  -1: what is pending is not an Exception (or its __str__
+ * raised one that is not): it stays pending, *out holds nothing. */
+int cs_catch(cs_caught *out);
+void cs_caught_release(cs_caught *caught);
+/* Raises the caught exception again (consumes *caught). */
+void cs_caught_raise(cs_caught *caught);
+
+/* Raises `type`(FORMAT % ...) with `cause` (an exception instance, or
+ * NULL) as its __cause__ and __context__.  Nothing may be pending on
+ * entry.  Returns -1. */
+int cs_raise_from(PyObject *type, PyObject *cause, const char *format, ...);
+
+/* Logs a warning on the "comfy_standin" logger.  Nothing may be pending on
+ * entry.  A handler's Exception is dropped (logging is never why a call
+ * fails); 0, or -1 with any other BaseException a handler raised pending,
+ * for the caller to propagate at once. */
+int cs_log_warning(const char *format, ...);
 
 /* obj.<name> with the name interned.  PyObject_GetAttrString and
  * PyObject_CallMethod make a fresh str per call, and the type attribute
@@ -184,10 +248,17 @@ int cs_check_model_id(PyObject *id);
 
 typedef struct cs_model cs_model;
 /* cs_worker_register_model with the errors raised: a size mismatch is a
- * ValueError naming both sizes.  *out is a handle. */
+ * ValueError naming both sizes, an id too long a ValueError naming its
+ * length; the rest as cs_raise_status.  *out is a handle. */
 int cs_register_model(cs_worker *worker, uint64_t generation,
                       PyObject *id_obj, const char *id, size_t id_len,
                       uint64_t size, PyObject *size_obj, cs_model **out);
+
+/* Raises what a failed status of the core means ("WHAT: message"): only
+ * CS_ERR_NOMEM is a MemoryError; a value out of range, an unknown or
+ * repeated id or a size mismatch is a ValueError, a stale model or a call
+ * out of order a RuntimeError.  Returns -1. */
+int cs_raise_status(int status, const char *what);
 
 int cs_state_traverse(cs_module_state *state, visitproc visit, void *arg);
 void cs_state_clear(cs_module_state *state);

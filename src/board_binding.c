@@ -161,18 +161,20 @@ board_wrap(PyTypeObject *type, cs_board *board)
 /* ---- construction ---------------------------------------------------- */
 
 static PyObject *
-Board_create(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+Board_create(PyTypeObject *type, PyObject *const *args, Py_ssize_t nargs,
+             PyObject *kwnames)
 {
-    static const char *keywords[] = {"slots", "generation",
-                                     "heartbeat_limit", NULL};
-    PyObject *slots_obj = NULL, *generation_obj = NULL, *limit_obj = NULL;
+    PyObject *argv[3];
     uint64_t slots = 64, generation = 0;
     uint64_t limit = CS_BOARD_DEFAULT_HEARTBEAT_LIMIT_NS;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|O$OO:create",
-                                     (char **)keywords, &slots_obj,
-                                     &generation_obj, &limit_obj)) {
+    cs_module_state *state = cs_state_checked(type);
+    if (state == NULL ||
+        cs_parse_vector(state, CS_SIG_BOARD_CREATE, args, nargs, kwnames,
+                        argv) < 0) {
         return NULL;
     }
+    PyObject *slots_obj = argv[0], *generation_obj = argv[1];
+    PyObject *limit_obj = argv[2];
     if ((slots_obj != NULL &&
          cs_value_in_range(slots_obj, "Board.create(): slots", NULL, 1,
                            CS_BOARD_MAX_SLOTS, &slots) < 0) ||
@@ -256,13 +258,14 @@ open_body(PyTypeObject *type, PyObject *source, PyObject *period_obj)
 }
 
 static PyObject *
-Board_open(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+Board_open(PyTypeObject *type, PyObject *const *args, Py_ssize_t nargs,
+           PyObject *kwnames)
 {
-    static const char *keywords[] = {"source", "period", NULL};
-    PyObject *argv[2] = {NULL, NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|$O:open",
-                                     (char **)keywords, &argv[0],
-                                     &argv[1])) {
+    PyObject *argv[2];
+    cs_module_state *state = cs_state_checked(type);
+    if (state == NULL ||
+        cs_parse_vector(state, CS_SIG_BOARD_OPEN, args, nargs, kwnames,
+                        argv) < 0) {
         return NULL;
     }
     /* Owned while the GIL is released: another thread may empty a keyword
@@ -998,7 +1001,7 @@ Board_set_period(PyObject *op, PyObject *value, void *closure)
 
 static PyMethodDef Board_methods[] = {
     {"create", (PyCFunction)(void (*)(void))Board_create,
-     METH_VARARGS | METH_KEYWORDS | METH_CLASS,
+     METH_FASTCALL | METH_KEYWORDS | METH_CLASS,
      "create($type, /, slots=64, *, generation=0, heartbeat_limit=5.0)\n"
      "--\n\n"
      "Host side: make a new board.  On Linux a sealed memfd with no\n"
@@ -1006,7 +1009,7 @@ static PyMethodDef Board_methods[] = {
      "heartbeat_limit: seconds (0.01 .. 86400) a worker's heartbeat may\n"
      "age before its board is ignored; None: never."},
     {"open", (PyCFunction)(void (*)(void))Board_open,
-     METH_VARARGS | METH_KEYWORDS | METH_CLASS,
+     METH_FASTCALL | METH_KEYWORDS | METH_CLASS,
      "open($type, /, source, *, period=0.01)\n--\n\n"
      "Worker side: open the board the host made, by file descriptor (an\n"
      "int; Linux) or by name (a str; where boards have names).  The\n"

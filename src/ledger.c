@@ -98,6 +98,9 @@ struct cs_worker {
 
     /* Under the owning ledger's lock. */
     bool on_books;
+
+    /* Under the fork registry's lock (fork_registry_*). */
+    cs_worker *registry_prev, *registry_next;
 };
 
 struct cs_ledger {
@@ -114,6 +117,9 @@ struct cs_ledger {
      * must outlive the worker's place on the books (a dead worker's death
      * is a release even when boundary() forgets it first). */
     bool released;
+
+    /* Under the fork registry's lock (fork_registry_*). */
+    cs_ledger *registry_prev, *registry_next;
 };
 
 /* Objects alive, process-wide: what the leak tests compare. */
@@ -126,6 +132,120 @@ cs_ledger_live_counts(int64_t *workers, int64_t *models)
     *workers = atomic_load_explicit(&live_workers, memory_order_relaxed);
     *models = atomic_load_explicit(&live_models, memory_order_relaxed);
 }
+
+/* ---- fork ------------------------------------------------------------ */
+
+/* A fork() from one thread while another holds a ledger's or a worker's
+ * mutex (Ledger.reserve runs with the GIL released and the ledger's lock
+ * held) would leave that mutex locked for good in the child, whose only
+ * thread never held it.  Every such mutex is registered here, and
+ * pthread_atfork() takes them all before fork() and releases them after,
+ * in both processes, so the child starts with each one free and the state
+ * it guards whole.  The order is the ledger code's own: the registry, then
+ * every ledger lock, then every worker lock (no path holds a worker lock
+ * while it takes a ledger lock, two worker locks, or the registry's lock
+ * while it holds another: workers are made and freed outside them).
+ * Windows has no fork(). */
+#ifndef _WIN32
+static pthread_mutex_t fork_registry_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_once_t fork_registry_once = PTHREAD_ONCE_INIT;
+static cs_ledger *fork_ledgers; /* under fork_registry_lock */
+static cs_worker *fork_workers; /* under fork_registry_lock */
+
+static void
+fork_prepare(void)
+{
+    pthread_mutex_lock(&fork_registry_lock);
+    for (cs_ledger *l = fork_ledgers; l != NULL; l = l->registry_next) {
+        cs_mutex_lock(&l->lock);
+    }
+    for (cs_worker *w = fork_workers; w != NULL; w = w->registry_next) {
+        cs_mutex_lock(&w->lock);
+    }
+}
+
+/* After fork(), in the parent and in the child (whose only thread is the
+ * one that took every lock in fork_prepare). */
+static void
+fork_release(void)
+{
+    for (cs_worker *w = fork_workers; w != NULL; w = w->registry_next) {
+        cs_mutex_unlock(&w->lock);
+    }
+    for (cs_ledger *l = fork_ledgers; l != NULL; l = l->registry_next) {
+        cs_mutex_unlock(&l->lock);
+    }
+    pthread_mutex_unlock(&fork_registry_lock);
+}
+
+static void
+fork_registry_install(void)
+{
+    (void)pthread_atfork(fork_prepare, fork_release, fork_release);
+}
+
+#define FORK_LINK(head, node)                                                 \
+    do {                                                                      \
+        (node)->registry_prev = NULL;                                         \
+        (node)->registry_next = (head);                                       \
+        if ((head) != NULL) {                                                 \
+            (head)->registry_prev = (node);                                   \
+        }                                                                     \
+        (head) = (node);                                                      \
+    } while (0)
+
+#define FORK_UNLINK(head, node)                                               \
+    do {                                                                      \
+        if ((node)->registry_prev != NULL) {                                  \
+            (node)->registry_prev->registry_next = (node)->registry_next;     \
+        }                                                                     \
+        else {                                                                \
+            (head) = (node)->registry_next;                                   \
+        }                                                                     \
+        if ((node)->registry_next != NULL) {                                  \
+            (node)->registry_next->registry_prev = (node)->registry_prev;     \
+        }                                                                     \
+    } while (0)
+
+static void
+fork_register_ledger(cs_ledger *ledger)
+{
+    pthread_once(&fork_registry_once, fork_registry_install);
+    pthread_mutex_lock(&fork_registry_lock);
+    FORK_LINK(fork_ledgers, ledger);
+    pthread_mutex_unlock(&fork_registry_lock);
+}
+
+static void
+fork_unregister_ledger(cs_ledger *ledger)
+{
+    pthread_mutex_lock(&fork_registry_lock);
+    FORK_UNLINK(fork_ledgers, ledger);
+    pthread_mutex_unlock(&fork_registry_lock);
+}
+
+static void
+fork_register_worker(cs_worker *worker)
+{
+    pthread_once(&fork_registry_once, fork_registry_install);
+    pthread_mutex_lock(&fork_registry_lock);
+    FORK_LINK(fork_workers, worker);
+    pthread_mutex_unlock(&fork_registry_lock);
+}
+
+static void
+fork_unregister_worker(cs_worker *worker)
+{
+    pthread_mutex_lock(&fork_registry_lock);
+    FORK_UNLINK(fork_workers, worker);
+    pthread_mutex_unlock(&fork_registry_lock);
+}
+#else
+#define fork_register_ledger(ledger) ((void)(ledger))
+#define fork_unregister_ledger(ledger) ((void)(ledger))
+#define fork_register_worker(worker) ((void)(worker))
+#define fork_unregister_worker(worker) ((void)(worker))
+#endif
 
 /* ---- small helpers --------------------------------------------------- */
 
@@ -326,9 +446,9 @@ static cs_model *
 model_new(cs_worker *worker, uint64_t generation, const char *id,
           size_t id_len, uint64_t hash, uint64_t size)
 {
-    if (id_len > UINT32_MAX - 1 ||
+    if (id_len > CS_MODEL_ID_MAX ||
         id_len > SIZE_MAX - sizeof(cs_model) - 1) {
-        return NULL; /* as out of memory: no such id fits a record */
+        return NULL; /* no record can hold it: as out of memory */
     }
     cs_model *m = calloc(1, sizeof(*m) + id_len + 1);
     if (m == NULL) {
@@ -622,6 +742,7 @@ worker_new(uint64_t generation)
     atomic_init(&w->reading, 0);
     atomic_init(&w->released, false);
     atomic_fetch_add_explicit(&live_workers, 1, memory_order_relaxed);
+    fork_register_worker(w);
     return w;
 }
 
@@ -643,6 +764,7 @@ cs_worker_decref(cs_worker *worker)
     }
     /* The table holds references to models, and every model holds one to
      * its worker, so a worker whose count reached 0 has an empty table. */
+    fork_unregister_worker(worker);
     free(worker->slots);
     cs_mutex_destroy(&worker->lock);
     free(worker);
@@ -865,12 +987,13 @@ cs_worker_register_model(cs_worker *worker, uint64_t generation,
     size_t n_taken = 0;
     cs_status status = CS_OK;
     cs_model *m;
-    uint64_t hash = hash_id(id, id_len);
 
     *out = NULL;
-    if (size > CS_VALUE_MAX || generation > CS_VALUE_MAX) {
+    if (size > CS_VALUE_MAX || generation > CS_VALUE_MAX ||
+        id_len > CS_MODEL_ID_MAX) {
         return CS_ERR_RANGE;
     }
+    uint64_t hash = hash_id(id, id_len);
     cs_mutex_lock(&worker->lock);
     uint64_t current =
         atomic_load_explicit(&worker->generation, memory_order_relaxed);
@@ -1139,6 +1262,7 @@ cs_ledger_new(uint64_t floor_bytes)
         return NULL;
     }
     l->floor = floor_bytes;
+    fork_register_ledger(l);
     return l;
 }
 
@@ -1158,6 +1282,7 @@ cs_ledger_free(cs_ledger *ledger)
     if (ledger == NULL) {
         return;
     }
+    fork_unregister_ledger(ledger);
     for (size_t i = 0; i < ledger->count; i++) {
         worker_empty_table(ledger->workers[i]);
         cs_worker_decref(ledger->workers[i]);

@@ -227,31 +227,29 @@ books_end_call(BooksObject *self, PyObject *unused)
 }
 
 static PyObject *
-books_set_report(BooksObject *self, PyObject *args, PyObject *kwargs)
+books_set_report(BooksObject *self, PyObject *const *args, Py_ssize_t nargs,
+                 PyObject *kwnames)
 {
-    static char *keywords[] = {"held", "pinned", "overhead", NULL};
-    PyObject *objects[3] = {Py_None, Py_None, Py_None};
+    static const char *const names[3] = {"held", "pinned", "overhead"};
+    PyObject *objects[3];
     uint64_t values[3];
     const uint64_t *pointers[3] = {NULL, NULL, NULL};
+    cs_module_state *state = state_of((PyObject *)self);
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|OOO:set_report",
-                                     keywords, &objects[0], &objects[1],
-                                     &objects[2])) {
+    if (state == NULL ||
+        cs_parse_vector(state, CS_SIG_SET_REPORT, args, nargs, kwnames,
+                        objects) < 0) {
         return NULL;
     }
     for (int i = 0; i < 3; i++) {
-        if (objects[i] == Py_None) {
+        if (objects[i] == NULL || objects[i] == Py_None) {
             continue;
         }
         int code = cs_value_check(objects[i], CS_VALUE_MAX, &values[i]);
         if (code != 0) {
-            cs_module_state *state = state_of((PyObject *)self);
-            return state == NULL
-                       ? NULL
-                       : (cs_value_error(state->echo_error, code,
-                                         keywords[i], objects[i],
-                                         CS_VALUE_MAX),
-                          NULL);
+            return cs_value_error(state->echo_error, code, names[i],
+                                  objects[i], CS_VALUE_MAX),
+                   NULL;
         }
         pointers[i] = &values[i];
     }
@@ -630,7 +628,7 @@ static PyMethodDef books_methods[] = {
     {"end_call", (PyCFunction)books_end_call, METH_NOARGS,
      "end_call($self, /)\n--\n\nA call to the worker ended."},
     {"set_report", (PyCFunction)(void (*)(void))books_set_report,
-     METH_VARARGS | METH_KEYWORDS,
+     METH_FASTCALL | METH_KEYWORDS,
      "set_report($self, /, held=None, pinned=None, overhead=None)\n--\n\n"
      "The scalar part of a _vram_report; None leaves a figure."},
     {"set_reading", (PyCFunction)books_set_reading, METH_O,
@@ -690,13 +688,13 @@ static PyType_Spec books_spec = {
 static PyObject *
 ledger_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    static char *keywords[] = {"floor", NULL};
-    PyObject *floor_obj = NULL;
+    PyObject *floor_obj;
     uint64_t floor = CS_DEFAULT_FLOOR;
     LedgerObject *self;
+    cs_module_state *state = cs_state_checked(type);
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|O:Ledger", keywords,
-                                     &floor_obj)) {
+    if (state == NULL ||
+        cs_parse_tuple(state, CS_SIG_LEDGER, args, kwargs, &floor_obj) < 0) {
         return NULL;
     }
     if (floor_obj != NULL) {
@@ -955,17 +953,20 @@ ledger_all_books(LedgerObject *self, PyObject *unused)
 }
 
 static PyObject *
-ledger_reserve(LedgerObject *self, PyObject *args, PyObject *kwargs)
+ledger_reserve(LedgerObject *self, PyObject *const *args, Py_ssize_t nargs,
+               PyObject *kwnames)
 {
-    static char *keywords[] = {"base", "total", "process_local", NULL};
-    PyObject *base_obj, *total_obj, *local_obj;
+    PyObject *argv[3];
     uint64_t base, total;
     int code;
+    cs_module_state *state = state_of((PyObject *)self);
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO:reserve", keywords,
-                                     &base_obj, &total_obj, &local_obj)) {
+    if (state == NULL ||
+        cs_parse_vector(state, CS_SIG_RESERVE, args, nargs, kwnames, argv) <
+            0) {
         return NULL;
     }
+    PyObject *base_obj = argv[0], *total_obj = argv[1], *local_obj = argv[2];
     if (!PyBool_Check(local_obj)) {
         PyErr_Format(PyExc_TypeError,
                      "process_local: expected a bool, got %R", local_obj);
@@ -1022,7 +1023,7 @@ static PyMethodDef ledger_methods[] = {
     {"books", (PyCFunction)ledger_all_books, METH_NOARGS,
      "books($self, /)\n--\n\nEvery worker's books, oldest first."},
     {"reserve", (PyCFunction)(void (*)(void))ledger_reserve,
-     METH_VARARGS | METH_KEYWORDS,
+     METH_FASTCALL | METH_KEYWORDS,
      "reserve($self, /, base, total, process_local)\n--\n\nThe reserve to "
      "publish (docs/reserve.md)."},
     {"total_charge", (PyCFunction)ledger_total_charge, METH_NOARGS,

@@ -51,6 +51,7 @@ cs_state_clear(cs_module_state *state)
     Py_CLEAR(state->str_ledger);
     Py_CLEAR(state->str_restarted);
     Py_CLEAR(state->mapping_abc);
+    cs_args_clear(state);
     state->ready = 0;
 }
 
@@ -142,6 +143,9 @@ core_exec(PyObject *module)
         if (*strings[i].slot == NULL) {
             return -1;
         }
+    }
+    if (cs_args_exec(state) < 0) {
+        return -1;
     }
     PyObject *abc = PyImport_ImportModule("collections.abc");
     if (abc == NULL) {

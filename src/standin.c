@@ -418,151 +418,43 @@ resolve_pool(PyObject *pool, cs_module_state *state, PyObject **ledger)
 }
 
 #define STANDIN_NARGS 8
-#define STANDIN_NREQUIRED 6
-static const char *const standin_keywords[STANDIN_NARGS] = {
-    "worker",      "worker_generation", "model_id", "model_size",
-    "load_device", "offload_device",    "kind",     "pool"};
-/* Interned at module exec; process-wide constants. */
-static PyObject *standin_keyword_str[STANDIN_NARGS];
 
-/* StandIn's arguments into out[] (borrowed; NULL when not given), with
- * PyArg_ParseTupleAndKeywords's checks and messages.  Keyword names match
- * the interned constants by pointer first (what a call site passes), so
- * the common call builds no string; comparing str runs no Python. */
-/* One keyword argument into out[]; 0, or -1 with TypeError. */
-static int
-standin_keyword(PyObject *key, PyObject *value, PyObject **out)
-{
-    int j = 0;
-    if (!PyUnicode_Check(key)) {
-        PyErr_SetString(PyExc_TypeError, "keywords must be strings");
-        return -1;
-    }
-    while (j < STANDIN_NARGS && key != standin_keyword_str[j]) {
-        j++;
-    }
-    for (int k = 0; j == STANDIN_NARGS && k < STANDIN_NARGS; k++) {
-        if (PyUnicode_Compare(key, standin_keyword_str[k]) == 0) {
-            j = k;
-        }
-    }
-    if (j == STANDIN_NARGS) {
-        PyErr_Format(PyExc_TypeError,
-                     "%R is an invalid keyword argument for StandIn()", key);
-        return -1;
-    }
-    if (out[j] != NULL) {
-        PyErr_Format(PyExc_TypeError,
-                     "argument for StandIn() given by name ('%s') and "
-                     "position (%d)",
-                     standin_keywords[j], j + 1);
-        return -1;
-    }
-    out[j] = value;
-    return 0;
-}
-
-static int
-standin_check_required(PyObject **out)
-{
-    for (int i = 0; i < STANDIN_NREQUIRED; i++) {
-        if (out[i] == NULL) {
-            PyErr_Format(PyExc_TypeError,
-                         "StandIn() missing required argument '%s' (pos %d)",
-                         standin_keywords[i], i + 1);
-            return -1;
-        }
-    }
-    return 0;
-}
-
-static int
-standin_too_many(Py_ssize_t nargs, Py_ssize_t nkw)
-{
-    if (nargs + nkw > STANDIN_NARGS) {
-        PyErr_Format(PyExc_TypeError,
-                     "StandIn() takes at most %d %sarguments (%zd given)",
-                     STANDIN_NARGS, nargs == 0 ? "keyword " : "",
-                     nargs + nkw);
-        return -1;
-    }
-    return 0;
-}
-
-/* The vectorcall form of standin_parse: positional args[0..nargs), then
- * one value per name in kwnames.  No tuple or dict is made for the call. */
-static int
-standin_parse_vector(PyObject *const *args, Py_ssize_t nargs,
-                     PyObject *kwnames, PyObject **out)
-{
-    Py_ssize_t nkw = kwnames != NULL ? PyTuple_GET_SIZE(kwnames) : 0;
-    if (standin_too_many(nargs, nkw) < 0) {
-        return -1;
-    }
-    for (Py_ssize_t i = 0; i < STANDIN_NARGS; i++) {
-        out[i] = i < nargs ? args[i] : NULL;
-    }
-    for (Py_ssize_t i = 0; i < nkw; i++) {
-        if (standin_keyword(PyTuple_GET_ITEM(kwnames, i), args[nargs + i],
-                            out) < 0) {
-            return -1;
-        }
-    }
-    return standin_check_required(out);
-}
-
-static int
-standin_parse(PyObject *args, PyObject *kwargs, PyObject **out)
-{
-    Py_ssize_t nargs = PyTuple_GET_SIZE(args), pos = 0;
-    Py_ssize_t nkw = kwargs != NULL ? PyDict_GET_SIZE(kwargs) : 0;
-    PyObject *key, *value;
-
-    if (standin_too_many(nargs, nkw) < 0) {
-        return -1;
-    }
-    for (Py_ssize_t i = 0; i < STANDIN_NARGS; i++) {
-        out[i] = i < nargs ? PyTuple_GET_ITEM(args, i) : NULL;
-    }
-    /* Nothing in this loop runs Python (keys compared as str). */
-    while (nkw > 0 && PyDict_Next(kwargs, &pos, &key, &value)) {
-        if (standin_keyword(key, value, out) < 0) {
-            return -1;
-        }
-    }
-    return standin_check_required(out);
-}
-
-static PyObject *standin_make(PyTypeObject *type, PyObject **argv);
+static PyObject *standin_make(PyTypeObject *type, cs_module_state *state,
+                              PyObject **argv);
 
 static PyObject *
 standin_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
     PyObject *argv[STANDIN_NARGS];
-    if (standin_parse(args, kwargs, argv) < 0) {
+    cs_module_state *state = cs_state_checked(type);
+    if (state == NULL ||
+        cs_parse_tuple(state, CS_SIG_STANDIN, args, kwargs, argv) < 0) {
         return NULL;
     }
     /* The keyword dict may be one caller code still holds (PyObject_Call
      * from C, StandIn.__new__(StandIn, **d) paths): own the values across
      * the checks, which run the worker's code (cs_args_hold). */
     cs_args_hold(argv, STANDIN_NARGS);
-    PyObject *made = standin_make(type, argv);
+    PyObject *made = standin_make(type, state, argv);
     cs_args_release(argv, STANDIN_NARGS);
     return made;
 }
 
 /* StandIn(...) itself: the type's vectorcall, so a call makes no argument
- * tuple or keyword dict (StandIn is not subclassable: `type` is it). */
+ * tuple or keyword dict (StandIn is not subclassable: `type` is it).  The
+ * arguments are the caller's frame's, owned for the whole call. */
 static PyObject *
 standin_vectorcall(PyObject *type, PyObject *const *args, size_t nargsf,
                    PyObject *kwnames)
 {
     PyObject *argv[STANDIN_NARGS];
-    if (standin_parse_vector(args, PyVectorcall_NARGS(nargsf), kwnames,
-                             argv) < 0) {
+    cs_module_state *state = cs_state_checked((PyTypeObject *)type);
+    if (state == NULL ||
+        cs_parse_vector(state, CS_SIG_STANDIN, args,
+                        PyVectorcall_NARGS(nargsf), kwnames, argv) < 0) {
         return NULL;
     }
-    return standin_make((PyTypeObject *)type, argv);
+    return standin_make((PyTypeObject *)type, state, argv);
 }
 
 /* A stand-in of a generation newer than its worker's books: the worker
@@ -593,7 +485,7 @@ restart_if_newer(cs_module_state *state, PyObject *pool, PyObject *ledger,
 /* The constructor proper, from parsed arguments (borrowed, and owned by
  * the caller for the whole call). */
 static PyObject *
-standin_make(PyTypeObject *type, PyObject **argv)
+standin_make(PyTypeObject *type, cs_module_state *state, PyObject **argv)
 {
     PyObject *worker = argv[0], *generation_obj = argv[1];
     PyObject *model_id = argv[2], *size_obj = argv[3];
@@ -602,8 +494,7 @@ standin_make(PyTypeObject *type, PyObject **argv)
     uint64_t generation, size;
     int code;
 
-    cs_module_state *state = cs_state_checked(type);
-    if (state == NULL || check_worker(worker, state) < 0) {
+    if (check_worker(worker, state) < 0) {
         return NULL;
     }
     code = cs_value_check(generation_obj, CS_VALUE_MAX, &generation);
@@ -996,14 +887,18 @@ attach_body(StandInObject *self, PyObject *board_obj, PyObject *slot_obj)
 }
 
 static PyObject *
-standin_attach_board(StandInObject *self, PyObject *args, PyObject *kwargs)
+standin_attach_board(StandInObject *self, PyObject *const *args,
+                     Py_ssize_t nargs, PyObject *kwnames)
 {
-    static char *keywords[] = {"board", "slot", NULL};
-    PyObject *argv[2] = {NULL, Py_None};
-
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|O:attach_board",
-                                     keywords, &argv[0], &argv[1])) {
+    PyObject *argv[2];
+    cs_module_state *state = cs_state_checked(Py_TYPE(self));
+    if (state == NULL ||
+        cs_parse_vector(state, CS_SIG_ATTACH_BOARD, args, nargs, kwnames,
+                        argv) < 0) {
         return NULL;
+    }
+    if (argv[1] == NULL) {
+        argv[1] = Py_None;
     }
     /* Owned until the board is stored: making the module allocates, and
      * an allocation may run the collector (cs_args_hold). */
@@ -1259,7 +1154,7 @@ static PyMethodDef standin_methods[] = {
     {"lowvram_patch_counter", (PyCFunction)standin_zero, METH_NOARGS,
      "lowvram_patch_counter($self, /)\n--\n\n0"},
     {"attach_board", (PyCFunction)(void (*)(void))standin_attach_board,
-     METH_VARARGS | METH_KEYWORDS,
+     METH_FASTCALL | METH_KEYWORDS,
      "attach_board($self, /, board, slot=None)\n--\n\nReads residency "
      "from a live board (host side): loaded_size() then returns the "
      "board's reading when valid and newer than the receipt.  slot None "
@@ -1269,20 +1164,21 @@ static PyMethodDef standin_methods[] = {
     {"receipt", (PyCFunction)standin_receipt, METH_NOARGS,
      "receipt($self, /)\n--\n\n(loaded, seq or None, age in seconds, "
      "source)."},
-    {"partially_load", (PyCFunction)(void (*)(void))cs_standin_partially_load,
-     METH_VARARGS | METH_KEYWORDS,
+    {"partially_load",
+     (PyCFunction)(void (*)(void))cs_standin_partially_load,
+     METH_FASTCALL | METH_KEYWORDS,
      "partially_load($self, /, device_to, extra_memory=0, "
      "force_patch_weights=False)\n--\n\nAsks the worker to load; returns "
      "the bytes it loaded.  Raises WorkerGoneError on a dead worker."},
     {"partially_unload",
      (PyCFunction)(void (*)(void))cs_standin_partially_unload,
-     METH_VARARGS | METH_KEYWORDS,
+     METH_FASTCALL | METH_KEYWORDS,
      "partially_unload($self, /, device_to=None, memory_to_free=0, "
      "force_patch_weights=False)\n--\n\nAsks the worker to free; returns "
      "exactly the bytes freed.  Never raises an Exception (bad arguments "
      "free nothing); a BaseException propagates."},
     {"detach", (PyCFunction)(void (*)(void))cs_standin_detach,
-     METH_VARARGS | METH_KEYWORDS,
+     METH_FASTCALL | METH_KEYWORDS,
      "detach($self, /, unpatch_all=True)\n--\n\nFull offload; idempotent; "
      "ignores its arguments; never raises an Exception; returns model."},
     {"_worker_gone", (PyCFunction)cs_standin_mark_worker_gone, METH_NOARGS,
@@ -1353,15 +1249,6 @@ cs_standin_exec(PyObject *module, cs_module_state *state)
     state->standin_type->tp_vectorcall = standin_vectorcall;
     if (PyModule_AddType(module, state->standin_type) < 0) {
         return -1;
-    }
-    for (int i = 0; i < STANDIN_NARGS; i++) {
-        if (standin_keyword_str[i] == NULL) {
-            standin_keyword_str[i] =
-                PyUnicode_InternFromString(standin_keywords[i]);
-            if (standin_keyword_str[i] == NULL) {
-                return -1;
-            }
-        }
     }
     return cs_sync_exec(module, state);
 }

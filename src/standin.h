@@ -126,12 +126,15 @@ void cs_roster_unlink(StandInObject *self);
 
 /* ---- commands.c ------------------------------------------------------- */
 
-PyObject *cs_standin_partially_load(StandInObject *self, PyObject *args,
-                                    PyObject *kwargs);
-PyObject *cs_standin_partially_unload(StandInObject *self, PyObject *args,
-                                      PyObject *kwargs);
-PyObject *cs_standin_detach(StandInObject *self, PyObject *args,
-                            PyObject *kwargs);
+/* METH_FASTCALL | METH_KEYWORDS methods. */
+PyObject *cs_standin_partially_load(StandInObject *self,
+                                    PyObject *const *args, Py_ssize_t nargs,
+                                    PyObject *kwnames);
+PyObject *cs_standin_partially_unload(StandInObject *self,
+                                      PyObject *const *args,
+                                      Py_ssize_t nargs, PyObject *kwnames);
+PyObject *cs_standin_detach(StandInObject *self, PyObject *const *args,
+                            Py_ssize_t nargs, PyObject *kwnames);
 PyObject *cs_standin_mark_worker_gone(StandInObject *self, PyObject *unused);
 
 /* ---- sync.c ----------------------------------------------------------- */

@@ -92,19 +92,20 @@ echo_body(PyObject *module, PyObject *const *argv)
 }
 
 static PyObject *
-apply_echo(PyObject *module, PyObject *args, PyObject *kwargs)
+apply_echo(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
+           PyObject *kwnames)
 {
-    static char *keywords[] = {"standin", "resident", "seq", "unmapped",
-                               "in_flight", NULL};
-    PyObject *argv[5] = {NULL, NULL, Py_None, NULL, NULL};
-
-    /* The flags are parsed as objects ("p" would run their __bool__
-     * inside the parser, on borrowed references) and tested once every
-     * argument is owned (cs_args_hold). */
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|OOO:apply_echo",
-                                     keywords, &argv[0], &argv[1], &argv[2],
-                                     &argv[3], &argv[4])) {
+    PyObject *argv[5];
+    cs_module_state *state = sync_state(module);
+    /* The flags are parsed as objects and tested once every argument is
+     * owned (cs_args_hold): their __bool__ is the caller's code. */
+    if (state == NULL ||
+        cs_parse_vector(state, CS_SIG_APPLY_ECHO, args, nargs, kwnames,
+                        argv) < 0) {
         return NULL;
+    }
+    if (argv[2] == NULL) {
+        argv[2] = Py_None;
     }
     cs_args_hold(argv, 5);
     PyObject *result = echo_body(module, argv);
@@ -312,7 +313,7 @@ static PyMethodDef sync_functions[] = {
      "only (never lowers, never writes the receipt): comfy-env's peak pass "
      "for calls with no node boundary.  False when stale."},
     {"apply_echo", (PyCFunction)(void (*)(void))apply_echo,
-     METH_VARARGS | METH_KEYWORDS,
+     METH_FASTCALL | METH_KEYWORDS,
      "apply_echo(standin, resident, seq=None, unmapped=False, "
      "in_flight=False)\n--\n\nWrites a command echo to the stand-in's "
      "receipt (docs/semantics.md).  Returns False when the stand-in is "

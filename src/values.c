@@ -6,7 +6,6 @@
 
 #include "comfy_standin/ledger.h"
 
-#include <stdarg.h>
 
 int
 cs_value_check(PyObject *value, uint64_t max, uint64_t *out)
@@ -146,104 +145,6 @@ cs_args_release(PyObject *const *objects, size_t n)
     }
 }
 
-/* obj.<name>(arg), the name interned (cs_getattr_interned). */
-static PyObject *
-call_method1(PyObject *obj, const char *name, PyObject *arg)
-{
-    PyObject *method = cs_getattr_interned(obj, name);
-    if (method == NULL) {
-        return NULL;
-    }
-    PyObject *r = PyObject_CallOneArg(method, arg);
-    Py_DECREF(method);
-    return r;
-}
-
-/* Raises `arg` (an exception instance; the reference is the call's). */
-static int
-raise_pending(void *arg)
-{
-    PyObject *exc = (PyObject *)arg;
-    PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
-    Py_DECREF(exc);
-    return -1;
-}
-
-/* Takes the pending exception and has the main thread raise it at its
- * next check (Py_AddPendingCall); if the queue is full it is lost, the
- * only way left for a function that must not raise. */
-static void
-redeliver_later(void)
-{
-    PyObject *type, *value, *traceback;
-    PyErr_Fetch(&type, &value, &traceback);
-    PyErr_NormalizeException(&type, &value, &traceback);
-    Py_XDECREF(type);
-    Py_XDECREF(traceback);
-    if (value == NULL) {
-        PyErr_Clear();
-        return;
-    }
-    if (Py_AddPendingCall(raise_pending, value) != 0) {
-        Py_DECREF(value);
-    }
-    PyErr_Clear();
-}
-
-void
-cs_log_warning(const char *format, ...)
-{
-    PyObject *type, *value, *traceback;
-    PyObject *message = NULL, *logging = NULL, *logger = NULL, *r = NULL;
-    PyObject *name = NULL;
-    va_list va;
-
-    PyErr_Fetch(&type, &value, &traceback);
-    va_start(va, format);
-    message = PyUnicode_FromFormatV(format, va);
-    va_end(va);
-    if (message == NULL) {
-        goto error;
-    }
-    logging = PyImport_ImportModule("logging");
-    if (logging == NULL) {
-        goto error;
-    }
-    name = PyUnicode_InternFromString("comfy_standin");
-    if (name == NULL) {
-        goto error;
-    }
-    logger = call_method1(logging, "getLogger", name);
-    if (logger == NULL) {
-        goto error;
-    }
-    r = call_method1(logger, "warning", message);
-error:
-    /* Logging must never be why an eviction path raised an Exception, so
-     * an Exception is dropped.  Any other BaseException from a log handler
-     * is delivered again at the next check, as if it came a moment later:
-     * a KeyboardInterrupt as Ctrl-C, the rest (SystemExit...) raised by a
-     * pending call in the main thread. */
-    if (PyErr_Occurred()) {
-        if (PyErr_ExceptionMatches(PyExc_Exception)) {
-            PyErr_Clear();
-        }
-        else if (PyErr_ExceptionMatches(PyExc_KeyboardInterrupt)) {
-            PyErr_Clear();
-            PyErr_SetInterrupt();
-        }
-        else {
-            redeliver_later();
-        }
-    }
-    Py_XDECREF(r);
-    Py_XDECREF(logger);
-    Py_XDECREF(logging);
-    Py_XDECREF(name);
-    Py_XDECREF(message);
-    PyErr_Restore(type, value, traceback);
-}
-
 PyObject *
 cs_census_fast(PyObject *echo_error, PyObject *census)
 {
@@ -362,11 +263,12 @@ cs_register_model(cs_worker *worker, uint64_t generation, PyObject *id_obj,
                   const char *id, size_t id_len, uint64_t size,
                   PyObject *size_obj, cs_model **out)
 {
-    switch (cs_worker_register_model(worker, generation, id, id_len, size,
-                                     out)) {
-    case CS_OK:
+    cs_status status = cs_worker_register_model(worker, generation, id,
+                                                id_len, size, out);
+    if (status == CS_OK) {
         return 0;
-    case CS_ERR_SIZE_MISMATCH: {
+    }
+    if (status == CS_ERR_SIZE_MISMATCH) {
         cs_model *existing = cs_worker_find_model(worker, id, id_len);
         PyErr_Format(PyExc_ValueError,
                      "model_size: model %R of this worker is registered "
@@ -378,10 +280,43 @@ cs_register_model(cs_worker *worker, uint64_t generation, PyObject *id_obj,
         cs_model_decref(existing);
         return -1;
     }
-    default:
-        PyErr_NoMemory();
+    if (status == CS_ERR_RANGE && id_len > CS_MODEL_ID_MAX) {
+        PyErr_Format(PyExc_ValueError,
+                     "model_id: %zu bytes of UTF-8, longer than a model id "
+                     "may be (%zu)",
+                     id_len, CS_MODEL_ID_MAX);
         return -1;
     }
+    return cs_raise_status(status, "registering model");
+}
+
+int
+cs_raise_status(int status, const char *what)
+{
+    /* What each failure of the core means to a Python caller: only an
+     * allocation that failed is a MemoryError. */
+    PyObject *type;
+    switch ((cs_status)status) {
+    case CS_ERR_NOMEM:
+        PyErr_NoMemory();
+        return -1;
+    case CS_ERR_RANGE:
+    case CS_ERR_UNKNOWN_ID:
+    case CS_ERR_DUPLICATE_ID:
+    case CS_ERR_SIZE_MISMATCH:
+        type = PyExc_ValueError;
+        break;
+    case CS_ERR_STALE:
+    case CS_ERR_STATE:
+        type = PyExc_RuntimeError;
+        break;
+    default:
+        type = PyExc_SystemError; /* CS_OK or unknown: a bug here */
+        break;
+    }
+    PyErr_Format(type, "%s: %s", what,
+                 cs_status_message((cs_status)status));
+    return -1;
 }
 
 /* ---- census snapshot ------------------------------------------------- */

@@ -4,6 +4,7 @@ columns, spaces, no trailing blanks)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -43,3 +44,21 @@ def test_every_public_header_is_guarded():
         guard = f"COMFY_STANDIN_{header.stem.upper()}_H"
         assert f"#ifndef {guard}" in text and f"#define {guard}" in text
         assert 'extern "C"' in text, header.name
+
+
+BINDING = sorted(
+    p for p in ROOT.glob("src/*.[ch]") if p.name not in {
+        Path(c).name for c in CORE}
+)
+
+
+@pytest.mark.parametrize("path", BINDING, ids=lambda p: p.name)
+def test_no_python_object_in_a_c_static(path):
+    """Every Python object the module uses lives in its module state
+    (STYLE: multi-phase init, per-interpreter state): a file-scope static
+    holding one would belong to whichever interpreter set it first."""
+    pattern = re.compile(
+        r"^static\s+(const\s+)?Py\w*Object\s*\*\s*\w+\s*(\[[^]]*\])?\s*[;=]",
+        re.MULTILINE,
+    )
+    assert pattern.findall(path.read_text()) == [], path.name

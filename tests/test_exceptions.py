@@ -6,6 +6,9 @@ propagate from every method."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import logging
 from typing import Any
 
@@ -541,47 +544,77 @@ def test_log_lines_are_identical_across_implementations(both_impls, caplog):
     assert len(c_lines) == 10
 
 
-def test_keyboard_interrupt_from_a_log_handler_reaches_the_caller(
-    impl, s, worker
+class _RaisingHandler(logging.Handler):
+    """A log handler that raises `error` on the line containing `on`."""
+
+    def __init__(self, error: BaseException, on: str) -> None:
+        super().__init__()
+        self.error, self.on = error, on
+        self.raised = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.on in record.getMessage():
+            self.raised += 1
+            raise self.error
+
+
+@contextlib.contextmanager
+def raising_handler(error: BaseException, on: str = ""):
+    logger = logging.getLogger("comfy_standin")
+    handler = _RaisingHandler(error, on)
+    logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt(), SystemExit(3)],
+                         ids=["KeyboardInterrupt", "SystemExit"])
+@pytest.mark.parametrize("path", ["deferred", "bad reply", "gone",
+                                  "is_alive", "bad arguments"])
+def test_a_log_handlers_base_exception_propagates_from_the_call(
+    impl, s, worker, error, path
 ):
-    # A handler that raises KeyboardInterrupt (Ctrl-C inside logging):
-    # the eviction path's log line must not swallow it.  The reference
-    # lets it out of the call; C re-delivers it at the next check, so it
-    # arrives before the caller's next line either way.
-    class Interrupting(logging.Handler):
-        def emit(self, record):
-            raise KeyboardInterrupt
-
-    logger = logging.getLogger("comfy_standin")
-    handler = Interrupting()
-    logger.addHandler(handler)
-    worker.send_raises = TimeoutError("worker busy")
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            s.partially_unload("cpu", 100)
-            for _ in range(1000):  # bytecodes: a pending interrupt fires
-                pass
-    finally:
-        logger.removeHandler(handler)
-
-
-def test_system_exit_from_a_log_handler_reaches_the_caller(impl, s, worker):
-    # As the KeyboardInterrupt above, for any other BaseException: the C
-    # log path never raises, so it has the main thread raise it at its
-    # next check; the reference lets it out of the call.
-    class Exiting(logging.Handler):
-        def emit(self, record):
-            raise SystemExit(3)
-
-    logger = logging.getLogger("comfy_standin")
-    handler = Exiting()
-    logger.addHandler(handler)
-    worker.send_raises = TimeoutError("worker busy")
-    try:
-        with pytest.raises(SystemExit) as caught:
-            s.partially_unload("cpu", 100)
-            for _ in range(1000):  # bytecodes: the pending call runs
-                pass
-        assert caught.value.code == 3
-    finally:
-        logger.removeHandler(handler)
+    """A log handler that raises KeyboardInterrupt or SystemExit: it
+    propagates from the call that logged, at the line, in both
+    implementations (never later, from an unrelated line of the program),
+    and what the line reports was written before it."""
+    lines = {"deferred": "deferred", "bad reply": "bad reply",
+             "gone": "is gone", "is_alive": "treating it as alive",
+             "bad arguments": "bad arguments"}
+    if path == "deferred":
+        worker.send_raises = TimeoutError("worker busy")
+    elif path == "bad reply":
+        worker.reply = {"freed": "lots"}
+    elif path == "gone":
+        worker.alive = False
+    elif path == "is_alive":
+        worker.alive = RuntimeError("probe")
+        worker.reply = {"freed": 100, "resident": 400, "seq": 4}
+    # The call made from C (list.extend over map over a partial), so no
+    # Python frame runs between its return and extend() keeping the
+    # answer: an exception raised at the interpreter's next check, after
+    # the call returned, would leave the answer there.
+    bad = path == "bad arguments"
+    call = functools.partial(s.partially_unload,
+                             *(("cpu", 100, False) if bad else ("cpu",)))
+    answers: list[int] = []
+    with raising_handler(error, lines[path]) as handler:
+        with pytest.raises(type(error)):
+            answers.extend(map(call, ["x" if bad else 100]))
+        assert handler.raised == 1
+        assert answers == []  # raised by the call, not after it
+        # Nothing is left to fire later.
+        for _ in range(1000):
+            pass
+    loaded, seq, _, source = s.receipt()
+    if path == "deferred":
+        assert s.eviction_deferred and (loaded, seq) == (500, 3)
+    elif path == "bad reply":
+        assert s.eviction_deferred and s.bad_replies == 1
+        assert (loaded, seq) == (500, 3)
+    elif path == "gone":
+        assert s.stale and (loaded, source) == (0, "worker gone")
+    else:
+        assert (loaded, seq, s.eviction_deferred) == (500, 3, False)

@@ -848,22 +848,9 @@ def scenario_cleared_ledger_and_books(impl: Any) -> None:
     assert ledger.total_charge() >= 0
 
 
-def scenario_cleared_module_state(impl: Any) -> None:
-    """A second instance of the extension module (multi-phase init), its
-    state cleared as m_clear does when the module is collected, while
-    objects of its types are still reachable."""
-    import importlib.util
-
-    from comfy_standin import _core
-
-    spec = importlib.util.find_spec("comfy_standin._core")
-    copy = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(copy)
-    assert copy is not _core
-    ledger = copy.Ledger()
-    books = ledger.worker(Worker(), 1)
-    books.register("m0", SIZE, 1)
-
+def _clear_module(copy: Any) -> None:
+    """Runs the module's m_clear, as the collector does when a module
+    instance is collected or the interpreter shuts down."""
     api = ctypes.pythonapi
     api.PyModule_GetDef.restype = ctypes.c_void_p
     api.PyModule_GetDef.argtypes = [ctypes.py_object]
@@ -878,6 +865,75 @@ def scenario_cleared_module_state(impl: Any) -> None:
     assert name == b"comfy_standin._core", name
     clear = ctypes.c_void_p.from_address(definition + base + 6 * word).value
     ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object)(clear)(copy)
+
+
+def _module_copy() -> Any:
+    """A second instance of the extension module (multi-phase init)."""
+    import importlib.util
+
+    from comfy_standin import _core
+
+    spec = importlib.util.find_spec("comfy_standin._core")
+    copy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(copy)
+    assert copy is not _core
+    return copy
+
+
+def scenario_cleared_module_state_standin(impl: Any) -> None:
+    """Every entry point of a stand-in whose module state was cleared
+    (interpreter shutdown: a finalizer may still call it) answers or
+    raises RuntimeError naming the clearing; the eviction paths still
+    never raise an Exception.  None may read the cleared (NULL) fields."""
+    from comfy_standin.pool import Pool
+
+    copy = _module_copy()
+    pool = Pool(_impl=copy)
+    worker = Worker()
+    made = copy.StandIn(worker, 1, "m0", SIZE, "cuda:0", "cpu", pool=pool)
+    copy.apply_echo(made, 500)
+    fresh = copy.StandIn(worker, 1, "m1", SIZE, "cuda:0", "cpu", pool=pool)
+    copy.apply_echo(fresh, 500)
+    # One with its module and sentinel made, one without.
+    model, sentinel = made.model, made.clone_base_uuid
+    _clear_module(copy)
+    raising = {
+        "StandIn()": lambda: copy.StandIn(worker, 1, "m2", SIZE, "cuda:0",
+                                          "cpu", pool=pool),
+        "StandIn.__new__": lambda: copy.StandIn.__new__(
+            copy.StandIn, worker, 1, "m3", SIZE, "cuda:0", "cpu", pool=pool),
+        "partially_load": lambda: fresh.partially_load("cuda:0", 10),
+        "model": lambda: fresh.model,
+        "clone_base_uuid": lambda: fresh.clone_base_uuid,
+        "attach_board": lambda: fresh.attach_board(None),
+    }
+    for what, call in raising.items():
+        try:
+            call()
+        except RuntimeError as exc:
+            assert "cleared" in str(exc), (what, exc)
+        else:
+            raise AssertionError(f"{what} answered after m_clear")
+    for s in (made, fresh):
+        assert s.partially_unload("cpu", 100) == 0
+        s.detach()
+        assert s.loaded_size() == 500 and s.model_size() == SIZE
+        assert s.is_dynamic() is False
+        s.receipt()
+        repr(s)
+    assert made.model is model and made.clone_base_uuid is sentinel
+
+
+def scenario_cleared_module_state(impl: Any) -> None:
+    """A second instance of the extension module (multi-phase init), its
+    state cleared as m_clear does when the module is collected, while
+    objects of its types are still reachable."""
+    copy = _module_copy()
+    ledger = copy.Ledger()
+    books = ledger.worker(Worker(), 1)
+    books.register("m0", SIZE, 1)
+
+    _clear_module(copy)
 
     calls = {
         "Ledger.worker": lambda: ledger.worker(Worker(), 1),
@@ -898,7 +954,8 @@ def scenario_cleared_module_state(impl: Any) -> None:
 
 @pytest.mark.parametrize(
     "scenario",
-    [scenario_cleared_ledger_and_books, scenario_cleared_module_state],
+    [scenario_cleared_ledger_and_books, scenario_cleared_module_state,
+     scenario_cleared_module_state_standin],
     ids=lambda f: f.__name__[9:],
 )
 def test_c_objects_after_clear_raise(scenario):

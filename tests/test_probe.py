@@ -437,6 +437,31 @@ def test_cuda_uuid_missing_cannot_match(tmp_path, stubs):
     assert devices[0]["error"].startswith("no UUID from the CUDA driver")
 
 
+@pytest.mark.parametrize("uuid", [
+    # A MIG device's UUID in the format older drivers give: 48 characters
+    # and its NUL, one byte beyond the 48 the probe once passed NVML.
+    "MIG-GPU-5e0e2aef-9f37-e6a2-1f55-b6b2b7b5a1c1/7/0",
+    # The longest NVML_DEVICE_UUID_V2_BUFFER_SIZE (96) holds.
+    "GPU-" + "a" * 91,
+])
+def test_nvml_uuids_up_to_the_v2_buffer_size_are_read_whole(
+    tmp_path, stubs, uuid
+):
+    """NVML documents 96 bytes (NVML_DEVICE_UUID_V2_BUFFER_SIZE) as always
+    enough for nvmlDeviceGetUUID and answers INSUFFICIENT_SIZE to less;
+    the probe passes 96.  With no CUDA driver NVML's UUID is the device's
+    own, shown as it is."""
+    out = run_probe(
+        tmp_path, TWO_DEVICES + f"nvml_uuid 1 {uuid}\n",
+        cuda=tmp_path / "no-such-libcuda.so.1", nvml=stubs("nvml"),
+    )
+    devices = out["result"]["devices"]
+    assert [d["source"] for d in devices] == ["nvml", "nvml"]
+    assert devices[1]["uuid"] == uuid
+    assert devices[1]["error"] is None
+    assert devices[0]["uuid"] == "GPU-00000000-0000-0000-0000-000000000001"
+
+
 # ---- per-call failures -------------------------------------------------
 
 

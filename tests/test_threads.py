@@ -5,6 +5,8 @@ Barrier; nothing sleeps."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import threading
 from collections.abc import Callable
@@ -268,3 +270,73 @@ def test_reserve_under_concurrent_writes(impl, make_worker):
     impl.apply_echo(s, 0)
     pool.report(w, {"held": 0})
     assert pool.reserve(None, 100, total) == 100
+
+
+FORK_SCRIPT = """
+import os, sys, threading, time, warnings
+warnings.simplefilter("ignore")  # 3.12+: fork() of a threaded process
+import comfy_standin as cs
+
+class Worker:
+    def send_command(self, command, **kwargs):
+        return {}
+    def is_alive(self):
+        return True
+
+pool = cs.Pool(process_local=True)
+ledger = pool._ledger
+keep = []
+for w in range(20000):
+    s = cs.StandIn(Worker(), 1, "m", 1000, "cuda:0", "cpu", pool=pool)
+    cs.apply_echo(s, 500)
+    keep.append(s)
+stop = threading.Event()
+
+def reserve():
+    # Holds the ledger's lock (and each worker's in turn) with the GIL
+    # released, most of the time.
+    while not stop.is_set():
+        ledger.reserve(10, 1 << 40, True)
+
+thread = threading.Thread(target=reserve)
+thread.start()
+hung = 0
+for _ in range(100):
+    pid = os.fork()
+    if pid == 0:
+        # The child's only thread: each lock must be free.
+        ledger.total_charge()
+        ledger.reserve(10, 1 << 40, True)
+        keep[0].loaded_size()
+        os._exit(0)
+    deadline = time.monotonic() + 3
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            break
+        if time.monotonic() > deadline:
+            hung += 1
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            break
+        time.sleep(0.001)
+stop.set()
+thread.join()
+print(hung)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() here")
+def test_fork_while_another_thread_holds_the_ledgers_locks():
+    """A fork() from one thread while another is inside the ledger (its
+    reserve() holds the ledger's lock with the GIL released): the child
+    must find every lock free.  Without the ledger's pthread_atfork
+    handlers the child inherited a locked mutex and hung on its first
+    reserve()."""
+    done = subprocess.run(
+        [sys.executable, "-c", FORK_SCRIPT], capture_output=True, text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["0"], "children hung on a held lock"

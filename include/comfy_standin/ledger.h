@@ -42,6 +42,10 @@ extern "C" {
  * is limited to [0, CS_VALUE_MAX] so sums stay meaningful (they saturate). */
 #define CS_VALUE_MAX ((uint64_t)INT64_MAX)
 
+/* The longest model id a record carries, in bytes (its length is kept in
+ * 32 bits, with room for the NUL). */
+#define CS_MODEL_ID_MAX ((size_t)UINT32_MAX - 1)
+
 /* A receipt that has never carried a worker seq (a registration, or a
  * command reply from a worker too old to send one). Older than any seq. */
 #define CS_SEQ_NONE ((int64_t)-1)
@@ -192,6 +196,8 @@ uint64_t cs_worker_reading(const cs_worker *worker);
  * - id already in the table: the same model is returned when the size
  *   matches (CS_ERR_SIZE_MISMATCH otherwise); stand-ins of one worker
  *   model share one receipt.
+ * CS_ERR_RANGE: size or generation above CS_VALUE_MAX, or an id longer
+ * than CS_MODEL_ID_MAX bytes (refused before the id is read).
  * On CS_OK *out is a new handle: release it with cs_model_release_handle.
  */
 cs_status cs_worker_register_model(cs_worker *worker, uint64_t generation,

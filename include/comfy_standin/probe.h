@@ -55,14 +55,16 @@
 extern "C" {
 #endif
 
-#define CS_PROBE_ABI_VERSION 2
+#define CS_PROBE_ABI_VERSION 3
 
 /* Fixed bounds keep the result a plain struct the caller can place
  * anywhere.  A machine beyond them is reported truncated, never wrong. */
 #define CS_PROBE_MAX_DEVICES 16
 #define CS_PROBE_MAX_PROCESSES 128
 #define CS_PROBE_NAME_SIZE 96
-#define CS_PROBE_UUID_SIZE 48
+/* NVML_DEVICE_UUID_V2_BUFFER_SIZE: what NVML documents as always enough
+ * for nvmlDeviceGetUUID (a MIG device's UUID is longer than a GPU's). */
+#define CS_PROBE_UUID_SIZE 96
 #define CS_PROBE_MESSAGE_SIZE 256
 #define CS_PROBE_PATH_SIZE 512
 

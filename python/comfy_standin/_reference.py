@@ -1402,14 +1402,15 @@ class StandIn:
         record = self._record
         if record.stale:
             return  # never touch the worker's newer generation
+        # The model's own record and books first: they hold whatever the
+        # pool does, even when the pool forgot the worker already.  Then
+        # the line (what it reports is written before it).
+        record.books.gone()
+        record.gone()
         log.warning(
             "comfy_standin: the worker of model %r is gone",
             record.model_id,
         )
-        # The model's own record and books first: they hold whatever the
-        # pool does, even when the pool forgot the worker already.
-        record.books.gone()
-        record.gone()
         try:
             self._pool.worker_gone(self._worker)
         except Exception as exc:  # noqa: BLE001 -- receipts zeroed anyway
@@ -1421,21 +1422,32 @@ class StandIn:
             )
 
     def _deferred_path(self, what: str, exc: BaseException) -> None:
+        self._record.set_deferred()
         log.warning(
             "comfy_standin: %s of model %r deferred: %s",
             what,
             self._record.model_id,
             _describe(exc),
         )
-        self._record.set_deferred()
 
-    def _bad_reply(self, exc: EchoError) -> None:
+    def _bad_reply(self, exc: EchoError, deferring: str | None) -> None:
+        """Counted, the eviction marked deferred when `deferring` names the
+        command, then logged (the line after what it reports)."""
         self._record.add_bad_reply()
+        if deferring is not None:
+            self._record.set_deferred()
         log.warning(
             "comfy_standin: bad reply for model %r: %s",
             self._record.model_id,
             _describe(exc),
         )
+        if deferring is not None:
+            log.warning(
+                "comfy_standin: %s of model %r deferred: %s",
+                deferring,
+                self._record.model_id,
+                _describe(exc),
+            )
 
     def _pressure(self, wanted: int, freed: int) -> None:
         if freed >= wanted:
@@ -1490,7 +1502,7 @@ class StandIn:
         try:
             loaded, resident, seq = _decode_load_reply(reply, size, before)
         except EchoError as exc:
-            self._bad_reply(exc)
+            self._bad_reply(exc, None)
             raise
         record.echo(resident, seq, "load echo", False, None)
         return loaded
@@ -1551,8 +1563,7 @@ class StandIn:
                 reply, record.size, before
             )
         except EchoError as exc:
-            self._bad_reply(exc)
-            self._deferred_path("model_partial_unload", exc)
+            self._bad_reply(exc, "model_partial_unload")
             self._pressure(want, 0)
             return 0
         record.echo(resident, seq, "unload echo", False, None)
@@ -1611,8 +1622,7 @@ class StandIn:
                 _reply_value(reply, "seq", command),
             )
         except EchoError as exc:
-            self._bad_reply(exc)
-            self._deferred_path(command, exc)
+            self._bad_reply(exc, command)
             return
         record.echo(0, seq, "detach echo", True, None)
 

@@ -71,6 +71,11 @@ test_register_and_read(void)
     /* Out of range. */
     CHECK(cs_worker_register_model(w, 1, "x", 1, CS_VALUE_MAX + 1, &other) ==
           CS_ERR_RANGE);
+    /* An id longer than a record carries is out of range too (not out of
+     * memory), refused before a byte of it is read. */
+    CHECK(cs_worker_register_model(w, 1, "x", (size_t)UINT32_MAX, 1,
+                                   &other) == CS_ERR_RANGE);
+    CHECK(other == NULL);
 
     cs_model *found = cs_worker_find_model(w, "unet-0", 6);
     CHECK(found == a);

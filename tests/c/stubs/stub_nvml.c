@@ -218,26 +218,37 @@ nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length)
 EXPORT nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid,
                                       unsigned int length);
 
-/* Upper case, to check the probe compares UUIDs without regard to case. */
+/* Upper case, to check the probe compares UUIDs without regard to case.
+ * A buffer shorter than the UUID and its NUL gets INSUFFICIENT_SIZE, as
+ * from NVML (which documents 96 bytes, NVML_DEVICE_UUID_V2_BUFFER_SIZE,
+ * as always enough). */
 EXPORT nvmlReturn_t
 nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length)
 {
     nvmlReturn_t result = enter("nvmlDeviceGetUUID");
     int index = index_of(device);
     unsigned char bytes[16];
+    char text[96];
     if (result != SUCCESS) {
         return result;
     }
-    if (index < 0 || length < 41) {
+    if (index < 0 || uuid == NULL) {
         return ERROR_INVALID_ARGUMENT;
     }
     stub_uuid_bytes(index, bytes);
-    snprintf(uuid, length,
+    snprintf(text, sizeof(text),
              "GPU-%02X%02X%02X%02X-%02X%02X-%02X%02X-%02X%02X-"
              "%02X%02X%02X%02X%02X%02X",
              bytes[0], bytes[1], bytes[2], bytes[3], bytes[4], bytes[5],
              bytes[6], bytes[7], bytes[8], bytes[9], bytes[10], bytes[11],
              bytes[12], bytes[13], bytes[14], bytes[15]);
+    if (device->nvml_uuid[0] != '\0') {
+        snprintf(text, sizeof(text), "%s", device->nvml_uuid);
+    }
+    if (length < strlen(text) + 1) {
+        return ERROR_INSUFFICIENT_SIZE;
+    }
+    memcpy(uuid, text, strlen(text) + 1);
     return SUCCESS;
 }
 

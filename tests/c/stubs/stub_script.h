@@ -27,6 +27,8 @@
  *   proc_lie I KIND N    device I's process list lies (see stub_nvml.c):
  *                        grow, overrun N, overcount, short N,
  *                        short_once N, zero
+ *   nvml_uuid I TEXT     device I's UUID as NVML says it (up to 95
+ *                        characters: NVML_DEVICE_UUID_V2_BUFFER_SIZE)
  *   struct_extra I N     device I's nvmlMemory_t and CUuuid answers write
  *                        N zero bytes past the struct (a wrong layout)
  *   cuda_devices I...    the CUDA ordinals in order, as NVML indices
@@ -54,6 +56,7 @@
 
 typedef struct {
     char name[128];
+    char nvml_uuid[96]; /* "" for the default */
     unsigned long long total;
     unsigned long long free;
     unsigned long long ctx_free;
@@ -172,6 +175,14 @@ stub_parse_line(char *line)
         if (sscanf(rest, "%d %u", &index, &size) == 2 && index >= 0
             && index < STUB_MAX_DEVICES) {
             stub.device[index].layout = size;
+        }
+    }
+    else if (strcmp(word, "nvml_uuid") == 0) {
+        char text[96] = "";
+        if (sscanf(rest, "%d %95s", &index, text) == 2 && index >= 0
+            && index < STUB_MAX_DEVICES) {
+            snprintf(stub.device[index].nvml_uuid,
+                     sizeof(stub.device[index].nvml_uuid), "%s", text);
         }
     }
     else if (strcmp(word, "struct_extra") == 0) {
