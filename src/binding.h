@@ -41,6 +41,7 @@ typedef struct {
     PyObject *str_loaded;
     PyObject *str_resident;
     PyObject *str_freed;
+    PyObject *str_moved;
     PyObject *str_seq;
     PyObject *str_id;
     PyObject *str_get;

@@ -335,6 +335,53 @@ decode_reply(StandInObject *self, cs_module_state *state, PyObject *reply,
     return 0;
 }
 
+/* reply['moved'] of a detach: 1 when something moved (True, a byte count
+ * above 0, or absent: an older worker that does not say), 0 when nothing
+ * did (False, or 0), -1 with EchoError (or a BaseException) set. */
+static int
+reply_moved(cs_module_state *state, PyObject *reply)
+{
+    uint64_t bytes;
+    PyObject *value = reply_value(state, reply, state->str_moved,
+                                  "model_to_device");
+    if (value == NULL) {
+        return -1;
+    }
+    int moved = -1;
+    if (value == Py_None || value == Py_True) {
+        moved = 1;
+    }
+    else if (value == Py_False) {
+        moved = 0;
+    }
+    else if (cs_value_check(value, CS_VALUE_MAX, &bytes) == 0) {
+        moved = bytes > 0;
+    }
+    else if (!PyErr_Occurred()) {
+        PyErr_Format(state->echo_error,
+                     "reply['moved'] from model_to_device: expected a bool "
+                     "or a byte count, got %R",
+                     value);
+    }
+    Py_DECREF(value);
+    return moved;
+}
+
+/* Writes what a good reply says, by the rules of docs/semantics.md ("Which
+ * word wins"): a reply that says something moved writes its resident
+ * figure; one that says nothing moved writes only a resident figure above
+ * 0 that it measured (`measured`), never 0.  An echo older than the
+ * receipt (its seq strictly below) writes nothing (cs_model_apply_echo). */
+static void
+apply_reply(StandInObject *self, bool moved, bool measured,
+            uint64_t resident, int64_t seq, cs_source source)
+{
+    if (moved || (measured && resident > 0)) {
+        (void)cs_model_apply_echo(self->record, resident, seq, source,
+                                  source == CS_SOURCE_DETACH_ECHO, -1);
+    }
+}
+
 /* Raises WorkerGoneError for this model, with `cause` (an exception
  * instance, or NULL) as its __cause__.  Returns NULL. */
 static PyObject *
@@ -435,8 +482,8 @@ load_body(StandInObject *self, cs_module_state *state, PyObject *device_to,
             resident = cs_model_size(self->record);
         }
     }
-    (void)cs_model_apply_echo(self->record, resident, seq,
-                              CS_SOURCE_LOAD_ECHO, false, -1);
+    apply_reply(self, loaded > 0, has_resident, resident, seq,
+                CS_SOURCE_LOAD_ECHO);
     result = PyLong_FromUnsignedLongLong(loaded);
 done:
     Py_XDECREF(want_obj);
@@ -535,8 +582,11 @@ unload_body(StandInObject *self, cs_module_state *state,
     if (!has_resident) {
         resident = freed < before ? before - freed : 0;
     }
-    (void)cs_model_apply_echo(self->record, resident, seq,
-                              CS_SOURCE_UNLOAD_ECHO, false, -1);
+    /* The bytes freed are returned whatever was written: an older echo
+     * than the receipt (another thread's reply applied first) still freed
+     * them. */
+    apply_reply(self, freed > 0, has_resident, resident, seq,
+                CS_SOURCE_UNLOAD_ECHO);
     if (freed < want) {
         (void)pressure(self, want - freed);
     }
@@ -668,18 +718,33 @@ detach_body(StandInObject *self, cs_module_state *state)
         }
         return;
     }
-    int decoded = decode_reply(self, state, reply, "model_to_device", NULL,
-                               &unused, NULL, &unused, &has_unused, &seq);
+    int moved = -1;
+    if (decode_reply(self, state, reply, "model_to_device", NULL, &unused,
+                     NULL, &unused, &has_unused, &seq) == 0) {
+        moved = reply_moved(state, reply);
+    }
     Py_DECREF(reply);
-    if (decoded < 0) {
+    if (moved < 0) {
         if (cs_catch(&caught) == 0) {
             (void)bad_reply(self, &caught, "model_to_device");
             cs_caught_release(&caught);
         }
         return;
     }
-    (void)cs_model_apply_echo(self->record, 0, seq, CS_SOURCE_DETACH_ECHO,
-                              true, -1);
+    if (moved) {
+        apply_reply(self, true, false, 0, seq, CS_SOURCE_DETACH_ECHO);
+        return;
+    }
+    /* Nothing moved (comfy-env answers so when the model's first parameter
+     * is already on the offload device, whatever else is on the card): no
+     * byte was freed, so none is written, and the eviction is deferred,
+     * so the pool lists the model again once ComfyUI drops its entry. */
+    PyObject *text = PyUnicode_FromString("the worker moved nothing "
+                                          "(moved: False)");
+    if (text != NULL) {
+        (void)defer(self, "model_to_device", text);
+        Py_DECREF(text);
+    }
 }
 
 PyObject *

@@ -289,6 +289,8 @@ cs_status_message(cs_status status)
         return "model's generation is over or its worker is gone";
     case CS_ERR_STATE:
         return "call out of order";
+    case CS_ERR_OLDER:
+        return "older than the receipt";
     }
     return "unknown status";
 }
@@ -1089,8 +1091,13 @@ cs_model_apply_echo(cs_model *model, uint64_t loaded, int64_t seq,
         status = CS_ERR_STALE;
         goto done;
     }
+    int64_t kept = atomic_load_explicit(&model->rc_seq, memory_order_relaxed);
     if (seq == CS_SEQ_NONE) {
-        seq = atomic_load_explicit(&model->rc_seq, memory_order_relaxed);
+        seq = kept;
+    }
+    else if (seq < kept) {
+        status = CS_ERR_OLDER; /* the newer word is written already */
+        goto done;
     }
     bool busy = in_flight < 0 ? atomic_load_explicit(&w->in_flight,
                                                      memory_order_relaxed) > 0
@@ -1204,8 +1211,36 @@ done:
     return status;
 }
 
+/* The figure of `m` in `figures` (sorted by address), else its receipt. */
+static uint64_t
+figure_of(const cs_model *m, const cs_figure *figures, size_t n)
+{
+    size_t low = 0, high = n;
+    while (low < high) {
+        size_t mid = low + (high - low) / 2;
+        if ((uintptr_t)figures[mid].model < (uintptr_t)m) {
+            low = mid + 1;
+        }
+        else {
+            high = mid;
+        }
+    }
+    if (low < n && figures[low].model == m) {
+        return figures[low].loaded;
+    }
+    return atomic_load_explicit(&((cs_model *)m)->rc_loaded,
+                                memory_order_relaxed);
+}
+
 void
 cs_worker_charge(cs_worker *worker, uint64_t floor_bytes, cs_charge *out)
+{
+    cs_worker_charge_with(worker, floor_bytes, NULL, 0, out);
+}
+
+void
+cs_worker_charge_with(cs_worker *worker, uint64_t floor_bytes,
+                      const cs_figure *figures, size_t n, cs_charge *out)
 {
     memset(out, 0, sizeof(*out));
     cs_mutex_lock(&worker->lock);
@@ -1227,9 +1262,8 @@ cs_worker_charge(cs_worker *worker, uint64_t floor_bytes, cs_charge *out)
         }
         out->models++;
         out->sum_sizes = add_saturating(out->sum_sizes, m->size);
-        out->sum_loaded = add_saturating(
-            out->sum_loaded,
-            atomic_load_explicit(&m->rc_loaded, memory_order_relaxed));
+        out->sum_loaded = add_saturating(out->sum_loaded,
+                                         figure_of(m, figures, n));
         out->sum_peak = add_saturating(
             out->sum_peak,
             atomic_load_explicit(&m->peak, memory_order_relaxed));
@@ -1368,13 +1402,14 @@ cs_ledger_worker_count(cs_ledger *ledger)
 
 /* Caller holds ledger->lock. */
 static uint64_t
-ledger_total_charge_locked(cs_ledger *ledger, bool *released)
+ledger_total_charge_locked(cs_ledger *ledger, const cs_figure *figures,
+                           size_t n, bool *released)
 {
     uint64_t total = 0;
     for (size_t i = 0; i < ledger->count; i++) {
         cs_charge charge;
         cs_worker *w = ledger->workers[i];
-        cs_worker_charge(w, ledger->floor, &charge);
+        cs_worker_charge_with(w, ledger->floor, figures, n, &charge);
         total = add_saturating(total, charge.charge);
         if (released != NULL &&
             atomic_exchange_explicit(&w->released, false,
@@ -1388,8 +1423,15 @@ ledger_total_charge_locked(cs_ledger *ledger, bool *released)
 uint64_t
 cs_ledger_total_charge(cs_ledger *ledger)
 {
+    return cs_ledger_total_charge_with(ledger, NULL, 0);
+}
+
+uint64_t
+cs_ledger_total_charge_with(cs_ledger *ledger, const cs_figure *figures,
+                            size_t n)
+{
     cs_mutex_lock(&ledger->lock);
-    uint64_t total = ledger_total_charge_locked(ledger, NULL);
+    uint64_t total = ledger_total_charge_locked(ledger, figures, n, NULL);
     cs_mutex_unlock(&ledger->lock);
     return total;
 }
@@ -1398,6 +1440,15 @@ uint64_t
 cs_ledger_reserve(cs_ledger *ledger, uint64_t base, uint64_t total_bytes,
                   bool process_local)
 {
+    return cs_ledger_reserve_with(ledger, base, total_bytes, process_local,
+                                  NULL, 0);
+}
+
+uint64_t
+cs_ledger_reserve_with(cs_ledger *ledger, uint64_t base,
+                       uint64_t total_bytes, bool process_local,
+                       const cs_figure *figures, size_t n)
+{
     if (!process_local) {
         /* Device-wide free memory already lacks every worker byte. */
         return base;
@@ -1405,8 +1456,8 @@ cs_ledger_reserve(cs_ledger *ledger, uint64_t base, uint64_t total_bytes,
     cs_mutex_lock(&ledger->lock);
     bool released = ledger->released;
     ledger->released = false;
-    uint64_t target =
-        add_saturating(base, ledger_total_charge_locked(ledger, &released));
+    uint64_t target = add_saturating(
+        base, ledger_total_charge_locked(ledger, figures, n, &released));
     uint64_t cap = total_bytes / 4 * 3 + (total_bytes % 4) * 3 / 4;
     if (total_bytes > 0 && target > cap) {
         target = cap;

@@ -344,11 +344,21 @@ books_standins(BooksObject *self, PyObject *unused)
     return cs_roster_snapshot(&self->roster);
 }
 
+/* The charge counts each model at the figure its stand-ins answer
+ * loaded_size() with (a board reading newer than the receipt included):
+ * the roster, here with the books, says which read a board. */
 static PyObject *
 books_charge(BooksObject *self, PyObject *unused)
 {
     cs_charge charge;
-    cs_worker_charge(self->worker, self->floor, &charge);
+    cs_figures figures = {NULL, 0, 0};
+    if (cs_figures_add_roster(&figures, &self->roster) < 0) {
+        return NULL;
+    }
+    cs_figures_sort(&figures);
+    cs_worker_charge_with(self->worker, self->floor, figures.items,
+                          figures.n, &charge);
+    cs_figures_release(&figures);
     return charge_to_dict(&charge);
 }
 
@@ -952,6 +962,26 @@ ledger_all_books(LedgerObject *self, PyObject *unused)
     return ledger_entries(self, 0);
 }
 
+/* The figures of every worker's roster (as books_charge), sorted: 0, or
+ * -1 with MemoryError.  Runs no Python. */
+static int
+ledger_figures(LedgerObject *self, cs_figures *figures)
+{
+    PyObject *id, *books;
+    Py_ssize_t pos = 0;
+    /* A cleared ledger has no rosters left to read: receipts only. */
+    while (self->books != NULL &&
+           PyDict_Next(self->books, &pos, &id, &books)) {
+        if (cs_figures_add_roster(figures,
+                                  &((BooksObject *)books)->roster) < 0) {
+            cs_figures_release(figures);
+            return -1;
+        }
+    }
+    cs_figures_sort(figures);
+    return 0;
+}
+
 static PyObject *
 ledger_reserve(LedgerObject *self, PyObject *const *args, Py_ssize_t nargs,
                PyObject *kwnames)
@@ -983,18 +1013,31 @@ ledger_reserve(LedgerObject *self, PyObject *const *args, Py_ssize_t nargs,
         return cs_value_error(NULL, code, "total", total_obj, CS_VALUE_MAX),
                NULL;
     }
+    cs_figures figures = {NULL, 0, 0};
+    if (process_local && ledger_figures(self, &figures) < 0) {
+        return NULL;
+    }
     uint64_t reserve;
     Py_BEGIN_ALLOW_THREADS
-    reserve = cs_ledger_reserve(self->ledger, base, total,
-                                process_local != 0);
+    reserve = cs_ledger_reserve_with(self->ledger, base, total,
+                                     process_local != 0, figures.items,
+                                     figures.n);
     Py_END_ALLOW_THREADS
+    cs_figures_release(&figures);
     return PyLong_FromUnsignedLongLong(reserve);
 }
 
 static PyObject *
 ledger_total_charge(LedgerObject *self, PyObject *unused)
 {
-    return PyLong_FromUnsignedLongLong(cs_ledger_total_charge(self->ledger));
+    cs_figures figures = {NULL, 0, 0};
+    if (ledger_figures(self, &figures) < 0) {
+        return NULL;
+    }
+    uint64_t total = cs_ledger_total_charge_with(self->ledger, figures.items,
+                                                 figures.n);
+    cs_figures_release(&figures);
+    return PyLong_FromUnsignedLongLong(total);
 }
 
 static PyObject *

@@ -45,6 +45,7 @@ cs_state_clear(cs_module_state *state)
     Py_CLEAR(state->str_loaded);
     Py_CLEAR(state->str_resident);
     Py_CLEAR(state->str_freed);
+    Py_CLEAR(state->str_moved);
     Py_CLEAR(state->str_seq);
     Py_CLEAR(state->str_id);
     Py_CLEAR(state->str_get);
@@ -132,6 +133,7 @@ core_exec(PyObject *module)
         {&state->str_loaded, "loaded"},
         {&state->str_resident, "resident"},
         {&state->str_freed, "freed"},
+        {&state->str_moved, "moved"},
         {&state->str_seq, "seq"},
         {&state->str_id, "id"},
         {&state->str_get, "get"},

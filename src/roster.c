@@ -17,6 +17,8 @@
  */
 #include "standin.h"
 
+#include <stdlib.h>
+
 static void
 roster_link(PyObject *books, StandInObject *s)
 {
@@ -133,4 +135,65 @@ cs_standin_enlist(StandInObject *self, PyObject *ledger,
     roster_link(books, self);
     Py_DECREF(books); /* the stand-in holds them now */
     return 0;
+}
+
+int
+cs_figures_add_roster(cs_figures *figures, cs_roster *roster)
+{
+    for (StandInObject *s = roster->head; s != NULL; s = s->roster_next) {
+        ModuleObject *m = cs_standin_module(s);
+        if (m == NULL || m->board == NULL || s->record == NULL) {
+            continue; /* its figure is its receipt */
+        }
+        bool seen = false;
+        for (size_t i = 0; i < figures->n && !seen; i++) {
+            seen = figures->items[i].model == s->record;
+        }
+        if (seen) {
+            continue; /* stand-ins of one model share its record */
+        }
+        if (figures->n == figures->cap) {
+            size_t cap = figures->cap ? figures->cap * 2 : 8;
+            cs_figure *grown = PyMem_Realloc(figures->items,
+                                             cap * sizeof(*grown));
+            if (grown == NULL) {
+                PyErr_NoMemory();
+                return -1;
+            }
+            figures->items = grown;
+            figures->cap = cap;
+        }
+        cs_model_incref(s->record);
+        figures->items[figures->n].model = s->record;
+        figures->items[figures->n].loaded = cs_standin_loaded(s);
+        figures->n++;
+    }
+    return 0;
+}
+
+static int
+figure_order(const void *a, const void *b)
+{
+    uintptr_t x = (uintptr_t)((const cs_figure *)a)->model;
+    uintptr_t y = (uintptr_t)((const cs_figure *)b)->model;
+    return x < y ? -1 : x > y;
+}
+
+void
+cs_figures_sort(cs_figures *figures)
+{
+    if (figures->n > 1) {
+        qsort(figures->items, figures->n, sizeof(cs_figure), figure_order);
+    }
+}
+
+void
+cs_figures_release(cs_figures *figures)
+{
+    for (size_t i = 0; i < figures->n; i++) {
+        cs_model_decref((cs_model *)figures->items[i].model);
+    }
+    PyMem_Free(figures->items);
+    figures->items = NULL;
+    figures->n = figures->cap = 0;
 }

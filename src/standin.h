@@ -124,6 +124,22 @@ PyObject *cs_roster_profile_for(PyObject *ledger, PyObject *worker,
  * run Python (a worker's finalizer). */
 void cs_roster_unlink(StandInObject *self);
 
+/* The figures the charge takes for models whose stand-ins read something
+ * newer than the receipt (a board): a growable table, sorted by model
+ * address before use, each model held (cs_model_incref) until released,
+ * so it may be used with the GIL released. */
+typedef struct {
+    cs_figure *items;
+    size_t n, cap;
+} cs_figures;
+
+/* Adds the figure of every model on `roster` whose stand-in reads a board
+ * (cs_standin_loaded: what loaded_size() answers), once per model.  Runs
+ * no Python.  0, or -1 with MemoryError. */
+int cs_figures_add_roster(cs_figures *figures, cs_roster *roster);
+void cs_figures_sort(cs_figures *figures);
+void cs_figures_release(cs_figures *figures);
+
 /* ---- commands.c ------------------------------------------------------- */
 
 /* METH_FASTCALL | METH_KEYWORDS methods. */

@@ -316,8 +316,9 @@ static PyMethodDef sync_functions[] = {
      METH_FASTCALL | METH_KEYWORDS,
      "apply_echo(standin, resident, seq=None, unmapped=False, "
      "in_flight=False)\n--\n\nWrites a command echo to the stand-in's "
-     "receipt (docs/semantics.md).  Returns False when the stand-in is "
-     "stale."},
+     "receipt (docs/semantics.md, \"Which word wins\").  Returns False, "
+     "writing nothing, when the stand-in is stale or the echo's seq is "
+     "older than the receipt's."},
     {"apply_residency", (PyCFunction)apply_residency, METH_VARARGS,
      "apply_residency(standins, census, /)\n--\n\nApplies a node-boundary "
      "census, all or nothing (docs/semantics.md).  Call it at a node "

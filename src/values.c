@@ -308,6 +308,7 @@ cs_raise_status(int status, const char *what)
         break;
     case CS_ERR_STALE:
     case CS_ERR_STATE:
+    case CS_ERR_OLDER:
         type = PyExc_RuntimeError;
         break;
     default:

@@ -14,8 +14,10 @@ Commands:
   resident, seq}``
 - ``model_partial_unload(bytes_to_free)`` -> ``{status, freed, resident,
   seq}``
-- ``model_to_device(device)`` -> ``{status, device, moved, seq}``; an
-  unknown model id raises an error whose text contains "not registered".
+- ``model_to_device(device)`` -> ``{status, device, moved, seq}``, with
+  ``moved`` a bool as comfy-env 0.4.46 sends it (False, moving nothing,
+  when the model's first parameter is on the target already); an unknown
+  model id raises an error whose text contains "not registered".
 
 Failures are scripted with :meth:`FakeWorker.script` (one-shot, for the next
 matching command) or set as standing behaviour (``unload_cap``,
@@ -173,7 +175,14 @@ class FakeWorker:
           :data:`GARBAGE` applied to ``field=``;
         - ``"old"``: the reply omits ``drop=`` fields (default ``("seq",)``);
         - ``"short"``: an unload frees at most ``freed=`` bytes;
-        - ``"call"``: run ``fn()`` inside the command, then proceed.
+        - ``"call"``: run ``fn()`` inside the command, then proceed;
+        - ``"nothing"``: the worker moves nothing and says so as comfy-env
+          0.4.46's does: a detach ``{device, moved: False, seq}`` (its
+          model's first parameter on the target already), an unload
+          ``{freed: 0, resident: 0}`` and a load ``{loaded: 0, resident:
+          <size>}`` (its plain-module path, no seq);
+        - ``"seq"``: the command runs, its reply carries ``seq=`` instead
+          of the worker's (an older reply applied after a newer one).
         """
         self.scripts.append(_Scripted(kind, command, options))
         return self
@@ -218,10 +227,14 @@ class FakeWorker:
         cap = self.unload_cap
         if kind == "short":
             cap = opts.get("freed", 0)
-        if perform:
+        if kind == "nothing":
+            reply = self._nothing_reply(command, model_id, params)
+        elif perform:
             reply = self._perform(command, model_id, params, cap)
         else:
             reply = self._dry_reply(command, model_id, params)
+        if kind == "seq":
+            reply["seq"] = opts["seq"]
         if kind == "die_after":
             self.kill()
             raise WorkerDiedError(f"worker {self.name} died after {command}")
@@ -296,11 +309,17 @@ class FakeWorker:
                 "seq": self._bump(model),
             }
         if command == "model_to_device":
+            # As comfy-env 0.4.46's worker: when the model's first
+            # parameter is on the target already it moves nothing and says
+            # so (moved False), whatever else is on the card; otherwise it
+            # moves the model and says moved True.
             dev = str(params["device"])
-            if mm.device(dev).type == "cpu":
-                moved = self._unload(model, model.resident)
-            else:
-                moved = self._load(model, model.size, dev)
+            moved = model.device != dev
+            if moved and mm.device(dev).type == "cpu":
+                self._unload(model, model.resident)
+                model.device = dev
+            elif moved:
+                self._load(model, model.size, dev)
             return {
                 "status": "ok",
                 "device": dev,
@@ -308,6 +327,15 @@ class FakeWorker:
                 "seq": self._bump(model),
             }
         raise WorkerError(f"unknown command {command!r}")
+
+    def _nothing_reply(self, command, model_id, params):
+        model = self._model(model_id)
+        if command == "model_to_device":
+            return {"status": "ok", "device": str(params["device"]),
+                    "moved": False, "seq": self._bump(model)}
+        if command == "model_partial_unload":
+            return {"status": "ok", "freed": 0, "resident": 0}
+        return {"status": "ok", "loaded": 0, "resident": model.size}
 
     def _dry_reply(self, command, model_id, params):
         model = self._model(model_id)
@@ -317,8 +345,14 @@ class FakeWorker:
         elif command == "model_partial_unload":
             base["freed"] = 0
         else:
-            base.update(device=model.device, moved=0)
+            base.update(device=model.device, moved=False)
         return base
+
+    def first_parameter_on_cpu(self, model_id: str) -> None:
+        """The model's first parameter moves to the CPU while the rest
+        stays on the card (a lowvram split): comfy-env's worker then
+        answers a detach with moved False and moves nothing."""
+        self.models[model_id].device = "cpu"
 
     # -- what the worker would tell the host ------------------------------
 

@@ -479,6 +479,9 @@ worker_script = st.sampled_from(
         ("garbage", "not_dict"),
         ("garbage", "null"),
         ("old",),
+        ("nothing",),
+        ("seq", 0),
+        ("seq", 3),
         ("die",),
         ("die_after",),
         ("interrupt",),
@@ -917,8 +920,10 @@ class DifferentialMachine(RuleBasedStateMachine):
             wk.script("refuse", message="worker busy")
         elif kind == "refuse_lost":
             wk.script("refuse", message="model not registered in worker")
-        elif kind in ("timeout", "die", "die_after", "old"):
+        elif kind in ("timeout", "die", "die_after", "old", "nothing"):
             wk.script(kind)
+        elif kind == "seq":
+            wk.script("seq", seq=script[1])
         elif kind == "garbage":
             wk.script("garbage", how=script[1], field=None)
         elif kind == "interrupt":

@@ -64,14 +64,28 @@ def test_partial_unload_frees_and_counts_seq(worker, sim):
 def test_model_to_device_offloads_and_reloads(worker, sim):
     worker.add_model("n", 10 * MiB, resident=10 * MiB)
     reply = worker.send_command("model_to_device", model_id="n", device="cpu")
-    assert reply["moved"] == 10 * MiB
+    assert reply["moved"] is True
     assert reply["device"] == "cpu"
     assert sim.card().used() == 0
     reply = worker.send_command(
         "model_to_device", model_id="n", device="cuda:0"
     )
-    assert reply["moved"] == 10 * MiB
+    assert reply["moved"] is True
     assert worker.resident("n") == 10 * MiB
+
+
+def test_model_to_device_moves_nothing_when_the_first_parameter_is_there(
+    worker, sim
+):
+    """comfy-env 0.4.46's worker compares the model's first parameter with
+    the target: already there, it moves nothing and answers moved False,
+    whatever else of the model is on the card."""
+    worker.add_model("n", 10 * MiB, resident=8 * MiB)
+    worker.first_parameter_on_cpu("n")
+    reply = worker.send_command("model_to_device", model_id="n", device="cpu")
+    assert reply["moved"] is False and "seq" in reply
+    assert worker.resident("n") == 8 * MiB
+    assert sim.card().used() == 8 * MiB
 
 
 def test_unknown_model_is_not_registered(worker):

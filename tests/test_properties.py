@@ -476,6 +476,23 @@ any_reply = st.one_of(
 )
 
 
+def _written(
+    before: tuple[int, int], moved: bool, resident: Any, derived: int,
+    seq: Any,
+) -> tuple[int, int | None] | None:
+    """What a good reply writes over a receipt (loaded, seq) = `before`
+    (docs/semantics.md, "Which word wins"), or None when it writes
+    nothing: one that moved something writes its resident figure (the
+    worker's, or `derived` when it sent none); one that moved nothing
+    writes only a measured figure above 0; an older seq writes nothing."""
+    figure = derived if resident is None else resident
+    if not (moved or (resident is not None and resident > 0)):
+        return None
+    if seq is not None and seq < before[1]:
+        return None
+    return figure, before[1] if seq is None else seq
+
+
 @SETTINGS
 @given(reply=any_reply, ask=st.one_of(st.integers(-5, 2000), st.floats()))
 def test_any_unload_reply_never_raises(impl, reply, ask):
@@ -492,10 +509,12 @@ def test_any_unload_reply_never_raises(impl, reply, ask):
         assert s.eviction_deferred
     else:
         assert freed == reply["freed"]
-        expected = reply.get("resident")
-        if expected is None:
-            expected = max(0, 600 - freed)
-        assert (loaded, source) == (expected, "unload echo")
+        written = _written((600, 4), freed > 0, reply.get("resident"),
+                           max(0, 600 - freed), reply.get("seq"))
+        if written is None:
+            assert (loaded, seq, source) == (600, 4, "load echo")
+        else:
+            assert (loaded, seq, source) == (*written, "unload echo")
         assert not s.eviction_deferred
     assert 0 <= s.loaded_size() <= s.size
 
@@ -515,10 +534,9 @@ def test_any_load_reply_applies_or_raises_echo_error(impl, reply):
         assert s.receipt()[3] == "load echo" and s.loaded_size() == 600
         return
     assert loaded == reply["loaded"]
-    expected = reply.get("resident")
-    if expected is None:
-        expected = min(600 + loaded, 1000)
-    assert s.loaded_size() == expected
+    written = _written((600, 4), loaded > 0, reply.get("resident"),
+                       min(600 + loaded, 1000), reply.get("seq"))
+    assert s.receipt()[:2] == ((600, 4) if written is None else written)
 
 
 def test_harness_detects_a_broken_implementation(impl):

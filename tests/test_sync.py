@@ -50,21 +50,29 @@ def snapshot(pool, standins):
 # ---- apply_echo -------------------------------------------------------------
 
 
-def test_echo_always_writes(impl, make_standin):
+def test_an_echo_older_than_the_receipt_writes_nothing(impl, make_standin):
+    """Two threads' replies may be applied out of order: an echo whose seq
+    is strictly older than the receipt's writes nothing (the newer one is
+    written already).  A tie writes; no seq (an older worker) writes and
+    keeps the receipt's seq; a receipt with no seq takes any."""
     s = make_standin(size=SIZE)
     assert impl.apply_echo(s, 500, seq=9) is True
     assert receipt(s) == (500, 9, "load echo")
-    # An older seq still writes: a reply is the newest word.
-    assert impl.apply_echo(s, 400, seq=2) is True
-    assert receipt(s) == (400, 2, "unload echo")
-    assert impl.apply_echo(s, 400) is True
-    assert receipt(s) == (400, 2, "load echo")
+    assert impl.apply_echo(s, 400, seq=2) is False
+    assert receipt(s) == (500, 9, "load echo")
+    assert impl.apply_echo(s, 0, seq=8, unmapped=True) is False
+    assert receipt(s) == (500, 9, "load echo")
+    assert impl.apply_echo(s, 400, seq=9) is True
+    assert receipt(s) == (400, 9, "unload echo")
+    assert impl.apply_echo(s, 450) is True
+    assert receipt(s) == (450, 9, "load echo")
     assert impl.apply_echo(s, 0, unmapped=True) is True
-    assert receipt(s) == (0, 2, "detach echo")
-    assert impl.apply_echo(s, 300, seq=0, unmapped=True) is True
-    assert receipt(s) == (300, 0, "detach echo")
+    assert receipt(s) == (0, 9, "detach echo")
     assert impl.apply_echo(s, SIZE, seq=MAX) is True
     assert receipt(s) == (SIZE, MAX, "load echo")
+    fresh = make_standin(size=SIZE)
+    assert impl.apply_echo(fresh, 300, seq=0, unmapped=True) is True
+    assert receipt(fresh) == (300, 0, "detach echo")
 
 
 def test_echo_peak(impl, pool, make_standin):

@@ -36,7 +36,7 @@
 extern "C" {
 #endif
 
-#define CS_LEDGER_ABI_VERSION 1
+#define CS_LEDGER_ABI_VERSION 2
 
 /* Byte counts and seqs are carried as 64-bit integers; every public input
  * is limited to [0, CS_VALUE_MAX] so sums stay meaningful (they saturate). */
@@ -74,7 +74,8 @@ typedef enum cs_status {
     CS_ERR_DUPLICATE_ID, /* a census names one model twice */
     CS_ERR_SIZE_MISMATCH,/* re-registration of an id with another size */
     CS_ERR_STALE,        /* the model's generation is over or worker gone */
-    CS_ERR_STATE         /* e.g. end_call without a begin_call */
+    CS_ERR_STATE,        /* e.g. end_call without a begin_call */
+    CS_ERR_OLDER         /* an echo older than the receipt: not written */
 } cs_status;
 
 typedef struct cs_receipt {
@@ -101,7 +102,7 @@ typedef struct cs_census_entry {
 typedef struct cs_charge {
     uint64_t charge;     /* what the worker costs the card, floor included */
     uint64_t sum_sizes;  /* sum of model sizes: the in-flight supremum */
-    uint64_t sum_loaded; /* sum of receipts */
+    uint64_t sum_loaded; /* sum of figures (receipts unless given) */
     uint64_t sum_peak;   /* sum of admission peaks */
     uint64_t held;       /* last reported held (max(aimdo, torch)) */
     uint64_t reading;    /* probe's per-pid reading, 0 when none */
@@ -111,6 +112,15 @@ typedef struct cs_charge {
     bool alive;
     bool held_from_reading; /* the reading, not the report, set `held` */
 } cs_charge;
+
+/* A model's figure when it is not its receipt: what the host reads of it
+ * (a newer valid board reading), from the function its stand-ins answer
+ * loaded_size() with, so the charge and the stand-ins agree
+ * (docs/semantics.md, "Which word wins").  `model` is only compared. */
+typedef struct cs_figure {
+    const cs_model *model;
+    uint64_t loaded;
+} cs_figure;
 
 const char *cs_source_name(cs_source source);
 const char *cs_status_message(cs_status status);
@@ -149,6 +159,13 @@ uint64_t cs_ledger_reserve(cs_ledger *ledger, uint64_t base,
                            uint64_t total_bytes, bool process_local);
 /* Sum of every live worker's charge. */
 uint64_t cs_ledger_total_charge(cs_ledger *ledger);
+/* The same, each worker charged with `figures` (cs_worker_charge_with;
+ * one table for all workers). */
+uint64_t cs_ledger_reserve_with(cs_ledger *ledger, uint64_t base,
+                                uint64_t total_bytes, bool process_local,
+                                const cs_figure *figures, size_t n);
+uint64_t cs_ledger_total_charge_with(cs_ledger *ledger,
+                                     const cs_figure *figures, size_t n);
 
 /* ---- workers --------------------------------------------------------- */
 
@@ -233,7 +250,13 @@ cs_status cs_model_apply_census(cs_model *model, bool has_seq, int64_t seq,
 /* The worker's charge (docs/reserve.md):
  *   gone:      0
  *   in flight: sum of sizes + floor
- *   idle:      max(sum of receipts, sum of peaks, held, reading) + floor */
+ *   idle:      max(sum of figures, sum of peaks, held, reading) + floor
+ * A model's figure is its entry in `figures` (n entries, sorted by model
+ * address; NULL and 0 for none), else its receipt. */
+void cs_worker_charge_with(cs_worker *worker, uint64_t floor_bytes,
+                           const cs_figure *figures, size_t n,
+                           cs_charge *out);
+/* cs_worker_charge_with and no figures: every model's receipt. */
 void cs_worker_charge(cs_worker *worker, uint64_t floor_bytes,
                       cs_charge *out);
 
@@ -265,9 +288,12 @@ uint64_t cs_model_admission_peak(const cs_model *model);
  * since it last looked. */
 uint64_t cs_model_write_count(const cs_model *model);
 
-/* A command echo (docs/semantics.md): always written (a reply is the newest
- * word).  seq CS_SEQ_NONE keeps the receipt's seq.  `loaded` above the
- * size is CS_ERR_RANGE (a bad reply; nothing written).  `unmapped` (a full
+/* A command echo (docs/semantics.md, "Which word wins"): written unless
+ * its seq is strictly older than the receipt's (CS_ERR_OLDER: two
+ * threads' replies applied out of order, the newer already written).  A
+ * tie, a receipt with no seq yet, or seq CS_SEQ_NONE (an older worker's
+ * reply, which keeps the receipt's seq) writes.  `loaded` above the size
+ * is CS_ERR_RANGE (a bad reply; nothing written).  `unmapped` (a full
  * detach) zeroes the admission peak; otherwise the peak rises to `loaded`
  * while in flight and drops to `loaded` when idle.  in_flight < 0 means
  * "ask the worker" (its in-flight count > 0).  A stale model: CS_ERR_STALE,

@@ -316,9 +316,15 @@ class ModelRecord:
         in_flight: bool | None,
     ) -> bool:
         """Write a command echo (validated by the caller).  `source` None
-        derives it; `in_flight` None asks the worker's in-flight count."""
+        derives it; `in_flight` None asks the worker's in-flight count.
+        An echo whose seq is strictly older than the receipt's writes
+        nothing (two replies applied out of order: the newer is written
+        already); a tie, a receipt with no seq, or no seq writes."""
         with self.books._lock:
             if self.stale:
+                return False
+            kept = self._receipt[1]
+            if seq is not None and kept is not None and seq < kept:
                 return False
             if source is None:
                 if unmapped:
@@ -580,7 +586,19 @@ class WorkerBooks:
                 for record, resident, seq in entries
             )
 
+    def _figures(self) -> dict[int, int]:
+        """{id(record): figure} for the models whose stand-ins read a board:
+        what their loaded_size() answers (a newer board reading wins over
+        the receipt), so the charge and the stand-ins agree."""
+        figures: dict[int, int] = {}
+        for standin in self.standins():
+            module = standin._model
+            if module._board is not None:
+                figures.setdefault(id(module._record), module._loaded())
+        return figures
+
     def charge(self) -> dict[str, Any]:
+        figures = self._figures()  # the board reads take no lock
         with self._lock:
             if not self._alive:
                 return {
@@ -598,7 +616,9 @@ class WorkerBooks:
                 }
             records = list(self._table.values())
             sum_sizes = _saturate(sum(r.size for r in records))
-            sum_loaded = _saturate(sum(r._receipt[0] for r in records))
+            sum_loaded = _saturate(
+                sum(figures.get(id(r), r._receipt[0]) for r in records)
+            )
             sum_peak = _saturate(sum(r._peak for r in records))
             if self._in_flight > 0:
                 charge = _saturate(sum_sizes + self._floor)
@@ -839,9 +859,10 @@ def apply_echo(
 ) -> bool:
     """Write a command echo: the worker's word after a command.
 
-    Always written (a reply is the newest word; ``seq=None`` keeps the
-    receipt's seq).  Returns False, writing nothing, for a stale stand-in
-    or a gone worker."""
+    Written unless its seq is strictly older than the receipt's (then
+    False: the newer word is written already); ``seq=None`` keeps the
+    receipt's seq.  Returns False, writing nothing, for a stale stand-in
+    or a gone worker too."""
     unmapped = bool(unmapped)  # the caller's __bool__ runs first, as in C
     in_flight = bool(in_flight)
     if not isinstance(standin, StandIn):
@@ -1421,13 +1442,15 @@ class StandIn:
                 _describe(exc),
             )
 
-    def _deferred_path(self, what: str, exc: BaseException) -> None:
+    def _deferred_path(self, what: str, cause: str) -> None:
+        """The eviction is deferred (the receipt kept), then logged with
+        `cause` (an exception's description)."""
         self._record.set_deferred()
         log.warning(
             "comfy_standin: %s of model %r deferred: %s",
             what,
             self._record.model_id,
-            _describe(exc),
+            cause,
         )
 
     def _bad_reply(self, exc: EchoError, deferring: str | None) -> None:
@@ -1500,11 +1523,13 @@ class StandIn:
                 raise self._gone_error() from exc
             raise
         try:
-            loaded, resident, seq = _decode_load_reply(reply, size, before)
+            loaded, resident, seq, measured = _decode_load_reply(
+                reply, size, before
+            )
         except EchoError as exc:
             self._bad_reply(exc, None)
             raise
-        record.echo(resident, seq, "load echo", False, None)
+        _apply_reply(record, loaded > 0, measured, resident, seq, "load echo")
         return loaded
 
     def partially_unload(self, *args: Any, **kwargs: Any) -> int:
@@ -1555,18 +1580,21 @@ class StandIn:
             if not self._is_alive():
                 self._gone_path()
                 return before
-            self._deferred_path("model_partial_unload", exc)
+            self._deferred_path("model_partial_unload", _describe(exc))
             self._pressure(want, 0)
             return 0
         try:
-            freed, resident, seq = _decode_unload_reply(
+            freed, resident, seq, measured = _decode_unload_reply(
                 reply, record.size, before
             )
         except EchoError as exc:
             self._bad_reply(exc, "model_partial_unload")
             self._pressure(want, 0)
             return 0
-        record.echo(resident, seq, "unload echo", False, None)
+        # The bytes freed are returned whatever was written: an echo older
+        # than the receipt still freed them.
+        _apply_reply(record, freed > 0, measured, resident, seq,
+                     "unload echo")
         self._pressure(want, freed)
         return freed
 
@@ -1610,7 +1638,7 @@ class StandIn:
                 # is on the card any more.
                 record.lost()
             else:
-                self._deferred_path(command, exc)
+                self._deferred_path(command, _describe(exc))
             return
         try:
             if not issubclass(type(reply), dict):
@@ -1621,10 +1649,18 @@ class StandIn:
                 f"reply['seq'] from {command}",
                 _reply_value(reply, "seq", command),
             )
+            moved = _reply_moved(reply, command)
         except EchoError as exc:
             self._bad_reply(exc, command)
             return
-        record.echo(0, seq, "detach echo", True, None)
+        if moved:
+            record.echo(0, seq, "detach echo", True, None)
+            return
+        # Nothing moved (comfy-env answers so when the model's first
+        # parameter is already on the offload device, whatever else is on
+        # the card): no byte was freed, none is written, and the eviction
+        # is deferred so the pool lists the model again.
+        self._deferred_path(command, NOTHING_MOVED)
 
 
 def _unload_arguments(
@@ -1681,24 +1717,64 @@ def _reply_value(reply: dict[str, Any], key: str, command: str) -> Any:
 
 def _decode_load_reply(
     reply: object, size: int, before: int
-) -> tuple[int, int, int | None]:
+) -> tuple[int, int, int | None, bool]:
+    """(loaded, resident, seq, whether the worker measured resident)."""
     loaded, resident, seq = _decode_reply(
         reply, "model_partial_load", "loaded", size
     )
     if resident is None:  # an old worker: derive it
-        resident = min(before + loaded, size)
-    return loaded, resident, seq
+        return loaded, min(before + loaded, size), seq, False
+    return loaded, resident, seq, True
 
 
 def _decode_unload_reply(
     reply: object, size: int, before: int
-) -> tuple[int, int, int | None]:
+) -> tuple[int, int, int | None, bool]:
+    """(freed, resident, seq, whether the worker measured resident)."""
     freed, resident, seq = _decode_reply(
         reply, "model_partial_unload", "freed", size
     )
     if resident is None:  # an old worker: derive it
-        resident = max(0, before - freed)
-    return freed, resident, seq
+        return freed, max(0, before - freed), seq, False
+    return freed, resident, seq, True
+
+
+def _reply_moved(reply: dict[str, Any], command: str) -> bool:
+    """reply['moved'] of a detach: True when something moved (True, a byte
+    count above 0, or absent: an older worker that does not say), False
+    when nothing did (False, or 0)."""
+    value = _reply_value(reply, "moved", command)
+    if value is None or value is True:
+        return True
+    if value is False:
+        return False
+    number = _as_int(value)
+    if number is None or not 0 <= number <= VALUE_MAX:
+        raise EchoError(
+            f"reply['moved'] from {command}: expected a bool or a byte "
+            f"count, got {value!r}"
+        )
+    return number > 0
+
+
+#: The cause a deferred detach logs when its worker moved nothing.
+NOTHING_MOVED = "the worker moved nothing (moved: False)"
+
+
+def _apply_reply(
+    record: ModelRecord,
+    moved: bool,
+    measured: bool,
+    resident: int,
+    seq: int | None,
+    source: str,
+) -> None:
+    """Writes what a good reply says (docs/semantics.md, "Which word
+    wins"): a reply that says something moved writes its resident figure;
+    one that says nothing moved writes only a resident figure above 0 that
+    the worker measured, never 0."""
+    if moved or (measured and resident > 0):
+        record.echo(resident, seq, source, False, None)
 
 
 # ---- the pool -------------------------------------------------------------

@@ -175,7 +175,8 @@ thread_main(void *p)
                     m, loaded, (x & 1) ? seq : CS_SEQ_NONE,
                     (x & 2) ? CS_SOURCE_LOAD_ECHO : CS_SOURCE_UNLOAD_ECHO,
                     (x & 4) != 0, -1);
-                CHECK(st == CS_OK || st == CS_ERR_STALE);
+                CHECK(st == CS_OK || st == CS_ERR_STALE ||
+                      st == CS_ERR_OLDER);
             }
             break;
         case 5:

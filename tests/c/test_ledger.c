@@ -108,23 +108,30 @@ test_echo(void)
     CHECK(r.loaded == 600 && r.seq == 5 && r.source == CS_SOURCE_LOAD_ECHO);
     CHECK(cs_model_admission_peak(a) == 600);
 
-    /* A reply is the newest word: an older seq still writes. */
+    /* An echo older than the receipt (two replies applied out of order)
+     * writes nothing; a tie writes. */
+    uint64_t before = cs_model_write_count(a);
     CHECK(cs_model_apply_echo(a, 500, 3, CS_SOURCE_UNLOAD_ECHO, false, 0) ==
-          CS_OK);
+          CS_ERR_OLDER);
     cs_model_read(a, &r);
-    CHECK(r.loaded == 500 && r.seq == 3);
-    /* No seq keeps the receipt's seq. */
+    CHECK(r.loaded == 600 && r.seq == 5 && cs_model_write_count(a) == before);
+    CHECK(cs_model_admission_peak(a) == 600);
+    CHECK(cs_model_apply_echo(a, 550, 5, CS_SOURCE_UNLOAD_ECHO, false, 0) ==
+          CS_OK);
+    CHECK(cs_model_apply_echo(a, 500, 5, CS_SOURCE_UNLOAD_ECHO, false, 0) ==
+          CS_OK);
+    /* No seq (an older worker) keeps the receipt's seq, and writes. */
     CHECK(cs_model_apply_echo(a, 400, CS_SEQ_NONE, CS_SOURCE_UNLOAD_ECHO,
                               false, 0) == CS_OK);
     cs_model_read(a, &r);
-    CHECK(r.loaded == 400 && r.seq == 3);
+    CHECK(r.loaded == 400 && r.seq == 5);
     /* Beyond the size: a bad reply, nothing written. */
     CHECK(cs_model_apply_echo(a, 1001, 9, CS_SOURCE_LOAD_ECHO, false, 0) ==
           CS_ERR_RANGE);
     CHECK(cs_model_apply_echo(a, 10, -7, CS_SOURCE_LOAD_ECHO, false, 0) ==
           CS_ERR_RANGE);
     cs_model_read(a, &r);
-    CHECK(r.loaded == 400 && r.seq == 3);
+    CHECK(r.loaded == 400 && r.seq == 5);
 
     /* Peak: rises only in flight, drops to resident when idle. */
     CHECK(cs_model_apply_echo(a, 900, 10, CS_SOURCE_LOAD_ECHO, false, 1) ==
@@ -446,8 +453,12 @@ writer_main(void *p)
         int64_t seq = (int64_t)i * WRITERS + a->index + 1;
         uint64_t loaded = loaded_for(seq, a->size);
         if (i % 2 == 0) {
-            if (cs_model_apply_echo(a->model, loaded, seq,
-                                    CS_SOURCE_LOAD_ECHO, false, -1) != CS_OK) {
+            /* Replies of several threads land in any order: an older one
+             * than the receipt is refused, never written over it. */
+            cs_status st = cs_model_apply_echo(a->model, loaded, seq,
+                                               CS_SOURCE_LOAD_ECHO, false,
+                                               -1);
+            if (st != CS_OK && st != CS_ERR_OLDER) {
                 a->errors++;
             }
         }
@@ -511,6 +522,12 @@ test_threads(void)
     }
     CHECK(errors == 0);
     CHECK(cs_worker_in_flight(w) == 0);
+    /* Neither echoes nor censuses let an older seq win: the newest one
+     * written by any thread is the receipt. */
+    cs_receipt last;
+    cs_model_read(m, &last);
+    CHECK(last.seq == (int64_t)ROUNDS * WRITERS);
+    CHECK(last.loaded == loaded_for(last.seq, size));
     cs_receipt r;
     cs_model_read(m, &r);
     CHECK(r.loaded <= size && r.loaded == loaded_for(r.seq, size));

@@ -374,6 +374,9 @@ op_echo(state *s, fuzz_reader *r)
     else if (stale) {
         FUZZ_CHECK(st == CS_ERR_STALE);
     }
+    else if (seq != CS_SEQ_NONE && seq < before.seq) {
+        FUZZ_CHECK(st == CS_ERR_OLDER); /* an older word: not written */
+    }
     else {
         FUZZ_CHECK(st == CS_OK);
         FUZZ_CHECK(after.loaded == loaded && after.source == source);
