@@ -35,18 +35,22 @@ is_dunder(PyObject *name)
            PyUnicode_READ_CHAR(name, n - 2) == '_';
 }
 
-/* Unknown attributes name themselves; dunders stay plain so copy, pickle
- * and weakref probes and getattr(x, name, default) behave. */
+/* __getattr__: what an unknown attribute raises.  Attribute lookup itself
+ * is CPython's own (tp_getattro stays PyObject_GenericGetAttr), because
+ * any other tp_getattro stops 3.11+ from specialising `s.loaded_size()`
+ * (and 3.10 from calling it without a bound method): every method call on
+ * ComfyUI's eviction path would build a bound method.  CPython calls
+ * __getattr__ only after its own lookup failed, through the slot it gives
+ * a type with __getattr__, which 3.12+ still specialises method loads
+ * past; 3.10 and 3.11 do not, so there the stand-in type keeps CPython's
+ * own message (it names the attribute too) and only the inner module,
+ * which has no method on a hot path, gets this one (cs_standin_exec).
+ * Dunders stay plain so copy, pickle and weakref probes and getattr(x,
+ * name, default) behave. */
 static PyObject *
-contract_getattro(PyObject *self, PyObject *name)
+contract_getattr(PyObject *self, PyObject *name)
 {
-    PyObject *value = PyObject_GenericGetAttr(self, name);
-    if (value != NULL || !PyErr_ExceptionMatches(PyExc_AttributeError) ||
-        !PyUnicode_Check(name)) {
-        return value;
-    }
-    PyErr_Clear();
-    if (is_dunder(name)) {
+    if (!PyUnicode_Check(name) || is_dunder(name)) {
         PyErr_SetObject(PyExc_AttributeError, name);
         return NULL;
     }
@@ -58,6 +62,38 @@ contract_getattro(PyObject *self, PyObject *name)
                  "ModelPatcher.",
                  short_type_name(self), name);
     return NULL;
+}
+
+static PyMethodDef contract_getattr_def = {
+    "__getattr__", contract_getattr, METH_O,
+    "__getattr__($self, name, /)\n--\n\nRaises AttributeError: the stand-in "
+    "answers only the members ComfyUI is known to touch.",
+};
+
+/* Makes `type` from `spec` with contract_getattr as its __getattr__ when
+ * `with_getattr`, then immutable.  Assigning __getattr__ to the type is
+ * what gives it CPython's lookup-then-__getattr__ slot; a type is
+ * mutable until that is done. */
+static PyTypeObject *
+make_type(PyObject *module, PyType_Spec *spec, bool with_getattr)
+{
+    PyTypeObject *type = (PyTypeObject *)PyType_FromModuleAndSpec(
+        module, spec, NULL);
+    if (type == NULL || !with_getattr) {
+        return type;
+    }
+    PyObject *method = PyDescr_NewMethod(type, &contract_getattr_def);
+    int failed = method == NULL ||
+                 PyObject_SetAttrString((PyObject *)type, "__getattr__",
+                                        method) < 0;
+    Py_XDECREF(method);
+    if (failed) {
+        Py_DECREF(type);
+        return NULL;
+    }
+    type->tp_flags |= Py_TPFLAGS_IMMUTABLETYPE;
+    PyType_Modified(type);
+    return type;
 }
 
 /* ---- sentinel --------------------------------------------------------- */
@@ -337,16 +373,16 @@ static PyType_Slot module_slots[] = {
     {Py_tp_getset, module_getset},
     {Py_tp_members, module_members},
     {Py_tp_methods, module_methods},
-    {Py_tp_getattro, contract_getattro},
     {Py_tp_repr, module_repr},
     {0, NULL},
 };
 
+/* Immutable once its __getattr__ is set (make_type). */
 static PyType_Spec module_spec = {
     .name = "comfy_standin._core.StandInModule",
     .basicsize = sizeof(ModuleObject),
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC |
-             Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+             Py_TPFLAGS_DISALLOW_INSTANTIATION,
     .slots = module_slots,
 };
 
@@ -551,6 +587,13 @@ standin_make(PyTypeObject *type, cs_module_state *state, PyObject **argv)
     pool = NULL;
     self->model_id = model_id;
     model_id = NULL;
+    /* An exact int (an int subclass is read from its digits, never kept). */
+    self->size_int = PyLong_CheckExact(size_obj)
+                         ? Py_NewRef(size_obj)
+                         : PyLong_FromUnsignedLongLong(size);
+    if (self->size_int == NULL) {
+        goto error;
+    }
     /* The one step that registers the model and lists the stand-in on its
      * worker's roster (roster.c); the pool keeps it from there for its
      * graveyard (docs/architecture.md). */
@@ -611,6 +654,8 @@ standin_dealloc(StandInObject *self)
     }
     standin_clear(self);
     Py_CLEAR(self->model_id);
+    Py_CLEAR(self->size_int);
+    Py_CLEAR(self->loaded_int);
     if (self->record != NULL) {
         cs_model_release_handle(self->record);
     }
@@ -708,13 +753,31 @@ cs_standin_loaded(StandInObject *self)
 static PyObject *
 standin_model_size(StandInObject *self, PyObject *unused)
 {
-    return PyLong_FromUnsignedLongLong(cs_model_size(self->record));
+    return Py_NewRef(self->size_int);
 }
 
+/* loaded_size(): the size's int when fully loaded, CPython's cached small
+ * ints up to 256, the int answered last when the figure has not changed
+ * since (ComfyUI asks each candidate several times per pass), else a new
+ * one, kept for the next call.  Runs no Python. */
 static PyObject *
 standin_loaded_size(StandInObject *self, PyObject *unused)
 {
-    return PyLong_FromUnsignedLongLong(cs_standin_loaded(self));
+    uint64_t loaded = cs_standin_loaded(self);
+    if (loaded == cs_model_size(self->record)) {
+        return Py_NewRef(self->size_int);
+    }
+    /* The mask form reads the digits in a loop (the checked one converts
+     * through a byte array); the int is ours and in [0, 2**63-1]. */
+    PyObject *last = self->loaded_int;
+    if (last != NULL && PyLong_AsUnsignedLongLongMask(last) == loaded) {
+        return Py_NewRef(last);
+    }
+    PyObject *answer = PyLong_FromUnsignedLongLong(loaded);
+    if (answer != NULL && loaded > 256) {
+        Py_XSETREF(self->loaded_int, Py_NewRef(answer));
+    }
+    return answer;
 }
 
 static PyObject *
@@ -959,7 +1022,7 @@ standin_get_sentinel(StandInObject *self, void *closure)
 static PyObject *
 standin_get_size(StandInObject *self, void *closure)
 {
-    return PyLong_FromUnsignedLongLong(cs_model_size(self->record));
+    return Py_NewRef(self->size_int);
 }
 
 static PyObject *
@@ -1211,16 +1274,24 @@ static PyType_Slot standin_slots[] = {
     {Py_tp_getset, standin_getset},
     {Py_tp_members, standin_members},
     {Py_tp_methods, standin_methods},
-    {Py_tp_getattro, contract_getattro},
     {Py_tp_repr, standin_repr},
     {0, NULL},
 };
 
+/* Immutable once made (make_type).  On 3.12+ it gets __getattr__; on
+ * 3.10 and 3.11 that would cost every method call a bound method. */
+#if PY_VERSION_HEX >= 0x030C0000
+#define STANDIN_HAS_GETATTR true
+#define STANDIN_FLAGS 0
+#else
+#define STANDIN_HAS_GETATTR false
+#define STANDIN_FLAGS Py_TPFLAGS_IMMUTABLETYPE
+#endif
+
 static PyType_Spec standin_spec = {
     .name = "comfy_standin._core.StandIn",
     .basicsize = sizeof(StandInObject),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC |
-             Py_TPFLAGS_IMMUTABLETYPE,
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | STANDIN_FLAGS,
     .slots = standin_slots,
 };
 
@@ -1233,14 +1304,13 @@ cs_standin_exec(PyObject *module, cs_module_state *state)
         PyModule_AddType(module, state->sentinel_type) < 0) {
         return -1;
     }
-    state->module_type = (PyTypeObject *)PyType_FromModuleAndSpec(
-        module, &module_spec, NULL);
+    state->module_type = make_type(module, &module_spec, true);
     if (state->module_type == NULL ||
         PyModule_AddType(module, state->module_type) < 0) {
         return -1;
     }
-    state->standin_type = (PyTypeObject *)PyType_FromModuleAndSpec(
-        module, &standin_spec, NULL);
+    state->standin_type =
+        make_type(module, &standin_spec, STANDIN_HAS_GETATTR);
     if (state->standin_type == NULL) {
         return -1;
     }

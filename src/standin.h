@@ -51,8 +51,8 @@ typedef struct {
  * its first use, in the module; both are kept from then on, so every
  * access returns the same object.  Until the module exists no device was
  * assigned and no board attached, and the stand-in answers from the record
- * and its profile.  Ten pointers: 112 bytes with the GC header, one
- * pymalloc size class below thirteen (bench/RESULTS.md, memory). */
+ * and its profile.  Twelve pointers: 128 bytes with the GC header, one
+ * pymalloc size class (bench/RESULTS.md, memory). */
 struct StandInObject {
     PyObject_HEAD
     cs_model *record;   /* a handle (cs_model_release_handle); immutable
@@ -70,6 +70,12 @@ struct StandInObject {
      * listed, NULL before adoption and after it left (roster.c). */
     PyObject *books;
     StandInObject *roster_prev, *roster_next; /* borrowed; GIL */
+    /* What model_size() and loaded_size() return, so ComfyUI's calls make
+     * no int (a size is beyond CPython's cached small ints): the size, an
+     * exact int, strong and immutable; and the last other figure
+     * loaded_size() answered above 256, strong or NULL; GIL. */
+    PyObject *size_int;
+    PyObject *loaded_int;
 };
 
 enum { PROFILE_LOAD, PROFILE_OFFLOAD, PROFILE_KIND };

@@ -117,3 +117,32 @@ def test_write_replaces_only_its_own_section(
         "# Benchmark results\n\nsomething else\n\n"
         f"{bench.HEADING}\n\n{bench.BEGIN_MARKER}\n"
     )
+
+
+METHOD_CALLS = BENCH.parent / "bench_method_calls.py"
+
+
+def test_the_method_call_bench_runs_and_writes_its_section(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """bench/bench_method_calls.py, with tiny counts, in this interpreter
+    and in a child of it (--pythons), into a copy of bench/RESULTS.md."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_method_calls", METHOD_CALLS
+    )
+    assert spec is not None and spec.loader is not None
+    module: Any = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Benchmark results\n")
+    monkeypatch.setattr(module, "RESULTS_PATH", results)
+    assert module.main(["--rounds", "2", "--per-round", "50"]) == 0
+    assert module.main(["--pythons", sys.executable, "--rounds", "2",
+                        "--per-round", "50", "--write"]) == 0
+    out = capsys.readouterr().out
+    for call in ("n.bit_length()", "s.loaded_size()", "s.model_size()",
+                 "s.is_dynamic()"):
+        assert call in out
+    text = results.read_text()
+    assert module.BEGIN_MARKER in text and module.END_MARKER in text
+    assert "--pythons" in text and "goal" in text

@@ -256,6 +256,15 @@ WORKLOADS = {
         repr(s); repr(s.model); repr(s.clone_base_uuid)
         s.model.device = "cuda:1"; s.model.model_loaded_weight_memory = 5
         getattr(s, "nope", None); getattr(s, "__nope__", None)
+        getattr(s.model, "nope", None)
+        # Their __getattr__ (the stand-in's on 3.12+), called directly.
+        for hook in (getattr(type(s), "__getattr__", None),
+                     type(s.model).__getattr__):
+            if hook is not None:
+                bad(hook, s if hook.__objclass__ is type(s) else s.model,
+                    "nope")
+                bad(hook, s if hook.__objclass__ is type(s) else s.model,
+                    "__nope__")
         try:
             s.clone()
         except NotImplementedError:
@@ -762,6 +771,9 @@ NEVER_RETURNS = {
     "StandIn.add_hook_patches": "as add_patches",
     "StandIn.__reduce_ex__": "a stand-in cannot be pickled or copied",
     "StandInModule.__reduce_ex__": "as StandIn.__reduce_ex__",
+    "StandInModule.__getattr__": "runs only after CPython's own lookup "
+                                 "failed: always raises AttributeError",
+    "StandIn.__getattr__": "as StandInModule.__getattr__ (3.12+)",
 }
 
 
