@@ -795,6 +795,112 @@ def test_pool_holder_never_raises(impl, pool, caplog):
     assert holder.release_memory(CUDA0, "lots") == 0
 
 
+class DiesWhenAsked(ReleasingWorker):
+    """comfy-env's no-spawn path: the process dies during the ask (the
+    transport raises), or was found dead before it ("dead")."""
+
+    def __init__(self, name: str, how: str, **kw: Any) -> None:
+        super().__init__(name, **kw)
+        self.how = how
+        self.barrier: threading.Barrier | None = None
+
+    def send_command_no_spawn(self, command, lock_timeout, **params):
+        self.commands.append((command, params))
+        if self.barrier is not None:
+            self.barrier.wait(timeout=60)  # every asker is inside
+        if self.how == "dead":
+            self.kill()
+            return "dead"
+        self.kill()
+        raise fakes.WorkerDiedError(f"worker {self.name} died")
+
+
+def dying(impl, pool, how, size=3 * GiB):
+    w = DiesWhenAsked("d", how)
+    w.add_model("b", size, resident=size)
+    s = impl.StandIn(w, 1, "b", size, CUDA0, CPU, pool=pool)
+    impl.apply_residency({"b": s}, w.census())
+    pool.report(w, {"held": w.held()})
+    w.keep = [s]
+    return w
+
+
+@pytest.mark.parametrize("how", ["raises", "dead"])
+def test_a_death_seen_while_asking_goes_to_the_pool_once(impl, pool, how):
+    w = dying(impl, pool, how)
+    holder = holders.PoolHolder(pool)
+    assert holder.held_memory(CUDA0) == 3 * GiB
+    assert holder.release_memory(CUDA0, 1 * GiB) == 3 * GiB  # went with it
+    books = pool._ledger.find(w)
+    assert books is not None and not books.alive  # worker_gone ran
+    assert w.keep[0].stale and w.keep[0].loaded_size() == 0
+    assert holder.held_memory(CUDA0) == 0
+    asked = len(w.commands)
+    assert holder.release_memory(CUDA0, 1 * GiB) == 0  # counted once
+    assert len(w.commands) == asked  # and not asked again
+
+
+def test_two_askers_seeing_one_death_count_it_once(impl, pool):
+    w = dying(impl, pool, "raises")
+    w.barrier = threading.Barrier(2)
+    holder = holders.PoolHolder(pool)
+    got: list[int] = []
+    threads = [
+        threading.Thread(target=lambda: got.append(
+            holder.release_memory(CUDA0, 1 * GiB)))
+        for _ in range(2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sorted(got) == [0, 3 * GiB]
+
+
+def test_a_tracked_worker_seen_dead_is_untracked(impl, pool):
+    w = DiesWhenAsked("t", "dead")
+    w.add_model("a", 1 * GiB, resident=1 * GiB)
+    holder = holders.PoolHolder(pool)
+    holder.track(w, CUDA0)
+    pool.report(w, {"held": w.held()})
+    assert holder.release_memory(CUDA0, 1 * GiB) == 1 * GiB
+    assert holder._devices == {}
+    assert holder.held_memory(CUDA0) == 0
+
+
+def test_freed_counts_no_more_than_the_worker_held(impl, pool):
+    class Boasting(ReleasingWorker):
+        def _perform(self, command, model_id, params, cap):
+            reply = super()._perform(command, model_id, params, cap)
+            if command in ("partial_release", "release_pins"):
+                reply["receipt"]["freed_bytes"] = 1 << 50
+                reply["receipt"]["freed"] = 1 << 50
+            return reply
+
+    w = Boasting("w", pinned=256 * MiB)
+    w.add_model("a", 2 * GiB, resident=2 * GiB)
+    s = impl.StandIn(w, 1, "a", 2 * GiB, CUDA0, CPU, pool=pool)
+    impl.apply_residency({"a": s}, w.census())
+    pool.report(w, {"held": w.held(), "pinned": w.pinned})
+    holder = holders.PoolHolder(pool)
+    assert holder.release_memory(CUDA0, 1 * GiB) == 2 * GiB
+    assert holder.release_memory("cpu", 1 * GiB) == 256 * MiB
+
+
+def test_a_hostile_report_in_a_reply_is_logged_bounded(impl, pool, caplog):
+    w = tracked(impl, pool, "w", [("a", 2 * GiB, 2 * GiB)])
+    huge = "\x1b[2J" + "x" * (1 << 20)
+    w.vram_report = lambda: {"held": huge, "residency": [{"id": huge}]}
+    holder = holders.PoolHolder(pool)
+    with caplog.at_level(logging.DEBUG, logger="comfy_standin"):
+        assert holder.release_memory(CUDA0, 1 * GiB) == 1 * GiB
+    assert caplog.records, "the bad report is said"
+    for record in caplog.records:
+        text = record.getMessage()
+        assert len(text) < 2000 and "\x1b" not in text, text[:200]
+        assert record.exc_info is None  # no traceback of worker text
+
+
 def test_tracked_worker_without_standins(impl, pool):
     w = ReleasingWorker("w", pinned=256 * MiB)
     w.add_model("a", 2 * GiB, resident=2 * GiB)

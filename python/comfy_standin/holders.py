@@ -48,7 +48,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
-from .pool import _card_total, _pinned_of
+from ._text import visible
+from .pool import _alive, _card_total, _pinned_of
 
 __all__ = [
     "ALL",
@@ -203,8 +204,9 @@ class Registry:
         if count is None:
             self._failed()
             log.warning(
-                "comfy_standin: memory holder %r answered %s with %r, not "
-                "a byte count; counted as 0", holder, name, value,
+                "comfy_standin: memory holder %s answered %s with %s, not "
+                "a byte count; counted as 0", visible(holder), name,
+                visible(value),
             )
             return 0
         return count
@@ -347,10 +349,14 @@ class PoolHolder:
       ``send_command_no_spawn(..., lock_timeout=...)`` when the worker has
       it (a worker whose lock is taken answers "busy" and is skipped).
       Freed bytes are the worker's measured receipt (``freed_bytes``,
-      ``freed``, the drop of its reported ``held`` or pinned figure), or,
-      for a worker that died while asked, what it held.  A reply's
-      ``_vram_report`` is applied to the pool (``Pool.report``).  Never
-      raises.
+      ``freed``, the drop of its reported ``held`` or pinned figure), at
+      most what the books say it held.  A worker found dead while asked
+      (the ask raised and ``is_alive()`` says False, or comfy-env's
+      ``"dead"`` answer) is marked gone in the pool at once
+      (``Pool.worker_gone``): the first asker to see the death counts
+      what it held as freed, every later one 0, and ``held_memory`` no
+      longer counts it.  A reply's ``_vram_report`` is applied to the
+      pool (``Pool.report``).  Never raises.
     - ``reserved_memory(device)``: where free memory is process-local
       (Windows), the charges of the workers on that card, capped at 75%
       of the card; on Linux 0, because their bytes are already missing
@@ -395,7 +401,13 @@ class PoolHolder:
         for worker, members in self.pool.standins().items():
             for s in members:
                 devices.setdefault(id(worker), s.load_device)
+        ledger = self.pool._ledger
         with self._lock:
+            # A tracked worker the pool forgot (gone, then dropped at a
+            # boundary) leaves: the holder keeps no dead worker alive.
+            for key, (worker, _) in list(self._devices.items()):
+                if ledger.find(worker) is None:
+                    del self._devices[key]
             for key, (_, device) in self._devices.items():
                 devices[key] = device
         return devices
@@ -475,15 +487,13 @@ class PoolHolder:
             return 0
 
     def _send(self, worker: Any, command: str, **params: Any) -> object:
-        """One ask; None when it failed or the worker was busy/dead."""
+        """One ask: the reply, or comfy-env's "busy" / "dead" answer."""
         no_spawn = getattr(worker, "send_command_no_spawn", None)
         if callable(no_spawn):
             reply = no_spawn(command, lock_timeout=self.lock_timeout,
                              **params)
         else:
             reply = worker.send_command(command, **params)
-        if isinstance(reply, str):  # comfy-env: "busy" or "dead"
-            return None
         if isinstance(reply, dict):
             report = reply.get("_vram_report")
             if isinstance(report, dict):
@@ -496,10 +506,27 @@ class PoolHolder:
                                if k != "residency"}
                     try:
                         self.pool.report(worker, figures)
-                    except Exception:  # noqa: BLE001
-                        log.info("comfy_standin: report of %r ignored",
-                                 worker, exc_info=True)
+                    except Exception as exc:  # noqa: BLE001
+                        log.info("comfy_standin: report of %s ignored: %s",
+                                 visible(worker), visible(exc))
         return reply
+
+    def _gone(self, worker: Any, books: Any, before: int) -> int:
+        """`worker` was found dead: the first to see it marks it gone in
+        the pool and counts what it held (`before`) as freed; 0 after."""
+        with self._lock:
+            if not books.alive:
+                return 0  # someone else saw it first and counted it
+            log.info("comfy_standin: %s died while asked; marked gone",
+                     visible(worker))
+            try:
+                self.pool.worker_gone(worker)
+            except Exception:  # noqa: BLE001 - the books at least
+                log.warning("comfy_standin: worker_gone(%s) failed",
+                            visible(worker), exc_info=True)
+                books.gone()
+            self._devices.pop(id(worker), None)
+        return before
 
     def _ask(self, worker: Any, books: Any, command: str, before: int,
              figure: str, **params: Any) -> int | None:
@@ -509,22 +536,26 @@ class PoolHolder:
         (busy, dead before the ask, the ask failed)."""
         if self._busy(worker, books):  # a call started since we looked
             return None
+        if not books.alive:  # marked gone since we looked: counted there
+            return None
         try:
             reply = self._send(worker, command, **params)
         except Exception as exc:  # noqa: BLE001
-            try:
-                alive = bool(worker.is_alive())
-            except Exception:  # noqa: BLE001 - undecidable: alive
-                alive = True
-            if not alive:  # its bytes went back to the driver with it
-                log.info("comfy_standin: %r died during %s", worker,
-                         command)
-                return before
-            log.info("comfy_standin: %s to %r failed: %s", command, worker,
-                     exc)
+            if not _alive(worker):  # its bytes went back with it
+                return self._gone(worker, books, before)
+            log.info("comfy_standin: %s to %s failed: %s", command,
+                     visible(worker), visible(exc))
             return None
-        if reply is None:
+        if isinstance(reply, str):  # comfy-env's no-spawn answers
+            if reply == "dead":
+                return self._gone(worker, books, before)
+            return None  # "busy": its lock was not won in time
+        if not isinstance(reply, dict):
             return None
+        return min(before, self._freed(reply, before, figure))
+
+    @staticmethod
+    def _freed(reply: dict[str, Any], before: int, figure: str) -> int:
         receipt = _receipt_of(reply)
         for key in ("freed_bytes", "freed"):
             got = _byte_count(receipt.get(key))
@@ -536,7 +567,7 @@ class PoolHolder:
             if after is not None and start is not None:
                 return max(0, start - after)
             return 0
-        report = reply.get("_vram_report") if isinstance(reply, dict) else None
+        report = reply.get("_vram_report")
         after = _byte_count(report.get("held")) if isinstance(
             report, dict) else None
         if after is not None:
