@@ -60,3 +60,20 @@ def test_a_str_subclass_runs_none_of_its_code():
             raise AssertionError("ran")
 
     assert visible(Loud("ok\n")) == "ok\\n"
+
+
+def test_tail_keeps_the_end_of_a_line():
+    line = "comfy_standin: worker w failed (" + "y" * 5000 + "); receipts only"
+    shown = visible(line, 100, tail=20)
+    assert shown.startswith("comfy_standin: worker w failed (yyy")
+    assert shown.endswith("yyyy); receipts only")
+    assert "...[+" in shown and shown.isprintable()
+    assert visible("short", 100, tail=20) == "short"
+
+
+@given(st.text(), st.integers(min_value=1, max_value=300),
+       st.integers(min_value=0, max_value=300))
+def test_tail_is_bounded_too(text, limit, tail):
+    shown = visible(text, limit, tail=tail)
+    assert shown.isprintable()
+    assert len(re.sub(r"\.\.\.\[\+\d+ chars\]", "", shown, count=1)) <= limit

@@ -38,7 +38,30 @@ def _escape(ch: str) -> str:
     return f"\\U{code:08x}"
 
 
-def visible(value: object, limit: int = LOG_TEXT_LIMIT) -> str:
+def _shown(text: str, budget: int, stop: int = -1) -> tuple[list[str], int]:
+    """Escaped pieces of `text` filling at most `budget` characters, and
+    how many characters of `text` they cover: from its start, or, with
+    `stop` (an index), backwards from its end down to `stop`."""
+    out: list[str] = []
+    used = 0
+    if stop < 0:
+        indices: range = range(len(text))
+    else:
+        indices = range(len(text) - 1, stop - 1, -1)
+    for i in indices:
+        ch = text[i]
+        piece = ch if ch.isprintable() else _escape(ch)
+        if used + len(piece) > budget:
+            break
+        out.append(piece)
+        used += len(piece)
+    if stop >= 0:
+        out.reverse()
+    return out, len(out)
+
+
+def visible(value: object, limit: int = LOG_TEXT_LIMIT, *,
+            tail: int = 0) -> str:
     """`value` as at most `limit` printable characters on one line.
 
     A ``str`` is used as it is (no quotes); anything else through a
@@ -46,10 +69,13 @@ def visible(value: object, limit: int = LOG_TEXT_LIMIT) -> str:
     Every character ``str.isprintable()`` rejects (control characters,
     line and paragraph separators, bidi and other format characters, lone
     surrogates from undecodable file names) is shown as a Python escape
-    (``\\x1b``, ``\\u202e``).  Longer text is cut and ends with
-    ``...[+N chars]``.  Never raises an ``Exception``: an object whose
-    repr fails reads ``<TYPE instance at 0x...>``."""
+    (``\\x1b``, ``\\u202e``).  Longer text is cut, and the cut says how
+    much went: ``...[+N chars]`` at the end, or, with `tail`, in the
+    middle, keeping the last `tail` characters (a log line whose own
+    words close it).  Never raises an ``Exception``: an object whose repr
+    fails reads ``<TYPE instance at 0x...>``."""
     limit = max(1, int(limit))
+    tail = max(0, min(int(tail), limit // 2))
     if isinstance(value, str):
         text = str.__str__(value)  # a subclass's own methods do not run
     else:
@@ -60,12 +86,10 @@ def visible(value: object, limit: int = LOG_TEXT_LIMIT) -> str:
         if not isinstance(text, str):
             text = f"<unprintable {type(value).__name__}>"
         text = str.__str__(text)
-    out: list[str] = []
-    used = 0
-    for index, ch in enumerate(text):
-        piece = ch if ch.isprintable() else _escape(ch)
-        if used + len(piece) > limit:
-            return "".join(out) + f"...[+{len(text) - index} chars]"
-        out.append(piece)
-        used += len(piece)
-    return "".join(out)
+    head, covered = _shown(text, limit)
+    if covered == len(text):
+        return "".join(head)
+    head, covered = _shown(text, limit - tail)
+    end, end_covered = _shown(text, tail, stop=covered)
+    cut = len(text) - covered - end_covered
+    return "".join(head) + f"...[+{cut} chars]" + "".join(end)
