@@ -357,3 +357,26 @@ def test_the_board_refusal_path_logs_once_per_kind(fresh_log_once, caplog):
     assert len(adapter._warned) == 1
     assert len(caplog.records) == 1
     assert len(caplog.records[0].getMessage()) <= 1000
+
+
+def test_a_model_listed_again_is_named_in_one_bounded_line(installed, mm,
+                                                           caplog):
+    """comfy-env's boundary lists again a stand-in ComfyUI dropped while
+    its worker holds it; the model id is the worker's own text."""
+    hostile = "\x1b[2J" + "m" * 100_000
+    worker = fakes.FakeWorker("w")
+    worker.add_model(hostile, 2 * GiB, resident=2 * GiB)
+    worker._last_new_models = [
+        {"id": hostile, "size": 2 * GiB, "kind": "unet", "device": "cuda:0"}
+    ]
+    comfy_env_pool._register_new_patchers("/env/r", worker, 1)
+    mm.current_loaded_models.clear()  # dropped; the weights are still there
+    with caplog.at_level("WARNING", logger="comfy_standin"):
+        comfy_env_pool._register_new_patchers("/env/r", worker, 1)
+    # (other tests' stand-ins in the default pool may be listed too)
+    (record,) = [r for r in caplog.records
+                 if "again" in r.getMessage() and "mmm" in r.getMessage()]
+    text = record.getMessage()
+    assert len(text) < 1000 and "\x1b" not in text
+    assert any(e.model is not None and e.model.model_id == hostile
+               for e in mm.current_loaded_models)

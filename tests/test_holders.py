@@ -901,6 +901,50 @@ def test_a_hostile_report_in_a_reply_is_logged_bounded(impl, pool, caplog):
         assert record.exc_info is None  # no traceback of worker text
 
 
+def test_a_reply_that_is_a_dict_subclass_is_read_from_its_storage(impl,
+                                                                   pool):
+    class Sly(dict):
+        def get(self, *args):
+            raise RuntimeError("the worker's get ran in the host")
+
+    class SlyWorker(ReleasingWorker):
+        def send_command_no_spawn(self, command, lock_timeout, **params):
+            reply = self.send_command(command, **params)
+            reply["receipt"] = Sly(reply["receipt"])
+            return Sly(reply)
+
+    w = SlyWorker("w")
+    w.add_model("a", 2 * GiB, resident=2 * GiB)
+    s = impl.StandIn(w, 1, "a", 2 * GiB, CUDA0, CPU, pool=pool)
+    impl.apply_residency({"a": s}, w.census())
+    holder = holders.PoolHolder(pool)
+    assert holder.release_memory(CUDA0, 1 * GiB) == 1 * GiB
+
+
+def test_a_strange_device_text_breaks_no_other_worker(impl, pool):
+    """"cuda:²" passes str.isdigit() and fails int(): one stand-in with
+    such a device must not make the holder answer 0 for every card."""
+    w = tracked(impl, pool, "w", [("a", 2 * GiB, 2 * GiB)])
+    odd = ReleasingWorker("odd")
+    odd.add_model("b", 1 * GiB, resident=1 * GiB)
+    s = impl.StandIn(odd, 1, "b", 1 * GiB, "cuda:\u00b2", CPU, pool=pool)
+    impl.apply_residency({"b": s}, odd.census())
+    holder = holders.PoolHolder(pool)
+    assert holder.held_memory(CUDA0) == 3 * GiB  # index-less: any card
+    assert w.keep
+
+
+def test_a_holder_whose_getattr_raises_counts_as_zero(caplog):
+    class Hostile(Holder):
+        def __getattr__(self, name):
+            raise RuntimeError(f"no {name}")
+
+    reg = holders.Registry()
+    reg.register(Hostile(5))
+    assert reg.reserved("cuda:0") == 0
+    assert reg.failures == 1
+
+
 def test_tracked_worker_without_standins(impl, pool):
     w = ReleasingWorker("w", pinned=256 * MiB)
     w.add_model("a", 2 * GiB, resident=2 * GiB)

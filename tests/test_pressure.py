@@ -155,3 +155,14 @@ def test_shortfalls_that_are_not_byte_counts_ask_nobody(setup):
     for bad in (None, "lots", float("nan"), -5, True, [1]):
         pool.on_pressure(bad)
     assert pressure_threads() == [] and w.asks == []
+
+
+def test_a_reply_that_is_a_dict_subclass_is_read_from_its_storage(setup):
+    class Sly(dict):
+        def get(self, *args):
+            raise RuntimeError("the worker's get ran in the host")
+
+    pool, worker = setup
+    w = worker("w", 2 * GiB)
+    w.answer = Sly(receipt=Sly(freed_bytes=1 * GiB))
+    assert pool._ask_idle_workers(1 * GiB) == 1 * GiB

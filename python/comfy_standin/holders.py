@@ -188,10 +188,10 @@ class Registry:
     # ---- asking -----------------------------------------------------------
 
     def _ask(self, holder: Any, name: str, *args: Any) -> int:
-        method = getattr(holder, name, None)
-        if method is None:
-            return 0
         try:
+            method = getattr(holder, name, None)
+            if method is None:
+                return 0
             value = method(*args)
         except Exception:  # noqa: BLE001 - a holder never breaks ComfyUI
             self._failed()
@@ -227,8 +227,7 @@ class Registry:
         """The sum of ``reserved_memory(device)`` over the holders that
         have it."""
         return min(ALL, sum(
-            self._ask(h, "reserved_memory", device) for h in self.holders()
-            if hasattr(h, "reserved_memory")))
+            self._ask(h, "reserved_memory", device) for h in self.holders()))
 
     def release(self, device: Any, size: object) -> int:
         """Asks holders, largest ``held_memory(device)`` first, until
@@ -297,7 +296,8 @@ def _device_kind(device: Any) -> tuple[str, int | None]:
     if not isinstance(kind, str):
         text = str(device)
         kind, _, rest = text.partition(":")
-        index = int(rest) if rest.isdigit() else None
+        # ASCII digits only: "²".isdigit() is true and int("²") raises.
+        index = int(rest) if rest.isascii() and rest.isdigit() else None
     if isinstance(device, int) and not isinstance(device, bool):
         return "cuda", device
     return kind, index if isinstance(index, int) else None
@@ -320,8 +320,10 @@ def _same_device(a: Any, b: Any) -> bool:
 
 
 def _receipt_of(reply: object) -> dict[str, Any]:
+    """The reply's receipt, read from the dicts' storage (a dict
+    subclass's own ``get`` never runs)."""
     if isinstance(reply, dict):
-        receipt = reply.get("receipt")
+        receipt = dict.get(reply, "receipt")
         if isinstance(receipt, dict):
             return receipt
     return {}
@@ -495,7 +497,7 @@ class PoolHolder:
         else:
             reply = worker.send_command(command, **params)
         if isinstance(reply, dict):
-            report = reply.get("_vram_report")
+            report = dict.get(reply, "_vram_report")
             if isinstance(report, dict):
                 try:
                     self.pool.report(worker, report)
@@ -558,17 +560,17 @@ class PoolHolder:
     def _freed(reply: dict[str, Any], before: int, figure: str) -> int:
         receipt = _receipt_of(reply)
         for key in ("freed_bytes", "freed"):
-            got = _byte_count(receipt.get(key))
+            got = _byte_count(dict.get(receipt, key))
             if got is not None:
                 return got
         if figure == "pinned":
-            after = _byte_count(receipt.get("pinned_after"))
-            start = _byte_count(receipt.get("pinned_before"))
+            after = _byte_count(dict.get(receipt, "pinned_after"))
+            start = _byte_count(dict.get(receipt, "pinned_before"))
             if after is not None and start is not None:
                 return max(0, start - after)
             return 0
-        report = reply.get("_vram_report")
-        after = _byte_count(report.get("held")) if isinstance(
+        report = dict.get(reply, "_vram_report")
+        after = _byte_count(dict.get(report, "held")) if isinstance(
             report, dict) else None
         if after is not None:
             return max(0, before - after)

@@ -768,9 +768,11 @@ class Pool:
                 if wants_vram:
                     reply = self._pressure_ask(
                         worker, "partial_release", min(held, remaining))
-                    receipt = reply.get("receipt") if isinstance(
+                    # Read from the dicts' storage: a dict subclass's own
+                    # get() never runs on this thread.
+                    receipt = dict.get(reply, "receipt") if isinstance(
                         reply, dict) else None
-                    got = receipt.get("freed_bytes") if isinstance(
+                    got = dict.get(receipt, "freed_bytes") if isinstance(
                         receipt, dict) else None
                     if _is_byte_value(got):
                         got = min(got, held)  # no more than it held

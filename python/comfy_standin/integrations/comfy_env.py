@@ -385,8 +385,9 @@ def _wrap_register_new_patchers(original: Any) -> Any:
                 )
                 for s in restored:
                     log.warning(
-                        "comfy_standin: listed %r again: ComfyUI dropped "
-                        "it while its worker still holds it", s.model_id,
+                        "comfy_standin: listed model %s again: ComfyUI "
+                        "dropped it while its worker still holds it",
+                        visible(s.model_id),
                     )
             except Exception:
                 log.exception("comfy_standin: boundary failed (ignored)")
