@@ -802,7 +802,7 @@ class DiesWhenAsked(ReleasingWorker):
     def __init__(self, name: str, how: str, **kw: Any) -> None:
         super().__init__(name, **kw)
         self.how = how
-        self.barrier: threading.Barrier | None = None
+        self.barrier: Any = None
 
     def send_command_no_spawn(self, command, lock_timeout, **params):
         self.commands.append((command, params))
@@ -841,20 +841,23 @@ def test_a_death_seen_while_asking_goes_to_the_pool_once(impl, pool, how):
 
 
 def test_two_askers_seeing_one_death_count_it_once(impl, pool):
+    """A second caller while the first one's ask is in flight does not
+    ask the same worker; the death is counted by the one that saw it."""
     w = dying(impl, pool, "raises")
-    w.barrier = threading.Barrier(2)
-    holder = holders.PoolHolder(pool)
+    inside, go_on = threading.Event(), threading.Event()
+    w.barrier = types.SimpleNamespace(
+        wait=lambda timeout: (inside.set(), go_on.wait(timeout)))
+    holder = holders.PoolHolder(pool, deadline=60)
     got: list[int] = []
-    threads = [
-        threading.Thread(target=lambda: got.append(
-            holder.release_memory(CUDA0, 1 * GiB)))
-        for _ in range(2)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert sorted(got) == [0, 3 * GiB]
+    first = threading.Thread(target=lambda: got.append(
+        holder.release_memory(CUDA0, 1 * GiB)))
+    first.start()
+    assert inside.wait(60)
+    got.append(holder.release_memory(CUDA0, 1 * GiB))  # skipped: 0
+    go_on.set()
+    first.join(timeout=60)
+    assert got == [0, 3 * GiB]
+    assert len(w.commands) == 1
 
 
 def test_a_tracked_worker_seen_dead_is_untracked(impl, pool):
@@ -943,6 +946,51 @@ def test_a_holder_whose_getattr_raises_counts_as_zero(caplog):
     reg.register(Hostile(5))
     assert reg.reserved("cuda:0") == 0
     assert reg.failures == 1
+
+
+class StuckReleasing(ReleasingWorker):
+    """Its release asks block until the test lets go (at most 10 s, so a
+    broken run ends)."""
+
+    def __init__(self, name: str, **kw: Any) -> None:
+        super().__init__(name, **kw)
+        self.let_go = threading.Event()
+        self.entered = 0
+
+    def send_command_no_spawn(self, command, lock_timeout, **params):
+        self.entered += 1
+        self.let_go.wait(10)
+        return self.send_command(command, **params)
+
+
+def test_a_worker_that_does_not_answer_holds_no_caller(impl, pool):
+    """ComfyUI's thread waits on workers for at most the holder's
+    deadline; the silent worker is skipped until its ask returns, and the
+    others are asked meanwhile."""
+    stuck = StuckReleasing("stuck")
+    stuck.unload_cap = 1 * GiB  # its late answer frees only part
+    stuck.add_model("s", 4 * GiB, resident=4 * GiB)
+    s = impl.StandIn(stuck, 1, "s", 4 * GiB, CUDA0, CPU, pool=pool)
+    impl.apply_residency({"s": s}, stuck.census())
+    healthy = tracked(impl, pool, "healthy", [("h", 2 * GiB, 2 * GiB)])
+    holder = holders.PoolHolder(pool, deadline=0.2)
+    try:
+        # The largest is asked first and does not answer in time.
+        assert holder.release_memory(CUDA0, 1 * GiB) == 0
+        assert not stuck.let_go.is_set() and stuck.entered == 1
+        # Its ask is still in flight: skipped; the healthy one is asked.
+        assert holder.release_memory(CUDA0, 1 * GiB) == 1 * GiB
+        assert stuck.entered == 1
+        assert [c for c, _ in healthy.commands] == ["partial_release"]
+    finally:
+        stuck.let_go.set()
+    for t in threading.enumerate():
+        if t.name == "comfy-standin-holder-ask":
+            t.join(timeout=60)
+    # Its late reply reached the books; it is asked again from now on.
+    assert holder.held_memory(CUDA0) < 5 * GiB
+    holder.release_memory(CUDA0, 1 * GiB)
+    assert stuck.entered == 2
 
 
 def test_tracked_worker_without_standins(impl, pool):

@@ -44,6 +44,7 @@ import inspect
 import logging
 import math
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
@@ -350,6 +351,10 @@ class PoolHolder:
       ``supports_release_pins``, as comfy-env's workers do), through
       ``send_command_no_spawn(..., lock_timeout=...)`` when the worker has
       it (a worker whose lock is taken answers "busy" and is skipped).
+      One call waits on its workers for at most `deadline` seconds in
+      all: each ask runs on a helper thread, and a worker that has not
+      answered when the time is up counts 0 and is not asked again until
+      that ask returns (its late reply still updates the books).
       Freed bytes are the worker's measured receipt (``freed_bytes``,
       ``freed``, the drop of its reported ``held`` or pinned figure), at
       most what the books say it held.  A worker found dead while asked
@@ -369,14 +374,21 @@ class PoolHolder:
     device)``.
     """
 
-    def __init__(self, pool: Any = None, *, lock_timeout: float = 0.1):
+    def __init__(self, pool: Any = None, *, lock_timeout: float = 0.1,
+                 deadline: float = 5.0):
         if pool is None:
             from . import default_pool
 
             pool = default_pool()
         self.pool = pool
         self.lock_timeout = float(lock_timeout)
+        self.deadline = float(deadline)
         self._lock = threading.Lock()
+        # The end of the current release_memory() call, per thread.
+        self._local = threading.local()
+        # id(worker) -> worker, while an ask to it is in flight (held, so
+        # the id stays that worker's).
+        self._asking: dict[int, Any] = {}
         # id(worker) -> (worker, device) for tracked workers.
         self._devices: dict[int, tuple[Any, Any]] = {}
         self._totals: dict[str, int | None] = {}
@@ -480,6 +492,7 @@ class PoolHolder:
             want = _request_bytes(size)
             if want <= 0:
                 return 0
+            self._local.until = time.monotonic() + self.deadline
             if _is_cpu(device):
                 return self._release_pins(want)
             return self._release_vram(device, want)
@@ -487,6 +500,8 @@ class PoolHolder:
             log.warning("comfy_standin: PoolHolder.release_memory failed",
                         exc_info=True)
             return 0
+        finally:
+            self._local.until = None
 
     def _send(self, worker: Any, command: str, **params: Any) -> object:
         """One ask: the reply, or comfy-env's "busy" / "dead" answer."""
@@ -532,14 +547,57 @@ class PoolHolder:
 
     def _ask(self, worker: Any, books: Any, command: str, before: int,
              figure: str, **params: Any) -> int | None:
-        """Sends `command`; the bytes it freed by the worker's receipt,
-        else by the drop of the worker's own figure (`figure`: "held" or
-        "pinned") from `before`.  None when the worker gave no answer
-        (busy, dead before the ask, the ask failed)."""
+        """Sends `command` from a helper thread and waits for the answer
+        until this call's deadline: the bytes it freed by the worker's
+        receipt, else by the drop of the worker's own figure (`figure`:
+        "held" or "pinned") from `before`.  None when the worker gave no
+        answer (busy, dead before the ask, the ask failed, not in time,
+        or an earlier ask to it is still in flight)."""
         if self._busy(worker, books):  # a call started since we looked
             return None
         if not books.alive:  # marked gone since we looked: counted there
             return None
+        until = getattr(self._local, "until", None)
+        left = self.deadline if until is None else until - time.monotonic()
+        if left <= 0:
+            return None
+        with self._lock:
+            if id(worker) in self._asking:
+                return None  # its last ask has not returned: not again
+            self._asking[id(worker)] = worker
+        outcome: list[int | None] = []
+        done = threading.Event()
+
+        def ask() -> None:
+            try:
+                outcome.append(self._ask_now(worker, books, command, before,
+                                             figure, **params))
+            except Exception:  # noqa: BLE001 - a helper thread has no caller
+                log.warning("comfy_standin: %s to %s failed in the host",
+                            command, visible(worker), exc_info=True)
+            finally:
+                with self._lock:
+                    self._asking.pop(id(worker), None)
+                done.set()
+
+        helper = threading.Thread(target=ask, daemon=True,
+                                  name="comfy-standin-holder-ask")
+        try:
+            helper.start()
+        except RuntimeError:  # no thread to be had: no ask
+            with self._lock:
+                self._asking.pop(id(worker), None)
+            return None
+        if not done.wait(left):
+            log.info("comfy_standin: %s did not answer %s in time; not "
+                     "asked again until it does", visible(worker), command)
+            return None
+        return outcome[0] if outcome else None
+
+    def _ask_now(self, worker: Any, books: Any, command: str, before: int,
+                 figure: str, **params: Any) -> int | None:
+        """The ask itself, on the helper thread; never raises an
+        ``Exception``."""
         try:
             reply = self._send(worker, command, **params)
         except Exception as exc:  # noqa: BLE001
@@ -549,7 +607,7 @@ class PoolHolder:
                      visible(worker), visible(exc))
             return None
         if isinstance(reply, str):  # comfy-env's no-spawn answers
-            if reply == "dead":
+            if str.__str__(reply) == "dead":
                 return self._gone(worker, books, before)
             return None  # "busy": its lock was not won in time
         if not isinstance(reply, dict):

@@ -911,7 +911,7 @@ def _ask(worker: Any, command: str, size: int) -> tuple[object, bool]:
                  visible(worker), visible(exc))
         return None, not _alive(worker)
     # comfy-env's no-spawn sentinels: "busy" (lock not won) and "dead".
-    return reply, isinstance(reply, str) and reply == "dead"
+    return reply, isinstance(reply, str) and str.__str__(reply) == "dead"
 
 
 def _alive(worker: Any) -> bool:
