@@ -213,7 +213,7 @@ def test_a_cache_file_that_is_a_link_is_refused(comfyui, outside, capsys):
     assert run(capsys, "install-node", str(comfyui))[0] == 0
     cache = entry(comfyui) / "__pycache__"
     cache.mkdir()
-    (cache / "__init__.cpython-310.pyc").write_bytes(b"ours")
+    (cache / "__init__.cpython-39.pyc").write_bytes(b"ours")
     (cache / OWN_CACHE).symlink_to(outside / OWN_CACHE)
     before = snapshot(outside)
     mine = snapshot(entry(comfyui))
@@ -369,16 +369,16 @@ def test_uninstall_removes_only_the_entry_and_its_own_caches(comfyui,
     cache = entry(comfyui) / "__pycache__"
     theirs = ["other.cpython-311.pyc", "__init__.cpython-311.pyc.1234",
               "__init__.txt", "x.pyc"]
-    for name in ["__init__.cpython-310.pyc", "__init__.cpython-313.opt-1.pyc",
-                 *theirs]:
+    others = {"__init__.cpython-39.pyc", "__init__.cpython-314.opt-1.pyc"}
+    for name in sorted(others - {OWN_CACHE}) + theirs:
         (cache / name).write_bytes(b"")
-    (cache / "__init__.cpython-312.pyc").mkdir()  # not a regular file
+    (cache / "__init__.cpython-38.pyc").mkdir()  # not a regular file
     (entry(comfyui) / "notes.txt").write_text("mine")
     code, out, err = run(capsys, "uninstall-node", str(comfyui))
     assert (code, err) == (0, "")
     assert "kept" in out and "notes.txt" in out
     assert sorted(os.listdir(cache)) == sorted(
-        theirs + ["__init__.cpython-312.pyc"])
+        theirs + ["__init__.cpython-38.pyc"])
     assert sorted(os.listdir(entry(comfyui))) == ["__pycache__",
                                                    "notes.txt"]
 

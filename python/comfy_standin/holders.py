@@ -197,8 +197,8 @@ class Registry:
         except Exception:  # noqa: BLE001 - a holder never breaks ComfyUI
             self._failed()
             log.warning(
-                "comfy_standin: memory holder %r raised in %s; counted as "
-                "0", holder, name, exc_info=True,
+                "comfy_standin: memory holder %s raised in %s; counted as "
+                "0", visible(holder), name, exc_info=True,
             )
             return 0
         count = _byte_count(value)

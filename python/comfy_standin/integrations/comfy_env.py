@@ -337,7 +337,7 @@ def _apply_peak_raise(original: Any, patchers: Any, census: Any) -> None:
             bad += 1
     for mid, entry in entries:
         p = table.get(mid)
-        if not _is_ours(p):
+        if not isinstance(p, cs.StandIn):
             continue
         try:
             resident = dict.get(entry, "resident", 0)
