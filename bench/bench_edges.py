@@ -229,9 +229,14 @@ def memory_row(cfg: dict[str, Any]) -> tuple[str, int, int]:
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
-    logging.getLogger("comfy_standin").setLevel(logging.CRITICAL)
-    rows = holder_rows(cfg) + census_rows(cfg) + visible_rows(cfg)
-    return {"rows": rows, "memory": memory_row(cfg)}
+    logger = logging.getLogger("comfy_standin")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)  # the rows log on purpose
+    try:
+        rows = holder_rows(cfg) + census_rows(cfg) + visible_rows(cfg)
+        return {"rows": rows, "memory": memory_row(cfg)}
+    finally:
+        logger.setLevel(level)
 
 
 def table(results: dict[str, Any]) -> str:

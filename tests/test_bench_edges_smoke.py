@@ -5,6 +5,7 @@ direction is, because it is a byte count, not a time."""
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
 from pathlib import Path
 
@@ -15,7 +16,9 @@ def test_every_row_has_numbers_and_the_section_is_whole():
     spec = importlib.util.spec_from_file_location("bench_edges", BENCH)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    level = logging.getLogger("comfy_standin").level
     results = module.run(module.SMOKE)
+    assert logging.getLogger("comfy_standin").level == level  # left as found
     assert len(results["rows"]) == 4
     for job, _, a, _, b in results["rows"]:
         assert math.isfinite(a) and a > 0 and math.isfinite(b) and b > 0, job
