@@ -94,7 +94,8 @@ def test_install_refuses_a_foreign_folder(comfyui):
 def test_uninstall_removes_and_is_idempotent(comfyui):
     assert run("install-node", str(comfyui))[0] == 0
     (entry(comfyui) / "__pycache__").mkdir()
-    (entry(comfyui) / "__pycache__" / "x.pyc").write_bytes(b"")
+    cached = f"__init__.{sys.implementation.cache_tag}.pyc"
+    (entry(comfyui) / "__pycache__" / cached).write_bytes(b"")
     code, out = run("uninstall-node", str(comfyui))
     assert code == 0 and "removed" in out
     assert not entry(comfyui).exists()

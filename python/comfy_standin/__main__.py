@@ -327,13 +327,15 @@ def _add_selfcheck(sub: Any, common: argparse.ArgumentParser) -> None:
 def _cmd_install_node(args: argparse.Namespace, out: Output) -> int:
     from . import _node
 
-    return _node.install(args.comfyui, out.stream)
+    return _node.install(args.comfyui, out.stream, json_output=out.json,
+                         quiet=out.quiet)
 
 
 def _cmd_uninstall_node(args: argparse.Namespace, out: Output) -> int:
     from . import _node
 
-    return _node.uninstall(args.comfyui, out.stream)
+    return _node.uninstall(args.comfyui, out.stream, json_output=out.json,
+                           quiet=out.quiet)
 
 
 def _add_node(sub: Any, common: argparse.ArgumentParser) -> None:

@@ -15,10 +15,14 @@ What it swaps, all reversibly (``uninstall()``):
 - ``comfy_env.state_sync.apply_echo``, ``apply_residency`` and
   ``apply_peak_raise`` route comfy_standin stand-ins to the C state sync
   and pass every other patcher to comfy-env's originals.  They keep
-  comfy-env's calling contract: they never raise, a bad census entry is
-  skipped (comfy_standin itself rejects the whole census; here the valid
-  entries are then applied one by one, as comfy-env did), and
-  ``apply_residency`` returns the ids whose receipt changed.
+  comfy-env's calling contract: they never raise an ``Exception``,
+  whatever the worker's frame held, and ``apply_residency`` returns the
+  ids whose receipt changed.  Every census entry is checked: one that is
+  not a dict with a str ``id`` is skipped, as is one the C state sync
+  rejects (comfy_standin itself rejects a whole census; here the valid
+  entries are then applied one by one); the valid ones apply.  Skipped
+  entries and ignored echoes are counted (``counters()``) and said once
+  per kind, in one bounded line.
 
 - ``comfy_env.isolation.pool._insert_loaded_model`` lists comfy_standin
   stand-ins through ``comfy_standin.register`` (so the pool holds them
@@ -70,7 +74,9 @@ from typing import Any
 
 import comfy_standin as cs
 
-__all__ = ["install", "installed", "uninstall"]
+from .._text import LOG_TEXT_LIMIT, visible
+
+__all__ = ["counters", "install", "installed", "uninstall"]
 
 log = logging.getLogger("comfy_standin")
 
@@ -163,6 +169,61 @@ def _is_ours(p: Any) -> bool:
     return isinstance(p, cs.StandIn)
 
 
+# What the state-sync wrappers skipped, for status displays.
+_counts = {
+    "census_entries_skipped": 0,
+    "peak_entries_skipped": 0,
+    "echoes_ignored": 0,
+}
+_counts_lock = threading.Lock()
+
+
+def counters() -> dict[str, int]:
+    """What the state-sync wrappers skipped since start-up:
+    ``census_entries_skipped`` (entries of ``apply_residency`` that were
+    not a dict with a str id, or that the state sync rejected; a census
+    that is not a list counts once), ``peak_entries_skipped``
+    (``apply_peak_raise``) and ``echoes_ignored`` (``apply_echo``)."""
+    with _counts_lock:
+        return dict(_counts)
+
+
+def _count(name: str, n: int = 1) -> None:
+    with _counts_lock:
+        _counts[name] += n
+
+
+_MISSING = object()
+
+
+def _census_entries(census: Any) -> tuple[list[tuple[str, dict[str, Any]]],
+                                          int, str | None]:
+    """(id, entry) for each entry of `census` that is a dict with a str
+    id, in order; how many were not; the first reason.  A census that is
+    not a list or tuple is one bad entry."""
+    if census is None:
+        return [], 0, None
+    if not isinstance(census, (list, tuple)):
+        return [], 1, (f"census is a {type(census).__name__}, not a list")
+    entries: list[tuple[str, dict[str, Any]]] = []
+    bad, reason = 0, None
+    for index, entry in enumerate(list(census)):
+        mid = dict.get(entry, "id", _MISSING) if isinstance(
+            entry, dict) else _MISSING
+        if isinstance(mid, str):
+            # An exact str: a subclass's __hash__/__eq__ never runs here.
+            entries.append((str.__str__(mid), entry))
+            continue
+        bad += 1
+        if reason is None:
+            what = (f"{type(entry).__name__}, not a dict"
+                    if not isinstance(entry, dict) else
+                    "no id" if mid is _MISSING else
+                    f"id is a {type(mid).__name__}, not a str")
+            reason = f"census[{index}]: {what}"
+    return entries, bad, reason
+
+
 def _wrap_apply_echo(original: Any) -> Any:
     def apply_echo(
         p: Any,
@@ -180,8 +241,10 @@ def _wrap_apply_echo(original: Any) -> Any:
             cs.apply_echo(p, value, seq=None if seq is None else int(seq),
                           unmapped=unmapped, in_flight=in_flight)
         except Exception as exc:  # an echo must not fail an eviction
-            log.warning("comfy_standin: echo for %r ignored: %s",
-                        p.model_id, exc)
+            _count("echoes_ignored")
+            _note_once("echo", None,
+                       f"comfy_standin: echo for model {visible(p.model_id)} "
+                       f"ignored: {visible(exc)}")
         return None
 
     apply_echo.__wrapped__ = original  # type: ignore[attr-defined]
@@ -194,56 +257,97 @@ def _wrap_apply_residency(original: Any) -> Any:
         census: list[dict[str, Any]],
         log: Any = None,
     ) -> list[str]:
-        ours = {k: p for k, p in (patchers or {}).items() if _is_ours(p)}
-        theirs = {k: p for k, p in (patchers or {}).items() if not _is_ours(p)}
-        changed: list[str] = []
-        entries = list(census or [])
-        if theirs:
-            changed += original(theirs, entries, log=log)
-        mine = [
-            e for e in entries
-            if isinstance(e, dict) and e.get("id") in ours
-        ]
-        if not mine:
-            return changed
-        before = {e["id"]: ours[e["id"]].loaded_size() for e in mine}
         try:
-            cs.apply_residency(ours, mine)
-        except cs.EchoError as exc:
-            _note(log, f"[comfy-standin] census rejected whole ({exc}); "
-                       f"applying its valid entries one by one")
-            for entry in mine:
-                try:
-                    cs.apply_residency(ours, [entry])
-                except cs.EchoError as entry_exc:
-                    _note(log, f"[comfy-standin] census entry skipped: "
-                               f"{entry_exc}")
-        changed += [
-            mid for mid in before if ours[mid].loaded_size() != before[mid]
-        ]
-        return changed
+            return _apply_residency(original, patchers, census, log)
+        except Exception as exc:  # comfy-env's contract: never raises
+            _count("census_entries_skipped")
+            _note_once("census-failed", log,
+                       f"[comfy-standin] census not applied: "
+                       f"{visible(exc)}")
+            return []
 
     apply_residency.__wrapped__ = original  # type: ignore[attr-defined]
     return apply_residency
+
+
+def _apply_residency(original: Any, patchers: Any, census: Any,
+                     log_fn: Any) -> list[str]:
+    ours: dict[str, Any] = {}
+    theirs: dict[str, Any] = {}
+    for mid, p in dict(patchers or {}).items():
+        (ours if _is_ours(p) else theirs)[mid] = p
+    entries, bad, reason = _census_entries(census)
+    changed: list[str] = []
+    if theirs:
+        their_entries = [e for mid, e in entries if mid in theirs]
+        try:
+            changed += list(original(theirs, their_entries, log=log_fn)
+                            or [])
+        except Exception as exc:  # comfy-env's own code, on worker data
+            _note_once("census-original", log_fn,
+                       f"[comfy-standin] comfy-env's census apply failed: "
+                       f"{visible(exc)}")
+    mine = [(mid, e) for mid, e in entries if mid in ours]
+    if mine:
+        before = {mid: ours[mid].loaded_size() for mid, _ in mine}
+        try:
+            cs.apply_residency(ours, [e for _, e in mine])
+        except Exception:  # noqa: BLE001 - rejected whole: one by one
+            for mid, entry in mine:
+                try:
+                    cs.apply_residency({mid: ours[mid]}, [entry])
+                except Exception as exc:  # noqa: BLE001
+                    bad += 1
+                    if reason is None:
+                        reason = str(exc)
+        changed += [
+            mid for mid in before if ours[mid].loaded_size() != before[mid]
+        ]
+    if bad:
+        _count("census_entries_skipped", bad)
+        _note_once("census-entry", log_fn, (
+            f"[comfy-standin] census: {bad} bad entr"
+            f"{'y' if bad == 1 else 'ies'} skipped, the valid ones applied "
+            f"(first: {visible(reason)}); later ones are counted, not "
+            f"logged"))
+    return changed
 
 
 def _wrap_apply_peak_raise(original: Any) -> Any:
     def apply_peak_raise(
         patchers: dict[str, Any], census: list[dict[str, Any]]
     ) -> None:
-        theirs = {k: p for k, p in (patchers or {}).items() if not _is_ours(p)}
-        if theirs:
-            original(theirs, census)
-        for entry in census or []:
-            try:
-                p = (patchers or {}).get(entry.get("id"))
-                if _is_ours(p):
-                    cs.raise_peak(p, max(0, int(entry.get("resident", 0))))
-            except Exception:
-                continue  # comfy-env's contract: never raises
+        try:
+            _apply_peak_raise(original, patchers, census)
+        except Exception:  # noqa: BLE001 - comfy-env's contract
+            _count("peak_entries_skipped")
 
     apply_peak_raise.__wrapped__ = original  # type: ignore[attr-defined]
     return apply_peak_raise
+
+
+def _apply_peak_raise(original: Any, patchers: Any, census: Any) -> None:
+    table = dict(patchers or {})
+    theirs = {k: p for k, p in table.items() if not _is_ours(p)}
+    entries, bad, _ = _census_entries(census)
+    if theirs:
+        try:
+            original(theirs, [e for mid, e in entries if mid in theirs])
+        except Exception:  # noqa: BLE001 - comfy-env's own code
+            bad += 1
+    for mid, entry in entries:
+        p = table.get(mid)
+        if not isinstance(p, cs.StandIn):
+            continue
+        try:
+            resident = dict.get(entry, "resident", 0)
+            if not isinstance(resident, int) or isinstance(resident, bool):
+                raise TypeError("resident is not an int")
+            cs.raise_peak(p, max(0, resident))
+        except Exception:  # noqa: BLE001 - skipped, counted
+            bad += 1
+    if bad:
+        _count("peak_entries_skipped", bad)
 
 
 def _forward_pressure(shortfall: int) -> None:
@@ -281,8 +385,9 @@ def _wrap_register_new_patchers(original: Any) -> Any:
                 )
                 for s in restored:
                     log.warning(
-                        "comfy_standin: listed %r again: ComfyUI dropped "
-                        "it while its worker still holds it", s.model_id,
+                        "comfy_standin: listed model %s again: ComfyUI "
+                        "dropped it while its worker still holds it",
+                        visible(s.model_id),
                     )
             except Exception:
                 log.exception("comfy_standin: boundary failed (ignored)")
@@ -296,14 +401,35 @@ def _wrap_register_new_patchers(original: Any) -> Any:
     return _register_new_patchers
 
 
+#: Characters of one adapter log line; a longer one keeps its start and
+#: its last ``_LINE_TAIL`` characters (the adapter's own closing words).
+_LINE_LIMIT = 4 * LOG_TEXT_LIMIT
+_LINE_TAIL = LOG_TEXT_LIMIT // 2
+
+
+def _line(message: str) -> str:
+    return visible(message, _LINE_LIMIT, tail=_LINE_TAIL)
+
+
 def _note(log_fn: Any, message: str) -> None:
+    """One bounded line through comfy-env's log function when given (it
+    prints where comfy-env's own census warnings go), else ours."""
+    line = _line(message)
     if log_fn is not None:
         try:
-            log_fn(message)
+            log_fn(line)
             return
-        except Exception:
+        except Exception:  # noqa: BLE001 - a broken log: ours
             pass
-    log.warning("%s", message)
+    log.warning("%s", line)
+
+
+def _note_once(kind: str, log_fn: Any, message: str) -> None:
+    """``_note`` the first time for `kind`; later ones at debug level."""
+    if _first_time(kind):
+        _note(log_fn, message)
+    else:
+        log.debug("%s", _line(message))
 
 
 # ---- live residency boards (docs/board.md) ---------------------------------
@@ -328,15 +454,47 @@ _boards: weakref.WeakKeyDictionary[Any, _BoardState] = (
 _boards_lock = threading.Lock()
 # The worker being started on this thread (set by _ensure_started).
 _spawning = threading.local()
-# One log line per kind of mismatch, per process.
+# One log line per kind, per process.  Kinds are fixed words
+# ("version", "create", "worker"); the set never holds worker text.
 _warned: set[str] = set()
+_warned_lock = threading.Lock()
+#: Distinct kinds remembered; past this every kind counts as said.
+_WARNED_MAX = 64
 
 
-def _warn_once(kind: str, message: str) -> None:
-    if kind in _warned:
+def _kind_key(kind: str) -> str:
+    """The fixed part of a kind: what precedes a ':' (a caller may append
+    detail, "worker:<reason>"), at most 40 characters."""
+    return visible(str(kind).partition(":")[0], 40)
+
+
+def _first_time(kind: str) -> bool:
+    key = _kind_key(kind)
+    with _warned_lock:
+        if key in _warned or len(_warned) >= _WARNED_MAX:
+            return False
+        _warned.add(key)
+        return True
+
+
+def _warn_once(kind: str, message: str, **worker_text: object) -> None:
+    """Logs `message` once per kind, as one bounded line.
+
+    `kind` is keyed by its fixed part (see ``_kind_key``), never by text
+    a worker supplied.  With `worker_text`, `message` is a ``str.format``
+    template and each value is made safe (``visible``) and bounded before
+    it is put in; without, the whole message is bounded and keeps its
+    last words."""
+    if not _first_time(kind):
         return
-    _warned.add(kind)
-    log.warning("%s", message)
+    if worker_text:
+        try:
+            message = message.format(**{
+                name: visible(value) for name, value in worker_text.items()
+            })
+        except Exception:  # noqa: BLE001 - a bad template: say it raw
+            pass
+    log.warning("%s", _line(message))
 
 
 def _resolve(target: str) -> Any:
