@@ -17,6 +17,8 @@ import sys
 from typing import Any
 
 ROUTE = "/comfy_standin/status"
+#: The live VRAM page (a static file that reads ROUTE).
+PAGE_ROUTE = "/comfy_standin/"
 
 
 def payload() -> dict[str, Any]:
