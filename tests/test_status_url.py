@@ -426,3 +426,21 @@ def test_watch_ends_with_130_on_ctrl_c():
     assert proc.returncode == 130, err
     assert err.strip().endswith("interrupted; cleaned up")
     assert "Traceback" not in err
+
+
+def test_many_small_objects_are_refused_before_parsing():
+    """4 MiB of ``[{},{},...]`` would parse into ~190 MiB of dicts: the
+    number of lists and objects is capped before json.loads."""
+    body = b"[" + b"{}," * ((_status.MAX_BODY - 2) // 3) + b"{}]"
+    assert len(body) <= _status.MAX_BODY
+    with rawhttp.ScriptedServer(
+            [(0, rawhttp.response(body))]) as server:
+        tracemalloc.start()
+        try:
+            code, out, err = run("status", "--url", server.url)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    one_line_failure(code, out, err)
+    assert "more than 50000 lists and objects" in err
+    assert peak < 4 * _status.MAX_BODY, peak

@@ -388,6 +388,10 @@ DEFAULT_TIMEOUT = 5.0
 MAX_BODY = 4 << 20
 #: Deepest nesting of lists and objects accepted in an answer.
 MAX_DEPTH = 32
+#: Most lists and objects in an answer (a status has about five per
+#: model): bounds the parsed answer's memory to a few times MAX_BODY,
+#: where 4 MiB of ``[{},{},...]`` would parse into ~190 MiB of dicts.
+MAX_CONTAINERS = 50_000
 _READ_PIECE = 64 << 10
 
 
@@ -822,6 +826,10 @@ def _reject_constant(name: str) -> Any:
 def parse_answer(body: bytes, where: str) -> dict[str, Any]:
     """A status answer from raw bytes: JSON (no NaN or Infinity), nested
     at most MAX_DEPTH deep, of the status shape; else RemoteError."""
+    if body.count(b"{") + body.count(b"[") > MAX_CONTAINERS:
+        raise RemoteError(f"{where}: the answer has more than "
+                          f"{MAX_CONTAINERS} lists and objects; not a "
+                          f"status")
     try:
         data = json.loads(body, parse_constant=_reject_constant)
     except RecursionError:
