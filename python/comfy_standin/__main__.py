@@ -1,12 +1,10 @@
 """Command line: ``comfy-standin COMMAND`` or ``python -m comfy_standin
 COMMAND`` (docs/cli.md).
 
-Exit codes: 0 success; 1 a check failed (demo, selfcheck), ``status
---url`` read nothing, ``install-node``/``uninstall-node`` refused; 2 bad
-usage; 3 ``probe --require-gpu`` found no readable GPU; 130 interrupted
-(Ctrl-C, SIGINT; a ``status --watch`` ends on Ctrl-C with its last code);
-143 terminated (SIGTERM).  Both signals run the same clean-up
-(worker processes ended, boards closed) and end with one line on stderr.
+Exit codes: ``EXIT_CODES`` below.  SIGINT and SIGTERM run the same
+clean-up (worker processes ended, boards closed) and end with one line on
+stderr.  docs/cli.md's reference is written from this parser
+(``python -m comfy_standin._clidoc docs/cli.md``).
 
 Adding a subcommand: write ``_add_NAME(sub, common)`` that adds its
 parser (``parents=[common]`` gives it ``--json``/``--quiet``/
@@ -30,6 +28,24 @@ EXIT_USAGE = 2
 EXIT_NO_GPU = 3
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130
 EXIT_TERMINATED = 128 + signal.SIGTERM  # 143
+
+#: Every exit code and what it means: the one table (``--help``'s epilog
+#: and docs/cli.md's table are written from it; tests/test_cli_reference.py
+#: makes each code happen).
+EXIT_CODES: tuple[tuple[int, str], ...] = (
+    (EXIT_OK, "success"),
+    (EXIT_FAILED, "a check failed (`demo`, `selfcheck`); `status --url` "
+                  "read nothing usable (nothing answers, no route, a "
+                  "reply that is not a status, the deadline); "
+                  "`install-node` / `uninstall-node` refused"),
+    (EXIT_USAGE, "bad usage (unknown option or command, no command, "
+                 "`--open` without `--url`): usage and an `error:` line "
+                 "on stderr"),
+    (EXIT_NO_GPU, "`probe --require-gpu` found no readable GPU"),
+    (EXIT_INTERRUPTED, "interrupted (Ctrl-C, SIGINT), `status --watch` "
+                       "included: clean-up, one line on stderr"),
+    (EXIT_TERMINATED, "terminated (SIGTERM): the same clean-up"),
+)
 
 
 # ---------------------------------------------------------------------------
@@ -175,9 +191,8 @@ def _add_demo(sub: Any, common: argparse.ArgumentParser) -> None:
 
 def _cmd_status(args: argparse.Namespace, out: Output) -> int:
     if args.open and args.url is None:
-        print("status: --open needs --url (the ComfyUI whose page to "
-              "open)", file=sys.stderr)
-        return EXIT_USAGE
+        args.parser.error("--open needs --url (the ComfyUI whose page to "
+                          "open)")
     if args.open:
         return _status_open(args, out)
     if args.url is not None or args.watch is not None:
@@ -328,7 +343,7 @@ def _add_status(sub: Any, common: argparse.ArgumentParser) -> None:
              "(GET /comfy_standin/), and open it in a browser when there "
              "is a display",
     )
-    status.set_defaults(func=_cmd_status)
+    status.set_defaults(func=_cmd_status, parser=status)
 
 
 # ---------------------------------------------------------------------------
@@ -419,7 +434,9 @@ def _add_node(sub: Any, common: argparse.ArgumentParser) -> None:
         "uninstall-node", parents=[common],
         help="remove the entry install-node wrote",
     )
-    uninstall_node.add_argument("comfyui", metavar="PATH_TO_COMFYUI")
+    uninstall_node.add_argument("comfyui", metavar="PATH_TO_COMFYUI",
+                                help="the ComfyUI folder install-node "
+                                     "wrote into")
     uninstall_node.set_defaults(func=_cmd_uninstall_node)
 
 
@@ -457,13 +474,13 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
             "ComfyUI's VRAM management."
         ),
         epilog=(
-            "Every command takes --json, --quiet and --verbose. "
-            "exit codes: 0 ok; 1 a check failed (demo, selfcheck), status "
-            "--url read nothing, install-node/uninstall-node refused; 2 bad "
-            "usage; 3 probe --require-gpu found no GPU; 130 interrupted; "
-            "143 terminated. Colour only on a terminal and never with "
-            "NO_COLOR. Docs: docs/ in the source tree (cli.md, "
-            "glossary.md, architecture.md)."
+            "Every command takes --json, --quiet and --verbose. Exit "
+            "codes: "
+            + "; ".join(f"{code} {meaning.replace('`', '')}"
+                        for code, meaning in EXIT_CODES)
+            + ". Colour only on a terminal and never with NO_COLOR. "
+            "Docs: docs/ in the source tree (cli.md, glossary.md, "
+            "architecture.md)."
         ),
     )
     parser.add_argument("--version", action="version",
