@@ -90,6 +90,7 @@ def _standin_view(s: Any) -> dict[str, Any]:
         "kind": s.kind,
         "size": s.size,
         "generation": s.worker_generation,
+        "load_device": str(s.load_device),
         "loaded": loaded,
         "seq": seq,
         "age_seconds": round(age, 3),
