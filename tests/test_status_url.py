@@ -444,3 +444,41 @@ def test_many_small_objects_are_refused_before_parsing():
     one_line_failure(code, out, err)
     assert "more than 50000 lists and objects" in err
     assert peak < 4 * _status.MAX_BODY, peak
+
+
+def test_open_prints_the_page_address_without_a_display(monkeypatch):
+    monkeypatch.delenv("DISPLAY", raising=False)
+    monkeypatch.delenv("WAYLAND_DISPLAY", raising=False)
+    monkeypatch.setattr(sys, "platform", "linux")
+    code, out, err = run("status", "--url", "http://127.0.0.1:8188/x/",
+                         "--open")
+    assert (code, out, err) == (0, "http://127.0.0.1:8188/x/comfy_standin/\n",
+                                "")
+    code, out, _ = run("status", "--url", "--open", "--json")
+    assert json.loads(out) == {
+        "page": "http://127.0.0.1:8188/comfy_standin/", "opened": False}
+    code, out, err = run("status", "--url", "http://HOST:PORT", "--open")
+    one_line_failure(code, out, err)
+
+
+def test_open_opens_a_browser_where_there_is_a_display(tmp_path):
+    """With a display, webbrowser opens the page ($BROWSER names the
+    program, as webbrowser documents)."""
+    opened = tmp_path / "opened"
+    fake = tmp_path / "fake-browser"
+    fake.write_text(f"#!/bin/sh\necho \"$1\" > {opened}\n")
+    fake.chmod(0o755)
+    result = subprocess.run(
+        [sys.executable, "-m", "comfy_standin", "status", "--url",
+         "http://127.0.0.1:1", "--open"],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "DISPLAY": ":99", "BROWSER": str(fake)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "http://127.0.0.1:1/comfy_standin/\n"
+    assert opened.read_text() == "http://127.0.0.1:1/comfy_standin/\n"
+
+
+def test_open_needs_url():
+    with pytest.raises(SystemExit) as exc:
+        run("status", "--open")
+    assert exc.value.code == cli.EXIT_USAGE
