@@ -482,3 +482,35 @@ def test_open_needs_url():
     with pytest.raises(SystemExit) as exc:
         run("status", "--open")
     assert exc.value.code == cli.EXIT_USAGE
+
+
+def test_status_survives_a_worker_whose_repr_raises_or_runs_long(impl):
+    """The worker object is the adapter's (or a pack's) code: a repr that
+    raises, or is a megabyte long, or a pid property that raises, must
+    not take status (or the route) down."""
+    class Odd(fakes.FakeWorker):
+        def __init__(self, name, text):
+            super().__init__(name)
+            self.text = text
+
+        def __repr__(self):
+            if self.text is None:
+                raise RuntimeError("repr refused")
+            return self.text
+
+        @property
+        def pid(self):
+            raise RuntimeError("no pid")
+
+    pool = impl.Pool(process_local=False)
+    kept = [impl.StandIn(worker=Odd(f"w{i}", text), worker_generation=1,
+                         model_id="m", model_size=GiB, load_device="cuda:0",
+                         offload_device="cpu", pool=pool)
+            for i, text in enumerate([None, "x" * (1 << 20)])]
+    data = _status.collect(pool)
+    names = sorted(w["worker"] for w in data["workers"])
+    assert names == ["<Odd object; its repr raised RuntimeError>",
+                     "x" * _status.TEXT_LIMIT]
+    assert [w["pid"] for w in data["workers"]] == [None, None]
+    assert "repr raised" in _status.render(data, probe=False)
+    del kept

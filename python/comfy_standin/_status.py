@@ -102,6 +102,24 @@ def _standin_view(s: Any) -> dict[str, Any]:
     }
 
 
+def _worker_name(worker: Any) -> str:
+    """The worker's repr, cut to TEXT_LIMIT; one that raises is named by
+    its type (a worker object is the adapter's or a pack's code)."""
+    try:
+        text = repr(worker)
+    except Exception as exc:  # noqa: BLE001 - status must still print
+        return (f"<{type(worker).__name__} object; its repr raised "
+                f"{type(exc).__name__}>")
+    return text if isinstance(text, str) else "<repr not a str>"
+
+
+def _pid_of(worker: Any) -> int | None:
+    try:
+        return _pool_module._default_pid_of(worker)
+    except Exception:  # noqa: BLE001 - a property that raises: unknown
+        return None
+
+
 def collect(pool: Any) -> dict[str, Any]:
     """A JSON-able picture of `pool` (docs/cli.md, ``status``)."""
     by_worker = pool.standins()
@@ -123,8 +141,8 @@ def collect(pool: Any) -> dict[str, Any]:
                     s.model_id
                 )
         workers.append({
-            "worker": repr(worker),
-            "pid": _pool_module._default_pid_of(worker),
+            "worker": _worker_name(worker)[:TEXT_LIMIT],
+            "pid": _pid_of(worker),
             "generation": books.generation,
             "alive": books.alive,
             "in_flight": books.in_flight,
