@@ -404,3 +404,29 @@ def test_page_says_when_the_server_is_gone(browser):
     assert "showing the data of" in page["connText"]
     # The last data stays, greyed, until the server is back.
     assert page["devices"] == before["devices"]
+
+
+def test_a_stuck_status_answers_503_and_never_blocks_the_loop(monkeypatch):
+    """The answer is built on its own thread: while it is stuck (a pool
+    lock held by a long eviction), the page still loads and the status
+    answers 503 after BUILD_TIMEOUT."""
+    import threading
+
+    release = threading.Event()
+    real = _server_route.payload_json
+
+    def stuck():
+        release.wait(30)
+        return real()
+
+    monkeypatch.setattr(_server_route, "BUILD_TIMEOUT", 0.3)
+    monkeypatch.setattr(_server_route, "payload_json", stuck)
+    with scene(populated=False) as (server, _):
+        try:
+            code, _, body = get(server.url + _server_route.ROUTE)
+            assert code == 503 and b"took over 0.3 s" in body
+            assert get(server.url + _server_route.PAGE_ROUTE)[0] == 200
+        finally:
+            release.set()
+        monkeypatch.setattr(_server_route, "payload_json", real)
+        assert get(server.url + _server_route.ROUTE)[0] == 200
