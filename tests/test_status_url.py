@@ -317,7 +317,7 @@ def test_a_dripping_server_cannot_hold_the_client():
         elapsed = time.monotonic() - start
     one_line_failure(code, out, err)
     assert "within 1 s" in err
-    assert elapsed < 2.0, elapsed
+    assert elapsed < 3.0, elapsed  # 450 s if each read had its own
 
 
 def test_each_watch_round_has_the_deadline(monkeypatch):
