@@ -519,3 +519,12 @@ def test_status_survives_a_worker_whose_repr_raises_or_runs_long(impl):
     assert [w["pid"] for w in data["workers"]] == [None, None]
     assert "repr raised" in _status.render(data, probe=False)
     del kept
+
+
+def test_a_no_break_space_in_an_error_is_shown():
+    """Found by the property harness: a status line of one U+00A0 came
+    back raw in the error line (a separator Python calls unprintable)."""
+    with rawhttp.ScriptedServer([(0, b"\xa0")]) as server:
+        code, out, err = run("status", "--url", server.url)
+    one_line_failure(code, out, err)
+    assert "\\xa0" in err and err[:-1].isprintable()

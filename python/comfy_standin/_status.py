@@ -17,7 +17,6 @@ import os
 import socket
 import threading
 import time
-import unicodedata
 from collections.abc import Callable
 from typing import Any
 
@@ -377,23 +376,19 @@ def _escape(ch: str) -> str:
 
 
 def visible(value: object, limit: int = TEXT_LIMIT) -> str:
-    """`value` as text a terminal shows and never obeys: control
-    characters (C0, DEL, C1: cursor moves, screen clears, OSC 52
+    """`value` as text a terminal shows and never obeys: every character
+    Python does not call printable (``str.isprintable``: control
+    characters C0, DEL and C1 (cursor moves, screen clears, OSC 52
     clipboard writes), format characters (bidirectional overrides,
-    zero-width marks) and line or paragraph separators are written as
-    ``\\xNN``/``\\uNNNN``; text longer than `limit` characters ends in
-    ``...``."""
+    zero-width marks), separators other than the space, unassigned and
+    private-use code points) is written as ``\\xNN``/``\\uNNNN``;
+    text longer than `limit` characters ends in ``...``."""
     text = value if isinstance(value, str) else str(value)
     if len(text) > limit:
         text = text[:limit] + "..."
     if text.isascii() and text.isprintable():
         return text
-    return "".join(
-        _escape(ch)
-        if unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Zl", "Zp")
-        else ch
-        for ch in text
-    )
+    return "".join(ch if ch.isprintable() else _escape(ch) for ch in text)
 
 
 # ---------------------------------------------------------------------------
