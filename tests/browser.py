@@ -40,6 +40,17 @@ def chromium_path() -> str:
         "chromium; the live VRAM page's tests need it")
 
 
+#: What a sanitizer run of the suite sets for the interpreter: not for
+#: the browser (a preloaded ASan runtime under Chromium's allocator).
+_NOT_FOR_THE_BROWSER = ("LD_PRELOAD", "ASAN_OPTIONS", "UBSAN_OPTIONS",
+                        "TSAN_OPTIONS", "PYTHONMALLOC")
+
+
+def browser_environment() -> dict[str, str]:
+    return {key: value for key, value in os.environ.items()
+            if key not in _NOT_FOR_THE_BROWSER}
+
+
 class LoopThread:
     """An asyncio loop on a thread of its own; `run` waits for a
     coroutine's result (bounded)."""
@@ -118,7 +129,7 @@ class Browser:
              "127.0.0.1", f"--window-size={width},{height}",
              "about:blank"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, text=True)
+            stderr=subprocess.PIPE, text=True, env=browser_environment())
         self.endpoint = self._endpoint()
         self.loop = LoopThread()
         self.ids = itertools.count(1)
