@@ -528,3 +528,11 @@ def test_a_no_break_space_in_an_error_is_shown():
         code, out, err = run("status", "--url", server.url)
     one_line_failure(code, out, err)
     assert "\\xa0" in err and err[:-1].isprintable()
+
+
+def test_a_library_override_is_shown_not_obeyed(monkeypatch):
+    monkeypatch.setenv("COMFY_STANDIN_LIBCUDA", "/x\x1b[2J.so")
+    text = _status.render_probe(
+        {"cuda": {"loaded": False, "error": "cannot open shared object"}})
+    assert "\x1b" not in text
+    assert "[COMFY_STANDIN_LIBCUDA=/x\\x1b[2J.so]" in text

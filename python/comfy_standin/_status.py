@@ -282,7 +282,7 @@ def _why(key: str, info: dict[str, Any]) -> str:
         hint = " (the library loaded but found no usable GPU)"
     override = os.environ.get(variable)
     if override:
-        hint += f" [{variable}={override}]"
+        hint += f" [{variable}={visible(override)}]"
     return f"{name}: not loaded: {error}{hint}"
 
 
