@@ -115,8 +115,9 @@ class _Routes:
     def __init__(self):
         self.added = []
 
-    def get(self, path):
+    def get(self, path, **kwargs):
         def add(handler):
+            assert kwargs == {"allow_head": False}  # GET only
             self.added.append(("GET", path, handler))
             return handler
 
@@ -159,10 +160,11 @@ def test_the_entry_switches_on_and_adds_the_route(comfyui, mm,
         assert adapter.installed()
         assert model_patcher.SubprocessModelPatcher is cs.StandIn
         assert routes.added == [
-            ("GET", "/comfy_standin/status", _server_route.handle)
+            ("GET", "/comfy_standin/status", _server_route.handle),
+            ("GET", "/comfy_standin/", _server_route.handle_page),
         ]
         load_like_comfyui(entry(comfyui))  # a second load adds nothing
-        assert len(routes.added) == 1
+        assert len(routes.added) == 2
     finally:
         adapter.uninstall()
     assert model_patcher.SubprocessModelPatcher is not cs.StandIn
