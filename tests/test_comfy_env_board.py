@@ -14,7 +14,6 @@ fails with a message, never a skip.
 from __future__ import annotations
 
 import gc
-import importlib.metadata
 import logging
 import os
 import pathlib
@@ -29,12 +28,15 @@ import pytest
 import comfy_standin as cs
 from comfy_standin.integrations import comfy_env as adapter
 
-pytestmark = pytest.mark.skipif(
-    not sys.platform.startswith("linux"), reason="boards are memfds: Linux"
-)
+pytestmark = [
+    pytest.mark.skipif(not sys.platform.startswith("linux"),
+                       reason="boards are memfds: Linux"),
+    # Every test here needs comfy-env (conftest fails them when it is
+    # missing; -m "not comfy_env" leaves them out).
+    pytest.mark.comfy_env,
+]
 
 PINNED = "0.4.46"
-VERSION = importlib.metadata.version("comfy-env")
 MiB = 1 << 20
 MOCK_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                          "mockcomfy")
@@ -140,10 +142,11 @@ def _board_maps():
 
 
 @pytest.fixture
-def host(mm, monkeypatch, tmp_path):
-    assert VERSION == PINNED, (
+def host(mm, monkeypatch, tmp_path, comfy_env_installed_version):
+    version = comfy_env_installed_version
+    assert version == PINNED, (
         f"tests/test_comfy_env_board.py drives comfy-env {PINNED}'s "
-        f"internals; this environment has {VERSION}: re-check them")
+        f"internals; this environment has {version}: re-check them")
     from comfy_env.isolation import metadata
     from comfy_env.isolation import pool as ce_pool
 
@@ -275,8 +278,8 @@ def test_worker_killed_falls_back_then_a_new_board(host):
              "the new board's reading")
 
 
-def test_other_comfy_env_version_is_receipts_only(host, monkeypatch,
-                                                  caplog):
+def test_other_comfy_env_version_is_receipts_only(
+        host, monkeypatch, caplog, comfy_env_installed_version):
     monkeypatch.setattr(adapter, "SUPPORTED_COMFY_ENV", ("0.0.0",))
     with caplog.at_level(logging.WARNING, logger="comfy_standin"):
         adapter.install()
@@ -284,7 +287,8 @@ def test_other_comfy_env_version_is_receipts_only(host, monkeypatch,
         host.call("load", model_id="w", nbytes=1 * MiB)
     lines = [r.getMessage() for r in caplog.records
              if "receipts only" in r.getMessage()]
-    assert len(lines) == 1 and f"comfy-env {VERSION}" in lines[0], lines
+    version = comfy_env_installed_version
+    assert len(lines) == 1 and f"comfy-env {version}" in lines[0], lines
     s = standin_of(host.mm, "v")
     assert s.board is None
     host.call("touch")

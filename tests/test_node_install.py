@@ -140,6 +140,7 @@ def load_like_comfyui(folder):
     return module
 
 
+@pytest.mark.comfy_env
 def test_the_entry_switches_on_and_adds_the_route(comfyui, mm,
                                                    monkeypatch):
     from comfy_env.isolation import model_patcher
@@ -186,6 +187,7 @@ def test_the_entry_never_breaks_comfyui_start(comfyui, monkeypatch,
     assert not adapter.installed()
 
 
+@pytest.mark.comfy_env
 def test_importing_the_package_changes_nothing_in_comfy_env():
     """No .pth, no import side effect: a process that imports
     comfy_standin and comfy-env keeps comfy-env's own stand-in class."""

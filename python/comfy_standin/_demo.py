@@ -382,6 +382,13 @@ class Eviction:
     left_list: bool = False
     card_got_back: int = 0
     error: str | None = None
+    #: What happened while this eviction ran, in order: ("log", a line
+    #: comfy_standin logged) and, with --verbose, ("wire", a command).
+    notes: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def log(self) -> list[str]:
+        return [text for kind, text in self.notes if kind == "log"]
 
     @property
     def returned(self) -> int:
@@ -694,9 +701,15 @@ class Demo:
         print(paint(f"== {text} ==", "title", self.color), file=self.out)
 
     def trace_command(self, method: str, params: dict, reply: Any) -> None:
-        """--verbose: each command to a worker and its reply."""
+        """--verbose: each command to a worker and its reply (inside an
+        eviction, printed under its row, as ``log`` does)."""
         shown = {k: v for k, v in params.items() if k != "models"}
-        self.say(f"    [wire] {method} {shown} -> {reply}")
+        line = f"{method} {shown} -> {reply}"
+        eviction = self.mm._current_eviction
+        if eviction is not None:
+            eviction.notes.append(("wire", line))
+        else:
+            self.say(f"    [wire] {line}")
 
     def define(self, *terms: str) -> None:
         """Names a glossary term the first time the demo uses it."""
@@ -708,6 +721,17 @@ class Demo:
                 self.steps[-1]["glossary"][term] = GLOSSARY[term]
             print(f"  {paint(term, 'term', self.color)} "
                   f"(docs/glossary.md): {GLOSSARY[term]}", file=self.out)
+
+    def log(self, message: str) -> None:
+        """A line comfy_standin logged.  Written inside an eviction, it
+        belongs to that eviction and is printed under its row in the
+        table of what ComfyUI chose (after the table, as it happened
+        during the choice); anywhere else, at once."""
+        eviction = self.mm._current_eviction
+        if eviction is not None:
+            eviction.notes.append(("log", message))
+        else:
+            self.say(f"  [log] {message}")
 
     # -- views ----------------------------------------------------------
 
@@ -826,6 +850,8 @@ class Demo:
                 f"card got back {gib(e.card_got_back)}"
                 + (f"; RAISED {e.error}" if e.error else "")
             )
+            for kind, text in e.notes:
+                self.say(f"      [{kind}] {text}")
         self.say(f"  free after: {gib(run.free_after)}")
         short = run.free_after < run.memory_required
         if short:
@@ -853,7 +879,8 @@ class Demo:
                     {"name": e.name, "memory_to_free": e.memory_to_free,
                      "steps": [list(step) for step in e.steps],
                      "returned": e.returned, "left_list": e.left_list,
-                     "card_got_back": e.card_got_back, "error": e.error}
+                     "card_got_back": e.card_got_back, "error": e.error,
+                     "log": e.log}
                     for e in run.evictions
                 ],
             })
@@ -1076,8 +1103,21 @@ class Demo:
         self.title("5. worker A refuses (its lock is busy): eviction deferred")
         unet_a = self.models["A/unet"]
         if self.entry_of(unet_a) is None:
+            # Detached in section 3, it left ComfyUI's list; a node of A's
+            # uses it again, so it is listed and loaded again.
             self.impl.register(self.mm, unet_a)
-        unet_a.partially_load(CUDA, 2 * GiB)
+            self.say("  A/unet left ComfyUI's list when section 3 detached "
+                     "it; a node of A's needs it again: its stand-in is "
+                     "registered again (index 0)")
+        reloaded = unet_a.partially_load(CUDA, 2 * GiB)
+        self.say(f"  ComfyUI loads 2 GiB of it: partially_load -> "
+                 f"{gib(reloaded)} (a load echo)")
+        self.print_models()
+        c.check(reloaded == 2 * GiB == unet_a.loaded_size(),
+                f"A/unet: partially_load returned {gib(reloaded)} and the "
+                f"receipt says so")
+        self.say("  then a long call of A's holds its command lock: A "
+                 "answers every other command 'busy'")
         a.send_command("refuse", on=True)
         kept = unet_a.loaded_size()
         need = self.card.free() + 1 * GiB
@@ -1102,10 +1142,21 @@ class Demo:
             f"refusing: pool.on_pressure got the shortfall "
             f"({', '.join(gib(n) for n in self.pressure_calls) or 'nothing'})",
         )
-        self.impl.register(self.mm, unet_a)
-        self.say("  at the next boundary the stand-in is registered again "
-                 "(currently_used False, index 0).")
         a.send_command("refuse", on=False)
+        # Node boundary: the pool lists again what ComfyUI dropped while
+        # the worker still holds it (LoadedModel.model_unload pops an
+        # entry even when detach freed nothing).
+        restored = self.pool.boundary(self.mm)
+        names = sorted(s.model_id for s in restored)
+        self.say(f"  node boundary: pool.boundary(mm) lists again what A "
+                 f"still holds ({', '.join(names) or 'nothing'}; "
+                 f"currently_used False, index 0)")
+        c.check(
+            names == ["A/lora", "A/unet"]
+            and all(self.entry_of(s) is not None for s in restored),
+            "refusing: the refused models are listed again at the "
+            "boundary",
+        )
 
     def shut_down(self) -> None:
         """Workers exit or are killed and reaped; boards closed."""
@@ -1141,6 +1192,20 @@ class Demo:
                 + (f" (running: {running})" if running else ""))
 
 
+class _StoryLog(logging.Handler):
+    """Hands comfy_standin's log records to the demo (``Demo.log``)."""
+
+    def __init__(self, demo: Demo) -> None:
+        super().__init__()
+        self.demo = demo
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.demo.log(record.getMessage())
+        except Exception:  # noqa: BLE001 - logging's own rule
+            self.handleError(record)
+
+
 def run_demo(impl_name: str = "c", out: TextIO | None = None,
              show_status: bool = True, mode: str = "text",
              color: bool = False, verbose: bool = False) -> int:
@@ -1157,10 +1222,9 @@ def run_demo(impl_name: str = "c", out: TextIO | None = None,
     crashed: str | None = None
     interrupted = False
     # What the stand-ins log (deferred evictions, a gone worker) is part
-    # of the story: show it inline rather than on stderr.
+    # of the story: shown next to what it belongs to, not on stderr.
     logger = logging.getLogger("comfy_standin")
-    handler = logging.StreamHandler(story)
-    handler.setFormatter(logging.Formatter("  [log] %(message)s"))
+    handler = _StoryLog(demo)
     handler.setLevel(logging.DEBUG if verbose else logging.INFO)
     logger.addHandler(handler)
     try:
