@@ -115,9 +115,11 @@ PACK = textwrap.dedent('''
             return ("moving",)
 
         def publisher(self):
-            from comfy_standin import worker
-
-            state = worker.publisher_state()
+            try:
+                import _comfy_standin_publisher as publisher
+            except ImportError:
+                return (False, False, None)
+            state = publisher.state()
             hooked = getattr(_bump_seq(), "__wrapped__", None) is not None
             return (state["running"], hooked, state.get("failed"))
 ''')
@@ -293,34 +295,51 @@ def test_other_comfy_env_version_is_receipts_only(host, monkeypatch,
     host.current()
 
 
-def test_worker_shape_mismatch_is_receipts_only(host, caplog):
-    """comfy_worker.register_model is no longer comfy-env's closure: the
-    worker refuses to hook anything, the host logs one line."""
+def test_worker_shape_mismatch_is_receipts_only(host, monkeypatch, caplog):
+    """A comfy-env worker that is not the one checked (here: 0.4.46's own
+    worker script with its _bump_seq renamed, as another version might):
+    the publisher refuses before touching anything, the host logs one
+    line, the worker runs on."""
+    from comfy_env.isolation.workers import subprocess as spawn
+
+    monkeypatch.setattr(spawn, "_PERSISTENT_WORKER_SCRIPT",
+                        spawn._PERSISTENT_WORKER_SCRIPT.replace(
+                            "_bump_seq", "_next_seq"))
     with caplog.at_level(logging.WARNING, logger="comfy_standin"):
         adapter.install()
-        host.call("load", model_id="x", nbytes=1 * MiB, break_hook=True)
+        host.call("load", model_id="x", nbytes=1 * MiB)
         host.call("load", model_id="y", nbytes=1 * MiB)
     lines = [r.getMessage() for r in caplog.records
              if "receipts only" in r.getMessage()]
     assert len(lines) == 1 and "register_model" in lines[0], lines
-    host.current()
+    worker, _ = host.current()
+    assert worker.is_alive()
     s = standin_of(host.mm, "x")
     assert s.board is None
     host.call("touch")
     assert s.receipt()[3] == "census" and s.loaded_size() == 1 * MiB
 
 
-def test_publisher_missing_in_the_pack_env(host, monkeypatch, caplog):
-    """What a pack env without comfy-standin gives: the import fails in
-    the worker; one line, receipts, the worker lives on."""
-    monkeypatch.setattr(adapter, "_WORKER_MODULE", "comfy_standin.nope")
+def test_a_publisher_that_cannot_run_is_receipts_only(host, monkeypatch,
+                                                       tmp_path, caplog):
+    """The worker cannot import the publisher (here: a copy that fails at
+    import, as it would under a Python too old for it): the attach call
+    fails in the worker, the host logs one line, the worker runs on."""
+    broken = tmp_path / "private"
+    broken.mkdir()
+    (broken / (adapter._PUBLISHER + ".py")).write_text(
+        "raise ImportError('this Python cannot run the publisher')\n")
+    monkeypatch.setattr(adapter, "_publisher_dir", lambda: str(broken))
     with caplog.at_level(logging.WARNING, logger="comfy_standin"):
         adapter.install()
         host.call("load", model_id="z", nbytes=1 * MiB)
+        host.call("load", model_id="z2", nbytes=1 * MiB)
     worker, _ = host.current()
     lines = [r.getMessage() for r in caplog.records
              if "receipts only" in r.getMessage()]
-    assert len(lines) == 1 and "pack's environment" in lines[0], lines
+    assert len(lines) == 1, lines
+    assert "could not run the board publisher" in lines[0]
+    assert "cannot run the publisher" in lines[0]
     s = standin_of(host.mm, "z")
     assert s.board is None and worker.is_alive()
     host.call("touch")
