@@ -1,8 +1,8 @@
 """Runs the board core's C unit tests (tests/c/test_board.c).
 
 Compiled with cc -std=c11 -Wall -Wextra -Werror plus $CS_TEST_CFLAGS (CI:
--fsanitize=address,undefined), against the board core's own sources, so the core is
-tested without Python in the process.
+-fsanitize=address,undefined), against the board core's own sources, so
+the core is tested without Python in the process.
 """
 
 import subprocess

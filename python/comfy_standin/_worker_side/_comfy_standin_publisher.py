@@ -139,7 +139,7 @@ def _refused(reason):
     return {"ok": False, "reason": str(reason), "pid": os.getpid()}
 
 
-# ---- the board library, through ctypes -------------------------------------
+# ---- the board library, through ctypes --------------------------------------
 
 
 class _Library:
@@ -205,7 +205,7 @@ def _load_library(path, layout):
     return library
 
 
-# ---- the handoff -------------------------------------------------------------
+# ---- the handoff ------------------------------------------------------------
 
 
 def _parse_spec(spec):
@@ -235,7 +235,7 @@ def _send_board(name, token, fd):
     return None
 
 
-# ---- comfy-env 0.4.46's worker, checked before anything is touched -----------
+# ---- comfy-env 0.4.46's worker, checked before anything is touched ----------
 
 
 def _main_frame():
@@ -321,7 +321,7 @@ def _find_load_shim():
     return parent, load
 
 
-# ---- start -------------------------------------------------------------------
+# ---- start ------------------------------------------------------------------
 
 
 def _start(library_path, slots, generation, layout, protocol, period):
