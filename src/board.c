@@ -556,6 +556,42 @@ board_validate(const unsigned char *base, size_t length, uint32_t *slots)
     return CS_BOARD_OK;
 }
 
+#if BOARD_MEMFD
+/* The name the worker gave its memfd, when it is one of ours
+ * ("csb-" and 24 hex digits): the label the kernel shows for the host's
+ * mapping in /proc/<pid>/maps, so the board can be found there by name.
+ * Anything else is the worker's word only, and the host labels the board
+ * itself. */
+static void
+board_adopted_label(int fd, char *name)
+{
+    char path[64], link[CS_BOARD_NAME_MAX + 32];
+    static const char prefix[] = "/memfd:csb-";
+    (void)snprintf(path, sizeof(path), "/proc/self/fd/%d", fd);
+    ssize_t n = readlink(path, link, sizeof(link) - 1);
+    size_t digits = 24, start = sizeof(prefix) - 1;
+    bool ours = n >= (ssize_t)(start + digits);
+    for (size_t i = 0; ours && i < start; i++) {
+        ours = link[i] == prefix[i];
+    }
+    for (size_t i = start; ours && i < start + digits; i++) {
+        char c = link[i];
+        ours = (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
+    }
+    /* After the digits: the end, or the kernel's " (deleted)". */
+    ours = ours && (n == (ssize_t)(start + digits) ||
+                    link[start + digits] == ' ');
+    if (ours) {
+        memcpy(name, "memfd:csb-", 10);
+        memcpy(name + 10, link + start, digits);
+        name[10 + digits] = '\0';
+    }
+    else if (board_random_name(name, "memfd:csb-") != 0) {
+        memcpy(name, "memfd:csb", sizeof("memfd:csb"));
+    }
+}
+#endif
+
 cs_board_status
 cs_board_make(uint32_t slots, uint64_t generation, cs_board **out,
               int *fd_out, int *os_error)
@@ -694,11 +730,7 @@ cs_board_adopt(int fd, uint32_t slots, uint64_t generation,
     board->base = base;
     board->fd_dev = st.st_dev;
     board->fd_ino = st.st_ino;
-    /* A label of the host's own choosing (the worker's memfd name is its
-     * word, and only a label). */
-    if (board_random_name(board->name, "memfd:csb-") != 0) {
-        memcpy(board->name, "memfd:csb", sizeof("memfd:csb"));
-    }
+    board_adopted_label(fd, board->name);
     *out = board;
     return CS_BOARD_OK;
 #else

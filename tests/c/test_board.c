@@ -937,7 +937,9 @@ test_make_adopt(void)
     CHECK(cs_board_attached(host));
     CHECK_EQ(cs_board_slot_count(host), 3);
     CHECK_EQ(cs_board_generation(host), 9);
-    CHECK(strncmp(cs_board_name(host), "memfd:csb-", 10) == 0);
+    /* Labelled with the worker's memfd name, as /proc/<pid>/maps shows
+     * the host's mapping. */
+    CHECK(strcmp(cs_board_name(host), cs_board_name(worker)) == 0);
     cs_board_expect_owner(host, getpid());
 
     uint64_t loaded = 0, stamp = 0;
@@ -988,6 +990,9 @@ test_adopt_refusals(void)
      * the caller's). */
     int fd = forged_board(two, CS_BOARD_LAYOUT_VERSION, 2, all);
     CHECK_EQ(cs_board_adopt(fd, 2, 0, 0, &host, &err), CS_BOARD_OK);
+    /* Its memfd name is not one of ours: the host labels it itself. */
+    CHECK(host != NULL && strncmp(cs_board_name(host), "memfd:csb-", 10) ==
+                              0 && strlen(cs_board_name(host)) == 34);
     cs_board_close(host);
     host = NULL;
     /* Another slot count than the host's own. */
