@@ -194,9 +194,13 @@ class PipeWorker:
         # Linux: the worker makes its board (a memfd only it can write) and
         # sends it back over `handoff`, one end of a socket pair only it
         # inherits.  Elsewhere it opens the host's named board.
+        # A board the host created (the benches' way) goes as an
+        # inherited descriptor.
         if handoff is not None:
             argument, passed = f"socket:{handoff.fileno()}", \
                 (handoff.fileno(),)
+        elif board.fd is not None:
+            argument, passed = str(board.fd), (board.fd,)
         else:
             argument, passed = board.name, ()
         self.process = subprocess.Popen(

@@ -2,12 +2,13 @@
 
 Started by ``python -m comfy_standin demo`` as::
 
-    python -m comfy_standin._demo_worker socket:FD | BOARD_NAME
+    python -m comfy_standin._demo_worker socket:FD | BOARD_FD | BOARD_NAME
 
 On Linux it makes its residency board (a sealed memfd only it can write)
 and sends the descriptor to the host over the socket it inherited (FD,
-one end of a socket pair), as a comfy-env worker does over its handoff;
-elsewhere it opens the named board the host created.  Then it speaks
+one end of a socket pair), as a comfy-env worker does over its handoff.
+Given a board the host created (the benches do that), it opens it: an
+inherited descriptor, or a name where boards have names.  Then it speaks
 comfy-env's command protocol (docs/comfyui.md, "Worker protocol") as JSON
 lines: one request per line on stdin, exactly one reply
 line per request on stdout, so the host never has to wait on a clock.
@@ -211,6 +212,9 @@ def main() -> int:
     source = sys.argv[1]
     if source.startswith("socket:"):  # Linux
         board = _make_and_send(int(source.partition(":")[2]))
+    elif source.isdigit():  # a board the host created, inherited
+        board = Board.open(int(source))
+        os.close(int(source))  # mapped: the descriptor is not needed
     else:  # a name, where boards have names
         board = Board.open(source)
     worker = DemoWorker(board)
