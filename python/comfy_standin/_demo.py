@@ -22,6 +22,7 @@ each check); ``mode="quiet"`` only the verdict.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import importlib
 import io
@@ -30,6 +31,7 @@ import logging
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -181,19 +183,28 @@ class PipeWorker:
     """The host's handle on one worker process: comfy-env's
     ``send_command(method, **params) -> dict`` and ``is_alive()``."""
 
-    def __init__(self, name: str, board: Any) -> None:
+    def __init__(self, name: str, board: Any = None,
+                 handoff: socket.socket | None = None) -> None:
         self.name = name
         self.board = board
         self._buffer = b""
         #: Called with (method, params, reply or error) for each command
         #: when the demo runs with --verbose.
         self.trace: Callable[[str, dict, Any], None] | None = None
-        # The board goes to the worker as an inherited descriptor (Linux:
-        # a sealed memfd with no name), else by its name.
-        fd = board.fd
+        # Linux: the worker makes its board (a memfd only it can write) and
+        # sends it back over `handoff`, one end of a socket pair only it
+        # inherits.  Elsewhere it opens the host's named board.
+        # A board the host created (the benches' way) goes as an
+        # inherited descriptor.
+        if handoff is not None:
+            argument, passed = f"socket:{handoff.fileno()}", \
+                (handoff.fileno(),)
+        elif board.fd is not None:
+            argument, passed = str(board.fd), (board.fd,)
+        else:
+            argument, passed = board.name, ()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "comfy_standin._demo_worker",
-             str(fd) if fd is not None else board.name],
+            [sys.executable, "-m", "comfy_standin._demo_worker", argument],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             bufsize=0,
@@ -201,7 +212,7 @@ class PipeWorker:
             # only, which then ends the worker itself (no second
             # traceback from the worker).
             start_new_session=True,
-            pass_fds=(fd,) if fd is not None else (),
+            pass_fds=passed,
         )
 
     def wait_ready(self) -> None:
@@ -891,25 +902,64 @@ class Demo:
         # Ctrl-C or SIGTERM between spawning a worker and recording it
         # would leave a process nobody ends: they wait for the record.
         with signals_deferred():
-            board = self.board_type.create(
-                8, generation=1, heartbeat_limit=HEARTBEAT_LIMIT
-            )
-            self.boards.append(board)
-            self.board_names.append(board.name)
-            if self.verbose:
-                self.say(f"    [board] created {board.name} for {name}")
-            worker = PipeWorker(name, board)
+            if sys.platform.startswith("linux"):
+                host_end, worker_end = socket.socketpair(
+                    socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                try:
+                    worker = PipeWorker(name, handoff=worker_end)
+                finally:
+                    worker_end.close()
+            else:
+                host_end = None
+                board = self.board_type.create(
+                    8, generation=1, heartbeat_limit=HEARTBEAT_LIMIT
+                )
+                self.boards.append(board)
+                self.board_names.append(board.name)
+                worker = PipeWorker(name, board=board)
             self.workers[name] = worker  # cleaned up even if never greets
         if self.verbose:
             worker.trace = self.trace_command
-        worker.wait_ready()
+        try:
+            worker.wait_ready()
+            if host_end is not None:
+                worker.board = self.adopt_board(host_end)
+        finally:
+            if host_end is not None:
+                host_end.close()
+        board = worker.board
         board.expected_owner = worker.pid
-        # The worker has mapped it (it greeted us): the host drops its
-        # descriptor, so the memory lives exactly as long as the two
-        # mappings and nothing can leak it (docs/board.md).
-        if board.attached:
+        if self.verbose:
+            self.say(f"    [board] {board.name} for {name}")
+        # A created board: the worker has mapped it (it greeted us), so
+        # the host drops its descriptor and the memory lives exactly as
+        # long as the two mappings (docs/board.md).
+        if board.attached and board.linked:
             board.unlink()
         return worker
+
+    def adopt_board(self, host_end: socket.socket) -> Any:
+        """The board the worker made and sent (it greeted after sending):
+        adopted read-only, its descriptor closed at once."""
+        _, ancillary, flags, _ = host_end.recvmsg(
+            16, socket.CMSG_SPACE(4),
+            socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC)
+        fds = [
+            fd for level, kind, data in ancillary
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
+            for fd in array.array("i", data[: len(data) - len(data) % 4])
+        ]
+        try:
+            if len(fds) != 1 or flags & socket.MSG_CTRUNC:
+                raise WorkerError(f"the worker sent {len(fds)} descriptors")
+            board = self.board_type.adopt(
+                fds[0], 8, generation=1, heartbeat_limit=HEARTBEAT_LIMIT)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        self.boards.append(board)
+        self.board_names.append(board.name)
+        return board
 
     def add_worker_models(self, worker: PipeWorker, specs: list) -> None:
         reply = worker.send_command("make_models", models=specs)
@@ -973,7 +1023,8 @@ class Demo:
         b = self.start_worker("B")
         self.say(f"  worker A pid {a.pid}, board {a.board.name}; "
                  f"worker B pid {b.pid}, board {b.board.name} "
-                 f"(handed over as a sealed descriptor, dropped once mapped)")
+                 f"(made by each worker, sealed so only it can write, sent "
+                 f"to the host and mapped read-only there)")
         self.add_host_model("clip", 2 * GiB, "clip")
         self.add_host_model("vae", 1 * GiB, "vae")
         self.add_worker_models(a, [

@@ -389,7 +389,11 @@ class Pool:
     # ---- residency boards (docs/board.md) -----------------------------------
 
     def board_for(
-        self, worker: Any, slots: int = 64, heartbeat_limit: float = 5.0
+        self,
+        worker: Any,
+        slots: int = 64,
+        heartbeat_limit: float = 5.0,
+        generation: int | None = None,
     ) -> Any:
         """The host side of `worker`'s live residency board, created on the
         first call and owned by the pool: it is closed (unmapped, its
@@ -398,15 +402,18 @@ class Pool:
         spawn, or SCM_RIGHTS; ``board.name`` where boards have names),
         have each stand-in ``attach_board(board)`` and tell the worker
         ``(slot, board.tag(slot))``, and ``board.unlink()`` once the worker
-        has mapped it."""
+        has mapped it.  `generation`: the worker process's (default: its
+        books', 0 before any stand-in).  Where the worker makes its own
+        board and the host adopts it, use ``own_board``."""
         from ._core import Board  # shared memory is C in both impls
 
         with self._lock:
             held = self._boards.get(id(worker))
             if held is not None and not held[1].closed:
                 return held[1]
-        books = self._ledger.find(worker)
-        generation = books.generation if books is not None else 0
+        if generation is None:
+            books = self._ledger.find(worker)
+            generation = books.generation if books is not None else 0
         board = Board.create(
             slots, generation=generation, heartbeat_limit=heartbeat_limit
         )
@@ -421,6 +428,17 @@ class Pool:
             board.close()
             return raced
         return board
+
+    def own_board(self, worker: Any, board: Any) -> None:
+        """Takes `board` (a host-side Board, e.g. ``Board.adopt``ed from
+        the worker) as `worker`'s: closed with the worker (gone, restarted,
+        forgotten) or the pool, like ``board_for``'s.  A board the pool
+        held for the worker before is closed."""
+        with self._lock:
+            held = self._boards.get(id(worker))
+            self._boards[id(worker)] = (worker, board)
+        if held is not None and held[1] is not board:
+            held[1].close()
 
     def _close_board(self, worker: Any) -> None:
         with self._lock:

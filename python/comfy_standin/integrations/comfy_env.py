@@ -37,22 +37,27 @@ What it swaps, all reversibly (``uninstall()``):
   does in its ``partially_unload``.
 
 - Live residency boards (docs/board.md), on Linux with a comfy-env
-  version the board was checked against (``SUPPORTED_COMFY_ENV``):
+  version the board was checked against (``SUPPORTED_COMFY_ENV``), for
+  every pack with nothing installed in the pack's environment.
   ``SubprocessWorker._ensure_started`` and ``workers.subprocess.
-  popen_in_own_group`` (its only spawn of a worker process) are wrapped so
-  each worker process gets a fresh board from the default pool, handed to
-  it with ``pass_fds`` and named in its environment (``COMFY_STANDIN_BOARD
-  =<fd>:<host pid>``), ``expected_owner`` set to the process.  At each
-  node boundary the worker's new stand-ins ``attach_board`` it and the
-  host sends their (model id -> slot, tag) bindings with one
-  ``call_module("comfy_standin.worker", "bind")`` (comfy-env's own command
-  channel); the worker then publishes every residency change its
-  bookkeeping tracks plus a sampler's, and the host drops its descriptor.
+  popen_in_own_group`` (its only spawn of a worker process) are wrapped:
+  each spawn gets a one-time handoff (``comfy_standin._handoff``: a
+  private socket named, with a token, in that worker's environment only)
+  and a private directory first on the worker's path holding one module,
+  the stdlib-only publisher (``_comfy_standin_publisher``).  Once the
+  worker is up, one ``call_module(..., "attach")`` has it load the board
+  library of this installation with ctypes, make its board (a sealed
+  memfd only it can write) and send the descriptor; the host checks the
+  peer (SO_PEERCRED: the spawned process or its descendant), adopts the
+  board read-only and keeps no descriptor.  At each node boundary the
+  worker's new stand-ins ``attach_board`` it and the host sends their
+  (model id -> slot, tag) bindings with one ``call_module(..., "bind")``;
+  the worker publishes every change comfy-env's worker tracks, before it
+  asks the host for VRAM, after its loads, and from a sampler thread.
   ``SubprocessWorker.shutdown`` closes the board.
   ``COMFY_STANDIN_NO_BOARD=1`` in ComfyUI's environment turns boards off.
-  On any mismatch (another
-  comfy-env version, a changed internal, comfy_standin missing from the
-  pack's environment) one log line says so and that worker stays on
+  On any mismatch (another comfy-env version, a changed internal, a
+  refused handoff) one log line says so and that worker stays on
   receipts.
 
 comfy-env reads ``_residency_peak``, ``_residency_seq``,
@@ -63,18 +68,26 @@ unchanged.
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import importlib.metadata
+import importlib.resources
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import weakref
 from typing import Any
 
 import comfy_standin as cs
 
+from .._handoff import PROTOCOL, Handoff, HandoffRefused
 from .._text import LOG_TEXT_LIMIT, visible
+
+#: The variable naming a worker's board handoff (its environment only).
+ENV_VAR = "COMFY_STANDIN_BOARD"
 
 __all__ = ["counters", "install", "installed", "uninstall"]
 
@@ -87,7 +100,10 @@ _POOL_MODULE = "comfy_env.isolation.pool"
 _POOL_NAMES = ("_insert_loaded_model", "_register_new_patchers")
 _SPAWN_MODULE = "comfy_env.isolation.workers.subprocess"
 _WORKER_CLASS = _SPAWN_MODULE + ":SubprocessWorker"
-_WORKER_MODULE = "comfy_standin.worker"
+# The worker-side publisher: a module name of its own (it can shadow
+# nothing of a pack's), importable only from the private directory.
+_PUBLISHER = "_comfy_standin_publisher"
+_BOARD_LIBRARY = "libcomfy_standin_board.so"
 
 #: comfy-env versions whose internals the board wiring was checked against
 #: (the worker's ``main()`` closures, ``call_module``, the spawn call).
@@ -438,12 +454,13 @@ def _note_once(kind: str, log_fn: Any, message: str) -> None:
 class _BoardState:
     """The host's side of one worker process's board."""
 
-    __slots__ = ("board", "pid", "sent", "off")
+    __slots__ = ("board", "spawned", "owner", "sent", "off")
 
-    def __init__(self, board: Any, pid: int) -> None:
+    def __init__(self, board: Any, spawned: int, owner: int) -> None:
         self.board = board
-        self.pid = pid  # the spawned process (the board's expected owner)
-        self.sent: dict[str, tuple[int, int]] = {}  # bindings the worker has
+        self.spawned = spawned  # the pid comfy-env spawned (maybe pixi's)
+        self.owner = owner  # the worker process that made the board
+        self.sent: dict[str, tuple[int, int]] = {}  # bindings it has
         self.off = False
 
 
@@ -452,7 +469,8 @@ _boards: weakref.WeakKeyDictionary[Any, _BoardState] = (
     weakref.WeakKeyDictionary()
 )
 _boards_lock = threading.Lock()
-# The worker being started on this thread (set by _ensure_started).
+# The worker being started on this thread, and the handoff made for it
+# (set by _ensure_started and popen_in_own_group).
 _spawning = threading.local()
 # One log line per kind, per process.  Kinds are fixed words
 # ("version", "create", "worker"); the set never holds worker text.
@@ -460,6 +478,8 @@ _warned: set[str] = set()
 _warned_lock = threading.Lock()
 #: Distinct kinds remembered; past this every kind counts as said.
 _WARNED_MAX = 64
+# The directory holding this process's copy of the publisher, and only it.
+_private_dir: str | None = None
 
 
 def _kind_key(kind: str) -> str:
@@ -503,6 +523,58 @@ def _resolve(target: str) -> Any:
     return getattr(obj, class_name) if class_name else obj
 
 
+def _board_library() -> str | None:
+    """The board writer shipped in this installation (a plain shared
+    library a worker of any Python loads with ctypes), or None."""
+    try:
+        path = importlib.resources.files("comfy_standin").joinpath(
+            "_lib", _BOARD_LIBRARY)
+        text = os.fspath(path)  # a real file (wheel or editable build)
+    except (TypeError, OSError, ModuleNotFoundError):
+        return None
+    return text if os.path.isfile(text) else None
+
+
+def _board_layout(library: str) -> int | None:
+    """The layout version the board library writes (read once)."""
+    global _layout
+    if _layout is None:
+        try:
+            import ctypes
+
+            _layout = int(ctypes.CDLL(library).cs_board_layout_version())
+        except (OSError, AttributeError, ValueError):
+            return None
+    return _layout
+
+
+_layout: int | None = None
+
+
+def _publisher_dir() -> str:
+    """A private directory (mode 0700) holding a copy of the publisher and
+    nothing else, made once per process and removed at exit: what goes
+    first on a worker's path.  Never the host's site-packages, so the
+    worker imports nothing else of this installation, and the bytecode
+    its Python writes stays out of it."""
+    global _private_dir
+    with _boards_lock:
+        if _private_dir is not None and os.path.isfile(
+                os.path.join(_private_dir, _PUBLISHER + ".py")):
+            return _private_dir
+        source = importlib.resources.files("comfy_standin").joinpath(
+            "_worker_side", _PUBLISHER + ".py").read_bytes()
+        directory = tempfile.mkdtemp(prefix="comfy-standin-worker-")
+        path = os.path.join(directory, _PUBLISHER + ".py")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                     | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(source)
+        atexit.register(shutil.rmtree, directory, True)
+        _private_dir = directory
+        return directory
+
+
 def _install_boards() -> None:
     """Wrap comfy-env's worker spawn and shutdown, when this comfy-env is
     one the board wiring was checked against; otherwise say why once and
@@ -525,6 +597,12 @@ def _install_boards() -> None:
             f"board was checked against ({', '.join(SUPPORTED_COMFY_ENV)}): "
             f"no boards, stand-ins use receipts only"))
         return
+    if _board_library() is None:
+        _warn_once("library", (
+            f"comfy_standin: this installation has no board library "
+            f"(comfy_standin/_lib/{_BOARD_LIBRARY}): no boards, stand-ins "
+            f"use receipts only"))
+        return
     try:
         spawn = importlib.import_module(_SPAWN_MODULE)
         worker_cls = spawn.SubprocessWorker
@@ -541,6 +619,8 @@ def _install_boards() -> None:
                     getattr(worker_cls, "call_module", None))),
                 ("pool._WORKER_PATCHERS", isinstance(
                     getattr(pool_module, "_WORKER_PATCHERS", None), dict)),
+                ("pool._WORKER_POOL", isinstance(
+                    getattr(pool_module, "_WORKER_POOL", None), dict)),
             ) if not ok
         ]
     except (ImportError, AttributeError) as exc:
@@ -567,46 +647,86 @@ def _wrap_ensure_started(original: Any) -> Any:
     def _ensure_started(self: Any) -> Any:
         previous = getattr(_spawning, "worker", None)
         _spawning.worker = self
+        _spawning.handoff = None
+        _spawning.no_board = False
+        restore = _put_publisher_on_path(self)
         try:
-            return original(self)
+            result = original(self)
+        except BaseException:
+            _close_pending_handoff()
+            raise
         finally:
+            if restore is not None:
+                self.sys_path = restore
             _spawning.worker = previous
+        handoff = getattr(_spawning, "handoff", None)
+        _spawning.handoff = None
+        if handoff is not None:  # this call spawned a process
+            _attach(self, handoff)
+        return result
 
     _ensure_started.__wrapped__ = original  # type: ignore[attr-defined]
     return _ensure_started
 
 
-def _wrap_popen(original: Any) -> Any:
-    from ..worker import ENV_VAR
+def _put_publisher_on_path(worker: Any) -> list[Any] | None:
+    """For the spawn `worker` may make now: comfy-env sends its `sys_path`
+    to the worker, which puts each entry first, in order: the private
+    directory, last, ends up first.  Returns the list to put back."""
+    current = getattr(worker, "sys_path", None)
+    if not isinstance(current, list):
+        return None
+    try:
+        directory = _publisher_dir()
+    except (OSError, ModuleNotFoundError) as exc:
+        _spawning.no_board = True
+        _warn_once("private-dir", (
+            f"comfy_standin: cannot make the publisher's directory "
+            f"({type(exc).__name__}: {exc}): no boards, stand-ins use "
+            f"receipts only"))
+        return None
+    worker.sys_path = [*current, directory]
+    return current
 
+
+def _close_pending_handoff() -> None:
+    handoff = getattr(_spawning, "handoff", None)
+    _spawning.handoff = None
+    if handoff is not None:
+        handoff.close()
+
+
+def _wrap_popen(original: Any) -> Any:
     def popen_in_own_group(cmd: Any, **kw: Any) -> Any:
         worker = getattr(_spawning, "worker", None)
-        board = _new_board(worker) if worker is not None else None
+        handoff = None
+        if worker is not None and not getattr(_spawning, "no_board", False):
+            _board_done(worker)  # a new process gets a new board
+            try:
+                handoff = Handoff()
+            except OSError as exc:
+                _warn_once("handoff", (
+                    f"comfy_standin: cannot make a board handoff socket "
+                    f"({exc}): stand-ins use receipts only"))
         env = kw.get("env")
-        if board is not None:
-            env = dict(os.environ if env is None else env)
-            env[ENV_VAR] = f"{board.fd}:{os.getpid()}"
-            kw["env"] = env
-            kw["pass_fds"] = tuple(kw.get("pass_fds", ())) + (board.fd,)
-        elif ENV_VAR in (os.environ if env is None else env):
-            env = dict(os.environ if env is None else env)
-            del env[ENV_VAR]  # never hand on a board this spawn lacks
+        base = os.environ if env is None else env
+        if handoff is not None or ENV_VAR in base:
+            env = dict(base)
+            if handoff is not None:
+                env[ENV_VAR] = handoff.spec  # this worker's environment only
+            else:
+                del env[ENV_VAR]  # never hand on a handoff not made for it
             kw["env"] = env
         try:
             proc = original(cmd, **kw)
         except BaseException:
-            if board is not None:
-                _board_done(worker)
+            if handoff is not None:
+                handoff.close()
             raise
-        if board is not None:
-            try:
-                board.expected_owner = proc.pid
-                with _boards_lock:
-                    _boards[worker] = _BoardState(board, proc.pid)
-            except Exception:
-                log.exception("comfy_standin: board not handed on "
-                              "(ignored)")
-                _board_done(worker)
+        if handoff is not None:
+            handoff.spawned_pid = proc.pid
+            _close_pending_handoff()  # a spawn that did not get that far
+            _spawning.handoff = handoff
         return proc
 
     popen_in_own_group.__wrapped__ = original  # type: ignore[attr-defined]
@@ -624,18 +744,120 @@ def _wrap_shutdown(original: Any) -> Any:
     return shutdown
 
 
-def _new_board(worker: Any) -> Any:
-    """A fresh board for the process `worker` is about to start (the old
-    process's, if any, is closed: a new process gets a new board)."""
-    _board_done(worker)
+def _generation_of(worker: Any) -> int:
+    """comfy-env's generation for the process `worker` is starting: its
+    pool record's, or, on a first spawn (inside _get_or_create_worker,
+    before the record exists), the one that call chose."""
+    pool_module = sys.modules.get(_POOL_MODULE)
+    records = getattr(pool_module, "_WORKER_POOL", None)
+    for record in list(records.values() if isinstance(records, dict)
+                       else ()):
+        try:
+            if record[0] is worker and isinstance(record[1], int):
+                return int(record[1])
+        except (TypeError, IndexError, KeyError):
+            continue
+    frame = sys._getframe(1)
     try:
-        return cs.default_pool().board_for(
-            worker, slots=BOARD_SLOTS, heartbeat_limit=HEARTBEAT_LIMIT
-        )
-    except Exception as exc:  # no memfd, no seals: receipts only
-        _warn_once("create", f"comfy_standin: no live board ({exc}); "
-                             f"stand-ins use receipts only")
-        return None
+        while frame is not None:
+            code = frame.f_code
+            if code.co_name == "_get_or_create_worker" and code.co_filename \
+                    == getattr(pool_module, "__file__", None):
+                gen = frame.f_locals.get("gen")
+                if isinstance(gen, int) and not isinstance(gen, bool) \
+                        and gen >= 0:
+                    return gen
+            frame = frame.f_back
+    finally:
+        del frame
+    gen = getattr(pool_module, "_WORKER_GENERATION", 0)
+    return gen if isinstance(gen, int) and gen >= 0 else 0
+
+
+def _attach(worker: Any, handoff: Handoff) -> None:
+    """Right after comfy-env started `worker`'s process: the worker makes
+    its board and hands it over; the host adopts it.  Never raises; on
+    any failure one log line per kind and receipts for that worker."""
+    name = getattr(worker, "name", "?")
+    try:
+        library = _board_library()
+        layout = _board_layout(library) if library else None
+        if library is None or layout is None:
+            _warn_once(
+                "library",
+                "comfy_standin: the board library of this installation "
+                "cannot be loaded: stand-ins of worker {name} use receipts "
+                "only",
+                name=name)
+            return
+        generation = _generation_of(worker)
+        try:
+            reply = worker.call_module(
+                module=_PUBLISHER, func="attach", timeout=30.0,
+                library=library, slots=BOARD_SLOTS, generation=generation,
+                layout=layout, protocol=PROTOCOL, period=SAMPLE_PERIOD,
+            )
+        except Exception as exc:
+            first = (str(exc).splitlines() or [type(exc).__name__])[0]
+            _warn_once(
+                "worker-import",
+                "comfy_standin: worker {name} could not run the board "
+                "publisher ({publisher}.attach: {error}): its stand-ins use "
+                "receipts only",
+                name=name, publisher=_PUBLISHER, error=first)
+            return
+        if not isinstance(reply, dict) or dict.get(reply, "ok") is not True:
+            reason = visible(dict.get(reply, "reason")
+                             if isinstance(reply, dict) else reply)
+            _warn_once(
+                _refusal_kind(reason),
+                "comfy_standin: worker {name} does not publish a live board "
+                "({reason}); its stand-ins use receipts only",
+                name=name, reason=reason)
+            return
+        try:
+            board, owner, strangers = handoff.collect(
+                handoff.spawned_pid,
+                lambda fd: cs.Board.adopt(
+                    fd, BOARD_SLOTS, generation=generation,
+                    heartbeat_limit=HEARTBEAT_LIMIT),
+            )
+        except HandoffRefused as exc:
+            kinds = sorted({r.kind for r in exc.refusals}) or ["none"]
+            _warn_once(
+                "handoff-" + "-".join(kinds),
+                "comfy_standin: worker {name}'s board was refused: "
+                "{error}; its stand-ins use receipts only",
+                name=name, error=str(exc))
+            return
+        for refusal in strangers:
+            _warn_once(
+                "handoff-" + refusal.kind,
+                "comfy_standin: refused a connection to worker {name}'s "
+                "board handoff ({detail})",
+                name=name, detail=refusal.detail)
+        board.expected_owner = owner
+        cs.default_pool().own_board(worker, board)
+        with _boards_lock:
+            _boards[worker] = _BoardState(board, handoff.spawned_pid, owner)
+    except Exception:
+        log.exception("comfy_standin: board handoff failed (ignored); "
+                      "stand-ins use receipts only")
+    finally:
+        handoff.close()
+
+
+def _refusal_kind(reason: Any) -> str:
+    """A fixed word for a worker's refusal (the log-once key: never the
+    worker's own text)."""
+    text = str(reason)
+    for marker, kind in (("layout", "layout"), ("protocol", "protocol"),
+                         ("shape", "worker-shape"), ("handoff", "handoff"),
+                         ("board library", "library"),
+                         ("make a board", "make")):
+        if marker in text:
+            return "worker-" + kind
+    return "worker-other"
 
 
 def _board_done(worker: Any) -> None:
@@ -650,9 +872,11 @@ def _board_done(worker: Any) -> None:
 
 def _board_off(worker: Any, state: _BoardState, patchers: dict[str, Any],
                kind: str, reason: str) -> None:
-    _warn_once(kind, f"comfy_standin: worker {getattr(worker, 'name', '?')} "
-                     f"does not publish a live board ({reason}); its "
-                     f"stand-ins use receipts only")
+    _warn_once(
+        kind,
+        "comfy_standin: worker {name} does not publish a live board "
+        "({reason}); its stand-ins use receipts only",
+        name=getattr(worker, "name", "?"), reason=reason)
     state.off = True
     for s in patchers.values():
         attached = s.board if _is_ours(s) else None
@@ -670,7 +894,8 @@ def _sync_board(env_dir: Any, worker: Any) -> None:
         return
     board = state.board
     process = getattr(worker, "_process", None)
-    if getattr(process, "pid", None) != state.pid or not worker.is_alive():
+    if getattr(process, "pid", None) != state.spawned \
+            or not worker.is_alive():
         return  # another process now: its own board, its own bindings
     if board.poll_owner():
         return  # exited: the pool's boundary marks it gone
@@ -704,12 +929,11 @@ def _sync_board(env_dir: Any, worker: Any) -> None:
         return  # another thread is in the worker: the next boundary
     try:
         process = getattr(worker, "_process", None)
-        if getattr(process, "pid", None) != state.pid \
+        if getattr(process, "pid", None) != state.spawned \
                 or not worker.is_alive():
             return
         reply = worker.call_module(
-            module=_WORKER_MODULE, func="bind", timeout=60.0,
-            bindings=pending, period=SAMPLE_PERIOD,
+            module=_PUBLISHER, func="bind", timeout=60.0, bindings=pending,
         )
     except Exception as exc:
         first = (str(exc).splitlines() or [type(exc).__name__])[0]
@@ -718,24 +942,19 @@ def _sync_board(env_dir: Any, worker: Any) -> None:
             state.off = True
             _board_done(worker)
             return
-        _board_off(worker, state, patchers, "worker-import", (
-            f"{_WORKER_MODULE}.bind failed in the worker: {first}; "
-            f"comfy-standin must be installed in the pack's environment"))
+        _board_off(worker, state, patchers, "worker-bind",
+                   f"{_PUBLISHER}.bind failed in the worker: {first}")
         return
     finally:
         if lock is not None:
             lock.release()
-    if not isinstance(reply, dict) or not reply.get("ok"):
+    if not isinstance(reply, dict) or reply.get("ok") is not True:
         reason = reply.get("reason") if isinstance(reply, dict) else reply
-        _board_off(worker, state, patchers, f"worker:{reason}", str(reason))
+        _board_off(worker, state, patchers, "worker-bind", str(reason))
         return
-    pid = reply.get("pid")
-    if isinstance(pid, int) and pid != board.expected_owner:
-        board.expected_owner = pid  # a launcher in between (pixi run)
-    if not board.attached or board.owner_pid != pid:
+    if reply.get("pid") != state.owner:
         _board_off(worker, state, patchers, "owner",
-                   "the worker opened another board than the host made")
+                   "another process answered for the worker that made "
+                   "the board")
         return
     state.sent.update({m: (b[0], b[1]) for m, b in pending.items()})
-    if board.linked:
-        board.unlink()  # the worker has it mapped: no descriptor left here
