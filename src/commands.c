@@ -212,6 +212,17 @@ defer(StandInObject *self, const char *command, PyObject *text)
                           command, self->model_id, text);
 }
 
+/* The same for a detach (its own line in docs/troubleshooting.md): the
+ * worker refused model_to_device, or moved nothing. */
+static int
+defer_detach(StandInObject *self, PyObject *text)
+{
+    cs_model_set_eviction_deferred(self->record, true);
+    return cs_log_warning("comfy_standin: model_to_device of model %R "
+                          "deferred: %S",
+                          self->model_id, text);
+}
+
 /* A reply that did not decode (caught): counted, the eviction deferred
  * when `deferring` names the command, then logged.  0, or -1 with a log
  * handler's BaseException pending. */
@@ -598,18 +609,24 @@ deferred:
 }
 
 /* Logs that partially_unload of the model freed nothing because of the
- * pending Exception (`how` says where it came from).  0, or -1 with a
- * BaseException pending (the one raised, or a log handler's). */
+ * pending Exception: its arguments were bad (`bad_arguments`), or it
+ * failed in the host.  0, or -1 with a BaseException pending (the one
+ * raised, or a log handler's). */
 static int
-unload_failed(StandInObject *self, const char *how)
+unload_failed(StandInObject *self, bool bad_arguments)
 {
     cs_caught caught;
     if (cs_catch(&caught) < 0) {
         return -1;
     }
-    int logged = cs_log_warning("comfy_standin: partially_unload of model "
-                                "%R %s: %S; freed nothing",
-                                self->model_id, how, caught.text);
+    int logged =
+        bad_arguments
+            ? cs_log_warning("comfy_standin: partially_unload of model %R "
+                             "called with bad arguments: %S; freed nothing",
+                             self->model_id, caught.text)
+            : cs_log_warning("comfy_standin: partially_unload of model %R "
+                             "failed in the host: %S; freed nothing",
+                             self->model_id, caught.text);
     cs_caught_release(&caught);
     return logged;
 }
@@ -626,7 +643,7 @@ cs_standin_partially_unload(StandInObject *self, PyObject *const *args,
     if (state != NULL &&
         cs_parse_vector(state, CS_SIG_PARTIALLY_UNLOAD, args, nargs,
                         kwnames, argv) < 0) {
-        return unload_failed(self, "called with bad arguments") < 0
+        return unload_failed(self, true) < 0
                    ? NULL
                    : PyLong_FromLong(0);
     }
@@ -639,7 +656,7 @@ cs_standin_partially_unload(StandInObject *self, PyObject *const *args,
         cs_args_release(argv, 3);
     }
     if (PyErr_Occurred()) {
-        if (unload_failed(self, "failed in the host") < 0) {
+        if (unload_failed(self, false) < 0) {
             return NULL;
         }
         freed = 0;
@@ -680,7 +697,7 @@ detach_send_failed(StandInObject *self, cs_module_state *state,
                                   CS_SOURCE_WORKER_GONE, true, 0);
         return 0;
     }
-    return defer(self, "model_to_device", caught->text);
+    return defer_detach(self, caught->text);
 }
 
 /* detach's body.  May leave an exception pending, as unload_body. */
@@ -742,7 +759,7 @@ detach_body(StandInObject *self, cs_module_state *state)
     PyObject *text = PyUnicode_FromString("the worker moved nothing "
                                           "(moved: False)");
     if (text != NULL) {
-        (void)defer(self, "model_to_device", text);
+        (void)defer_detach(self, text);
         Py_DECREF(text);
     }
 }
