@@ -21,7 +21,7 @@ typedef struct {
     uint8_t positional;   /* at most this many by position */
 } signature;
 
-static const char *const keyword_names[CS_KEYWORD_COUNT] = {
+static const char *const keyword_names[] = {
     /* 0: StandIn */
     "worker", "worker_generation", "model_id", "model_size", "load_device",
     "offload_device", "kind", "pool",
@@ -43,7 +43,15 @@ static const char *const keyword_names[CS_KEYWORD_COUNT] = {
     "slots", "generation", "heartbeat_limit",
     /* 31: Board.open */
     "source", "period",
+    /* 33: Board.adopt */
+    "fd", "slots", "generation", "heartbeat_limit",
+    /* 37: Board.make */
+    "slots", "generation",
 };
+
+_Static_assert(sizeof(keyword_names) / sizeof(keyword_names[0]) ==
+                   CS_KEYWORD_COUNT,
+               "CS_KEYWORD_COUNT is the number of keyword_names");
 
 static const signature signatures[CS_SIG_COUNT] = {
     [CS_SIG_STANDIN] = {"StandIn", 0, 8, 6, 8},
@@ -56,6 +64,8 @@ static const signature signatures[CS_SIG_COUNT] = {
     [CS_SIG_RESERVE] = {"reserve", 25, 3, 3, 3},
     [CS_SIG_BOARD_CREATE] = {"create", 28, 3, 0, 1},
     [CS_SIG_BOARD_OPEN] = {"open", 31, 2, 1, 1},
+    [CS_SIG_BOARD_ADOPT] = {"adopt", 33, 4, 2, 2},
+    [CS_SIG_BOARD_MAKE] = {"make", 37, 2, 0, 1},
 };
 
 int

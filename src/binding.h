@@ -15,7 +15,7 @@
 #include <Python.h>
 
 /* The parameter names of every keyword signature (args.c). */
-#define CS_KEYWORD_COUNT 33
+#define CS_KEYWORD_COUNT 39
 
 typedef struct {
     /* Types (strong references, created from specs in the exec hooks). */
@@ -82,6 +82,8 @@ typedef enum {
     CS_SIG_RESERVE,
     CS_SIG_BOARD_CREATE,
     CS_SIG_BOARD_OPEN,
+    CS_SIG_BOARD_ADOPT,
+    CS_SIG_BOARD_MAKE,
     CS_SIG_COUNT
 } cs_signature_id;
 

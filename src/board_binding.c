@@ -161,6 +161,22 @@ board_wrap(PyTypeObject *type, cs_board *board)
 
 /* ---- construction ---------------------------------------------------- */
 
+/* A heartbeat limit argument into *out_ns: None is no check (0), absent
+ * (NULL) keeps *out_ns, else seconds in the allowed range.  0, or -1. */
+static int
+board_limit_arg(PyObject *obj, const char *field, uint64_t *out_ns)
+{
+    if (obj == Py_None) {
+        *out_ns = 0;
+        return 0;
+    }
+    if (obj == NULL) {
+        return 0;
+    }
+    return cs_seconds_in_range(obj, field, CS_BOARD_HEARTBEAT_LIMIT_MIN_NS,
+                               CS_BOARD_HEARTBEAT_LIMIT_MAX_NS, out_ns);
+}
+
 static PyObject *
 Board_create(PyTypeObject *type, PyObject *const *args, Py_ssize_t nargs,
              PyObject *kwnames)
@@ -184,15 +200,8 @@ Board_create(PyTypeObject *type, PyObject *const *args, Py_ssize_t nargs,
                            NULL, 0, CS_BOARD_VALUE_MAX, &generation) < 0)) {
         return NULL;
     }
-    if (limit_obj == Py_None) {
-        limit = 0; /* no heartbeat check */
-    }
-    else if (limit_obj != NULL &&
-             cs_seconds_in_range(limit_obj,
-                                 "Board.create(): heartbeat_limit",
-                                 CS_BOARD_HEARTBEAT_LIMIT_MIN_NS,
-                                 CS_BOARD_HEARTBEAT_LIMIT_MAX_NS,
-                                 &limit) < 0) {
+    if (board_limit_arg(limit_obj, "Board.create(): heartbeat_limit",
+                        &limit) < 0) {
         return NULL;
     }
     cs_board *board = NULL;
@@ -209,38 +218,27 @@ Board_create(PyTypeObject *type, PyObject *const *args, Py_ssize_t nargs,
 /* Board.adopt(fd, slots, *, generation=0, heartbeat_limit=5.0): the host
  * side of a board its worker made (cs_board_adopt). */
 static PyObject *
-Board_adopt(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+Board_adopt(PyTypeObject *type, PyObject *const *args, Py_ssize_t nargs,
+            PyObject *kwnames)
 {
-    static const char *keywords[] = {"fd", "slots", "generation",
-                                     "heartbeat_limit", NULL};
-    PyObject *fd_obj = NULL, *slots_obj = NULL, *generation_obj = NULL;
-    PyObject *limit_obj = NULL;
+    PyObject *argv[4];
     uint64_t fd = 0, slots = 0, generation = 0;
     uint64_t limit = CS_BOARD_DEFAULT_HEARTBEAT_LIMIT_NS;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|$OO:adopt",
-                                     (char **)keywords, &fd_obj, &slots_obj,
-                                     &generation_obj, &limit_obj)) {
-        return NULL;
-    }
+    cs_module_state *state = cs_state_checked(type);
     /* The arguments are read before the GIL is released and not used
      * after, so borrowed keyword values cannot go stale under them. */
-    if (cs_value_in_range(fd_obj, "Board.adopt(): fd", NULL, 0, INT_MAX,
+    if (state == NULL ||
+        cs_parse_vector(state, CS_SIG_BOARD_ADOPT, args, nargs, kwnames,
+                        argv) < 0 ||
+        cs_value_in_range(argv[0], "Board.adopt(): fd", NULL, 0, INT_MAX,
                           &fd) < 0 ||
-        cs_value_in_range(slots_obj, "Board.adopt(): slots", NULL, 1,
+        cs_value_in_range(argv[1], "Board.adopt(): slots", NULL, 1,
                           CS_BOARD_MAX_SLOTS, &slots) < 0 ||
-        (generation_obj != NULL &&
-         cs_value_in_range(generation_obj, "Board.adopt(): generation",
-                           NULL, 0, CS_BOARD_VALUE_MAX, &generation) < 0)) {
-        return NULL;
-    }
-    if (limit_obj == Py_None) {
-        limit = 0;
-    }
-    else if (limit_obj != NULL &&
-             cs_seconds_in_range(limit_obj, "Board.adopt(): heartbeat_limit",
-                                 CS_BOARD_HEARTBEAT_LIMIT_MIN_NS,
-                                 CS_BOARD_HEARTBEAT_LIMIT_MAX_NS,
-                                 &limit) < 0) {
+        (argv[2] != NULL &&
+         cs_value_in_range(argv[2], "Board.adopt(): generation", NULL, 0,
+                           CS_BOARD_VALUE_MAX, &generation) < 0) ||
+        board_limit_arg(argv[3], "Board.adopt(): heartbeat_limit",
+                        &limit) < 0) {
         return NULL;
     }
     cs_board *board = NULL;
@@ -260,22 +258,21 @@ Board_adopt(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 /* Board.make(slots=64, *, generation=0): the worker side of a board this
  * process makes for its host to adopt; returns (board, fd). */
 static PyObject *
-Board_make(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+Board_make(PyTypeObject *type, PyObject *const *args, Py_ssize_t nargs,
+           PyObject *kwnames)
 {
-    static const char *keywords[] = {"slots", "generation", NULL};
-    PyObject *slots_obj = NULL, *generation_obj = NULL;
+    PyObject *argv[2];
     uint64_t slots = 64, generation = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|O$O:make",
-                                     (char **)keywords, &slots_obj,
-                                     &generation_obj)) {
-        return NULL;
-    }
-    if ((slots_obj != NULL &&
-         cs_value_in_range(slots_obj, "Board.make(): slots", NULL, 1,
+    cs_module_state *state = cs_state_checked(type);
+    if (state == NULL ||
+        cs_parse_vector(state, CS_SIG_BOARD_MAKE, args, nargs, kwnames,
+                        argv) < 0 ||
+        (argv[0] != NULL &&
+         cs_value_in_range(argv[0], "Board.make(): slots", NULL, 1,
                            CS_BOARD_MAX_SLOTS, &slots) < 0) ||
-        (generation_obj != NULL &&
-         cs_value_in_range(generation_obj, "Board.make(): generation", NULL,
-                           0, CS_BOARD_VALUE_MAX, &generation) < 0)) {
+        (argv[1] != NULL &&
+         cs_value_in_range(argv[1], "Board.make(): generation", NULL, 0,
+                           CS_BOARD_VALUE_MAX, &generation) < 0)) {
         return NULL;
     }
     cs_board *board = NULL;
@@ -493,6 +490,104 @@ cs_board_attach_model(PyObject *board_obj, PyObject *model_id,
 
 /* ---- methods --------------------------------------------------------- */
 
+/* What each method checks before its own work, one row each: the open
+ * handle, its positional arguments, the side of the board it belongs to,
+ * and args[0] as a slot of this board.  board_begin() runs the row. */
+typedef enum { ANY_SIDE, HOST_SIDE } board_side;
+
+typedef struct {
+    const char *what; /* "Board.tag()": every message names the call */
+    const char *args; /* "(slot, tag)": the arity message's */
+    board_side side;
+    int8_t min, max;  /* positional arguments */
+    bool slot;        /* args[0] is a slot of this board */
+} board_call;
+
+enum {
+    CALL_ENTER, CALL_UNLINK, CALL_ASSIGN, CALL_RELEASE, CALL_TAG,
+    CALL_WORKER_GONE, CALL_POLL_OWNER, CALL_BIND, CALL_ASSIGNED_SIZE,
+    CALL_FIND, CALL_PUBLISH, CALL_HEARTBEAT, CALL_READ, CALL_STATUS,
+    CALL_ADD_SAMPLER, CALL_REMOVE_SAMPLER, CALL_COUNT
+};
+
+static const board_call board_calls[CALL_COUNT] = {
+    [CALL_ENTER] = {"Board.__enter__()", "", ANY_SIDE, 0, 0, false},
+    [CALL_UNLINK] = {"Board.unlink()", "", ANY_SIDE, 0, 0, false},
+    [CALL_ASSIGN] = {"Board.assign()", "(model_id, size)", ANY_SIDE, 2, 2,
+                     false},
+    [CALL_RELEASE] = {"Board.release()", "", ANY_SIDE, 1, 1, true},
+    [CALL_TAG] = {"Board.tag()", "", HOST_SIDE, 1, 1, true},
+    [CALL_WORKER_GONE] = {"Board.worker_gone()", "", HOST_SIDE, 0, 0,
+                          false},
+    [CALL_POLL_OWNER] = {"Board.poll_owner()", "", HOST_SIDE, 0, 0, false},
+    [CALL_BIND] = {"Board.bind()", "(slot, tag)", ANY_SIDE, 2, 2, true},
+    [CALL_ASSIGNED_SIZE] = {"Board.assigned_size()", "", ANY_SIDE, 1, 1,
+                            true},
+    [CALL_FIND] = {"Board.find()", "", ANY_SIDE, 1, 1, false},
+    [CALL_PUBLISH] = {"Board.publish()", "(slot, loaded)", ANY_SIDE, 2, 2,
+                      true},
+    [CALL_HEARTBEAT] = {"Board.heartbeat()", "", ANY_SIDE, 0, 0, false},
+    [CALL_READ] = {"Board.read()", "(slot, size=None, tag=None)",
+                   HOST_SIDE, 1, 3, true},
+    [CALL_STATUS] = {"Board.status()", "(slot, size=None, tag=None)",
+                     HOST_SIDE, 1, 3, true},
+    [CALL_ADD_SAMPLER] = {"Board.add_sampler()",
+                          "(slot, fn_address, ctx_address=0)", ANY_SIDE, 2,
+                          3, true},
+    [CALL_REMOVE_SAMPLER] = {"Board.remove_sampler()", "", ANY_SIDE, 1, 1,
+                             true},
+};
+
+/* Runs row `id` of board_calls for a call with `args` (a METH_O method
+ * passes its one argument, a METH_NOARGS one none): the board, with
+ * *slot set when the row reads one, or NULL with the exception that says
+ * what did not fit. */
+static cs_board *
+board_begin(PyObject *op, int id, PyObject *const *args, Py_ssize_t nargs,
+            uint32_t *slot)
+{
+    const board_call *call = &board_calls[id];
+    cs_board *board = board_handle((BoardObject *)op, call->what);
+    *slot = 0;
+    if (board == NULL) {
+        return NULL;
+    }
+    if (nargs < call->min || nargs > call->max) {
+        if (call->min == call->max) {
+            PyErr_Format(PyExc_TypeError, "%s takes %d arguments %s, got %zd",
+                         call->what, call->min, call->args, nargs);
+        }
+        else {
+            PyErr_Format(PyExc_TypeError,
+                         "%s takes %d to %d arguments %s, got %zd",
+                         call->what, call->min, call->max, call->args,
+                         nargs);
+        }
+        return NULL;
+    }
+    if (call->side == HOST_SIDE && !cs_board_is_host(board)) {
+        board_raise_on(board, CS_BOARD_ERR_ROLE, 0, call->what);
+        return NULL;
+    }
+    /* A slot row's min is at least 1: args[0] exists. */
+    if (call->slot && nargs > 0
+        && board_slot_arg(board, args[0], call->what, slot) < 0) {
+        return NULL;
+    }
+    return board;
+}
+
+/* None, or the exception `status` means for the row's call. */
+static PyObject *
+board_done(cs_board *board, int id, cs_board_status status, int os_error)
+{
+    if (status != CS_BOARD_OK) {
+        board_raise_on(board, status, os_error, board_calls[id].what);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *
 Board_close(PyObject *op, PyObject *unused)
 {
@@ -503,7 +598,8 @@ Board_close(PyObject *op, PyObject *unused)
 static PyObject *
 Board_enter(PyObject *op, PyObject *unused)
 {
-    if (board_handle((BoardObject *)op, "Board.__enter__()") == NULL) {
+    uint32_t slot;
+    if (board_begin(op, CALL_ENTER, NULL, 0, &slot) == NULL) {
         return NULL;
     }
     return Py_NewRef(op);
@@ -519,46 +615,40 @@ Board_exit(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 Board_unlink(PyObject *op, PyObject *unused)
 {
-    cs_board *board = board_handle((BoardObject *)op, "Board.unlink()");
-    if (board == NULL) {
-        return NULL;
-    }
+    uint32_t slot;
     int os_error = 0;
-    cs_board_status status = cs_board_unlink(board, &os_error);
-    if (status != CS_BOARD_OK) {
-        board_raise_on(board, status, os_error, "Board.unlink()");
+    cs_board *board = board_begin(op, CALL_UNLINK, NULL, 0, &slot);
+    return board == NULL ? NULL
+                         : board_done(board, CALL_UNLINK,
+                                      cs_board_unlink(board, &os_error),
+                                      os_error);
+}
+
+/* A model id argument: its UTF-8, or NULL with TypeError naming `what`. */
+static const char *
+board_id_arg(PyObject *obj, const char *what, Py_ssize_t *len)
+{
+    if (!PyUnicode_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s: model_id must be a str, not %.100s",
+                     what, Py_TYPE(obj)->tp_name);
         return NULL;
     }
-    Py_RETURN_NONE;
+    return PyUnicode_AsUTF8AndSize(obj, len);
 }
 
 static PyObject *
 Board_assign(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
 {
-    const char *what = "Board.assign()";
-    cs_board *board = board_handle((BoardObject *)op, what);
-    if (board == NULL) {
-        return NULL;
-    }
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError,
-                     "%s takes 2 arguments (model_id, size), got %zd", what,
-                     nargs);
-        return NULL;
-    }
-    if (!PyUnicode_Check(args[0])) {
-        PyErr_Format(PyExc_TypeError, "%s: model_id must be a str, not %.100s",
-                     what, Py_TYPE(args[0])->tp_name);
-        return NULL;
-    }
-    Py_ssize_t id_len;
-    const char *id = PyUnicode_AsUTF8AndSize(args[0], &id_len);
+    const char *what = board_calls[CALL_ASSIGN].what;
+    uint32_t slot = 0;
     uint64_t size;
+    Py_ssize_t id_len;
+    cs_board *board = board_begin(op, CALL_ASSIGN, args, nargs, &slot);
+    const char *id = board ? board_id_arg(args[0], what, &id_len) : NULL;
     if (id == NULL || board_own(board, what) < 0 ||
         board_u64_arg(args[1], what, "size", CS_BOARD_VALUE_MAX, &size) < 0) {
         return NULL;
     }
-    uint32_t slot = 0;
     cs_board_status status = cs_board_assign(board, id, (size_t)id_len, size,
                                              &slot);
     if (status == CS_BOARD_ERR_SIZE) {
@@ -572,8 +662,7 @@ Board_assign(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     if (status != CS_BOARD_OK) {
-        board_raise_on(board, status, 0, what);
-        return NULL;
+        return board_done(board, CALL_ASSIGN, status, 0);
     }
     return PyLong_FromUnsignedLong(slot);
 }
@@ -581,46 +670,29 @@ Board_assign(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 Board_release(PyObject *op, PyObject *arg)
 {
-    const char *what = "Board.release()";
-    cs_board *board = board_handle((BoardObject *)op, what);
     uint32_t slot;
-    if (board == NULL || board_slot_arg(board, arg, what, &slot) < 0) {
-        return NULL;
-    }
-    cs_board_status status = cs_board_release(board, slot);
-    if (status != CS_BOARD_OK) {
-        board_raise_on(board, status, 0, what);
-        return NULL;
-    }
-    Py_RETURN_NONE;
+    cs_board *board = board_begin(op, CALL_RELEASE, &arg, 1, &slot);
+    return board == NULL ? NULL
+                         : board_done(board, CALL_RELEASE,
+                                      cs_board_release(board, slot), 0);
 }
 
 static PyObject *
 Board_tag(PyObject *op, PyObject *arg)
 {
-    const char *what = "Board.tag()";
-    cs_board *board = board_handle((BoardObject *)op, what);
     uint32_t slot;
-    if (board == NULL || board_slot_arg(board, arg, what, &slot) < 0) {
-        return NULL;
-    }
-    if (!cs_board_is_host(board)) {
-        board_raise_on(board, CS_BOARD_ERR_ROLE, 0, what);
-        return NULL;
-    }
-    return PyLong_FromUnsignedLongLong(cs_board_tag(board, slot));
+    cs_board *board = board_begin(op, CALL_TAG, &arg, 1, &slot);
+    return board == NULL
+               ? NULL
+               : PyLong_FromUnsignedLongLong(cs_board_tag(board, slot));
 }
 
 static PyObject *
 Board_worker_gone(PyObject *op, PyObject *unused)
 {
-    const char *what = "Board.worker_gone()";
-    cs_board *board = board_handle((BoardObject *)op, what);
+    uint32_t slot;
+    cs_board *board = board_begin(op, CALL_WORKER_GONE, NULL, 0, &slot);
     if (board == NULL) {
-        return NULL;
-    }
-    if (!cs_board_is_host(board)) {
-        board_raise_on(board, CS_BOARD_ERR_ROLE, 0, what);
         return NULL;
     }
     cs_board_owner_gone(board);
@@ -630,53 +702,32 @@ Board_worker_gone(PyObject *op, PyObject *unused)
 static PyObject *
 Board_poll_owner(PyObject *op, PyObject *unused)
 {
-    const char *what = "Board.poll_owner()";
-    cs_board *board = board_handle((BoardObject *)op, what);
-    if (board == NULL) {
-        return NULL;
-    }
-    if (!cs_board_is_host(board)) {
-        board_raise_on(board, CS_BOARD_ERR_ROLE, 0, what);
-        return NULL;
-    }
-    return PyBool_FromLong(cs_board_poll_owner(board));
+    uint32_t slot;
+    cs_board *board = board_begin(op, CALL_POLL_OWNER, NULL, 0, &slot);
+    return board == NULL ? NULL
+                         : PyBool_FromLong(cs_board_poll_owner(board));
 }
 
 static PyObject *
 Board_bind(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
 {
-    const char *what = "Board.bind()";
-    cs_board *board = board_handle((BoardObject *)op, what);
-    if (board == NULL) {
-        return NULL;
-    }
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError,
-                     "%s takes 2 arguments (slot, tag), got %zd", what,
-                     nargs);
-        return NULL;
-    }
     uint32_t slot;
     uint64_t tag;
-    if (board_slot_arg(board, args[0], what, &slot) < 0 ||
-        board_u64_arg(args[1], what, "tag", CS_BOARD_VALUE_MAX, &tag) < 0) {
+    cs_board *board = board_begin(op, CALL_BIND, args, nargs, &slot);
+    if (board == NULL ||
+        board_u64_arg(args[1], board_calls[CALL_BIND].what, "tag",
+                      CS_BOARD_VALUE_MAX, &tag) < 0) {
         return NULL;
     }
-    cs_board_status status = cs_board_bind(board, slot, tag);
-    if (status != CS_BOARD_OK) {
-        board_raise_on(board, status, 0, what);
-        return NULL;
-    }
-    Py_RETURN_NONE;
+    return board_done(board, CALL_BIND, cs_board_bind(board, slot, tag), 0);
 }
 
 static PyObject *
 Board_assigned_size(PyObject *op, PyObject *arg)
 {
-    const char *what = "Board.assigned_size()";
-    cs_board *board = board_handle((BoardObject *)op, what);
     uint32_t slot;
-    if (board == NULL || board_slot_arg(board, arg, what, &slot) < 0) {
+    cs_board *board = board_begin(op, CALL_ASSIGNED_SIZE, &arg, 1, &slot);
+    if (board == NULL) {
         return NULL;
     }
     uint64_t size = cs_board_assigned_size(board, slot);
@@ -689,30 +740,22 @@ Board_assigned_size(PyObject *op, PyObject *arg)
 static PyObject *
 Board_find(PyObject *op, PyObject *arg)
 {
-    const char *what = "Board.find()";
-    cs_board *board = board_handle((BoardObject *)op, what);
-    if (board == NULL) {
-        return NULL;
-    }
-    if (!PyUnicode_Check(arg)) {
-        PyErr_Format(PyExc_TypeError, "%s: model_id must be a str, not %.100s",
-                     what, Py_TYPE(arg)->tp_name);
-        return NULL;
-    }
+    uint32_t slot;
     Py_ssize_t id_len;
-    const char *id = PyUnicode_AsUTF8AndSize(arg, &id_len);
+    cs_board *board = board_begin(op, CALL_FIND, &arg, 1, &slot);
+    const char *id =
+        board ? board_id_arg(arg, board_calls[CALL_FIND].what, &id_len)
+              : NULL;
     if (id == NULL) {
         return NULL;
     }
-    uint32_t slot;
     cs_board_status status = cs_board_find(board, id, (size_t)id_len, &slot);
     if (status == CS_BOARD_ERR_RANGE) {
         Py_RETURN_NONE;
     }
     if (status != CS_BOARD_OK) {
         /* A worker (the segment holds no ids) or a forked child. */
-        board_raise_on(board, status, 0, what);
-        return NULL;
+        return board_done(board, CALL_FIND, status, 0);
     }
     return PyLong_FromUnsignedLong(slot);
 }
@@ -720,91 +763,63 @@ Board_find(PyObject *op, PyObject *arg)
 static PyObject *
 Board_publish(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
 {
-    const char *what = "Board.publish()";
-    cs_board *board = board_handle((BoardObject *)op, what);
-    if (board == NULL) {
-        return NULL;
-    }
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError,
-                     "%s takes 2 arguments (slot, loaded), got %zd", what,
-                     nargs);
-        return NULL;
-    }
     uint32_t slot;
     uint64_t loaded;
-    if (board_slot_arg(board, args[0], what, &slot) < 0 ||
-        board_u64_arg(args[1], what, "loaded", CS_BOARD_VALUE_MAX, &loaded) <
-            0) {
+    cs_board *board = board_begin(op, CALL_PUBLISH, args, nargs, &slot);
+    if (board == NULL ||
+        board_u64_arg(args[1], board_calls[CALL_PUBLISH].what, "loaded",
+                      CS_BOARD_VALUE_MAX, &loaded) < 0) {
         return NULL;
     }
-    cs_board_status status = cs_board_publish(board, slot, loaded);
-    if (status != CS_BOARD_OK) {
-        board_raise_on(board, status, 0, "Board.publish()");
-        return NULL;
-    }
-    Py_RETURN_NONE;
+    return board_done(board, CALL_PUBLISH,
+                      cs_board_publish(board, slot, loaded), 0);
 }
 
 static PyObject *
 Board_heartbeat(PyObject *op, PyObject *unused)
 {
-    cs_board *board = board_handle((BoardObject *)op, "Board.heartbeat()");
-    if (board == NULL) {
-        return NULL;
-    }
-    cs_board_status status = cs_board_heartbeat(board);
-    if (status != CS_BOARD_OK) {
-        board_raise_on(board, status, 0, "Board.heartbeat()");
-        return NULL;
-    }
-    Py_RETURN_NONE;
+    uint32_t slot;
+    cs_board *board = board_begin(op, CALL_HEARTBEAT, NULL, 0, &slot);
+    return board == NULL ? NULL
+                         : board_done(board, CALL_HEARTBEAT,
+                                      cs_board_heartbeat(board), 0);
 }
 
-/* read() and status() share their argument handling:
- * (slot, size=None, tag=None). */
-static int
-board_read_args(cs_board *board, PyObject *const *args, Py_ssize_t nargs,
-                const char *what, uint32_t *slot, uint64_t *size,
+/* read() and status(): (slot, size=None, tag=None) after the row's
+ * checks; the size defaults to the slot's assigned size. */
+static cs_board *
+board_read_args(PyObject *op, int id, PyObject *const *args,
+                Py_ssize_t nargs, uint32_t *slot, uint64_t *size,
                 uint64_t *tag)
 {
-    if (nargs < 1 || nargs > 3) {
-        PyErr_Format(PyExc_TypeError,
-                     "%s takes 1 to 3 arguments (slot, size=None, "
-                     "tag=None), got %zd", what, nargs);
-        return -1;
-    }
-    if (!cs_board_is_host(board)) {
-        PyErr_Format(PyExc_RuntimeError,
-                     "%s is a host call; this is the worker side of board "
-                     "%s", what, cs_board_name(board));
-        return -1;
-    }
-    if (board_slot_arg(board, args[0], what, slot) < 0) {
-        return -1;
+    const char *what = board_calls[id].what;
+    cs_board *board = board_begin(op, id, args, nargs, slot);
+    if (board == NULL) {
+        return NULL;
     }
     *tag = 0;
     if (nargs == 3 && args[2] != Py_None &&
         board_u64_arg(args[2], what, "tag", CS_BOARD_VALUE_MAX, tag) < 0) {
-        return -1;
+        return NULL;
     }
     if (nargs >= 2 && args[1] != Py_None) {
         return board_u64_arg(args[1], what, "size", CS_BOARD_VALUE_MAX,
-                             size);
+                             size) < 0
+                   ? NULL
+                   : board;
     }
     *size = cs_board_assigned_size(board, *slot);
-    return 0;
+    return board;
 }
 
 static PyObject *
 Board_read(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
 {
-    const char *what = "Board.read()";
-    cs_board *board = board_handle((BoardObject *)op, what);
     uint32_t slot;
     uint64_t size, loaded, stamp, tag;
-    if (board == NULL ||
-        board_read_args(board, args, nargs, what, &slot, &size, &tag) < 0) {
+    cs_board *board = board_read_args(op, CALL_READ, args, nargs, &slot,
+                                      &size, &tag);
+    if (board == NULL) {
         return NULL;
     }
     if (!cs_board_read_slot(board, slot, tag, size, &loaded, &stamp)) {
@@ -817,12 +832,11 @@ Board_read(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 Board_status(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
 {
-    const char *what = "Board.status()";
-    cs_board *board = board_handle((BoardObject *)op, what);
     uint32_t slot;
     uint64_t size, loaded, stamp, tag;
-    if (board == NULL ||
-        board_read_args(board, args, nargs, what, &slot, &size, &tag) < 0) {
+    cs_board *board = board_read_args(op, CALL_STATUS, args, nargs, &slot,
+                                      &size, &tag);
+    if (board == NULL) {
         return NULL;
     }
     cs_board_reading reading = cs_board_read_slot_status(
@@ -830,44 +844,44 @@ Board_status(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
     return PyUnicode_FromString(cs_board_reading_name(reading));
 }
 
-static PyObject *
-Board_add_sampler(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
+/* An address argument of add_sampler: 0, or -1 with an exception. */
+static int
+board_address_arg(PyObject *obj, const char *what, bool required,
+                  void **out)
 {
-    const char *what = "Board.add_sampler()";
-    cs_board *board = board_handle((BoardObject *)op, what);
-    if (board == NULL) {
-        return NULL;
+    *out = NULL;
+    if (!required && (obj == NULL || obj == Py_None)) {
+        return 0;
     }
-    if (nargs < 2 || nargs > 3) {
-        PyErr_Format(PyExc_TypeError,
-                     "%s takes 2 or 3 arguments (slot, fn_address, "
-                     "ctx_address=0), got %zd", what, nargs);
-        return NULL;
-    }
-    uint32_t slot;
-    if (board_slot_arg(board, args[0], what, &slot) < 0) {
-        return NULL;
-    }
-    void *fn_address = NULL, *context = NULL;
-    if (!PyLong_Check(args[1]) ||
-        (nargs == 3 && args[2] != Py_None && !PyLong_Check(args[2]))) {
+    if (!PyLong_Check(obj)) {
         PyErr_Format(PyExc_TypeError,
                      "%s: fn_address and ctx_address must be int addresses "
                      "(e.g. ctypes.cast(f, ctypes.c_void_p).value)", what);
-        return NULL;
+        return -1;
     }
-    fn_address = PyLong_AsVoidPtr(args[1]);
-    if (fn_address == NULL) {
-        if (!PyErr_Occurred()) {
-            PyErr_Format(PyExc_ValueError, "%s: fn_address is NULL", what);
-        }
-        return NULL;
+    *out = PyLong_AsVoidPtr(obj);
+    if (*out != NULL || PyErr_Occurred()) {
+        return *out == NULL ? -1 : 0;
     }
-    if (nargs == 3 && args[2] != Py_None) {
-        context = PyLong_AsVoidPtr(args[2]);
-        if (context == NULL && PyErr_Occurred()) {
-            return NULL;
-        }
+    if (required) {
+        PyErr_Format(PyExc_ValueError, "%s: fn_address is NULL", what);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+Board_add_sampler(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
+{
+    const char *what = board_calls[CALL_ADD_SAMPLER].what;
+    uint32_t slot;
+    void *fn_address, *context;
+    cs_board *board = board_begin(op, CALL_ADD_SAMPLER, args, nargs, &slot);
+    if (board == NULL ||
+        board_address_arg(args[1], what, true, &fn_address) < 0 ||
+        board_address_arg(nargs == 3 ? args[2] : NULL, what, false,
+                          &context) < 0) {
+        return NULL;
     }
     /* POSIX guarantees data and function pointers convert; C11 does not
      * say so, hence the copy. */
@@ -875,32 +889,22 @@ Board_add_sampler(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
     static_assert(sizeof(fn) == sizeof(fn_address), "function pointers");
     memcpy(&fn, &fn_address, sizeof(fn));
     int os_error = 0;
-    cs_board_status status;
     /* Waits for a running sampler pass; that never needs the GIL, since
      * samplers are native code (documented), so holding it is safe. */
-    status = cs_board_add_sampler(board, slot, fn, context, &os_error);
-    if (status != CS_BOARD_OK) {
-        board_raise_on(board, status, os_error, "Board.add_sampler()");
-        return NULL;
-    }
-    Py_RETURN_NONE;
+    cs_board_status status =
+        cs_board_add_sampler(board, slot, fn, context, &os_error);
+    return board_done(board, CALL_ADD_SAMPLER, status, os_error);
 }
 
 static PyObject *
 Board_remove_sampler(PyObject *op, PyObject *arg)
 {
-    const char *what = "Board.remove_sampler()";
-    cs_board *board = board_handle((BoardObject *)op, what);
     uint32_t slot;
-    if (board == NULL || board_slot_arg(board, arg, what, &slot) < 0) {
-        return NULL;
-    }
-    cs_board_status status = cs_board_remove_sampler(board, slot);
-    if (status != CS_BOARD_OK) {
-        board_raise_on(board, status, 0, "Board.remove_sampler()");
-        return NULL;
-    }
-    Py_RETURN_NONE;
+    cs_board *board = board_begin(op, CALL_REMOVE_SAMPLER, &arg, 1, &slot);
+    return board == NULL ? NULL
+                         : board_done(board, CALL_REMOVE_SAMPLER,
+                                      cs_board_remove_sampler(board, slot),
+                                      0);
 }
 
 static PyObject *
@@ -923,108 +927,77 @@ Board_repr(PyObject *op)
 
 /* ---- properties ------------------------------------------------------ */
 
-#define BOARD_GETTER(attr)                                                  \
-    static PyObject *Board_get_##attr(PyObject *op, void *closure)          \
-    {                                                                       \
-        cs_board *board = board_handle((BoardObject *)op,                   \
-                                       "Board." #attr);                     \
-        if (board == NULL) {                                                \
-            return NULL;                                                    \
-        }                                                                   \
-        return Board_value_##attr(board);                                   \
-    }
+/* The read-only values of an open board, one getter for all: its closure
+ * is the value's row here. */
+enum {
+    VALUE_NAME, VALUE_FD, VALUE_OWNER_IS_GONE, VALUE_IS_HOST, VALUE_SLOTS,
+    VALUE_GENERATION, VALUE_ATTACHED, VALUE_LINKED, VALUE_OWNER_PID,
+    VALUE_HEARTBEAT_LIMIT, VALUE_SAMPLER_PASSES, VALUE_COUNT
+};
 
-static PyObject *
-Board_value_name(cs_board *board)
-{
-    return PyUnicode_FromString(cs_board_name(board));
-}
+static const char *const board_value_names[VALUE_COUNT] = {
+    [VALUE_NAME] = "Board.name",
+    [VALUE_FD] = "Board.fd",
+    [VALUE_OWNER_IS_GONE] = "Board.owner_is_gone",
+    [VALUE_IS_HOST] = "Board.is_host",
+    [VALUE_SLOTS] = "Board.slots",
+    [VALUE_GENERATION] = "Board.generation",
+    [VALUE_ATTACHED] = "Board.attached",
+    [VALUE_LINKED] = "Board.linked",
+    [VALUE_OWNER_PID] = "Board.owner_pid",
+    [VALUE_HEARTBEAT_LIMIT] = "Board.heartbeat_limit",
+    [VALUE_SAMPLER_PASSES] = "Board.sampler_passes",
+};
 
+/* An int, or None when it is not positive (no descriptor, no owner). */
 static PyObject *
-Board_value_is_host(cs_board *board)
+positive_or_none(int64_t value)
 {
-    return PyBool_FromLong(cs_board_is_host(board));
-}
-
-static PyObject *
-Board_value_slots(cs_board *board)
-{
-    return PyLong_FromUnsignedLong(cs_board_slot_count(board));
-}
-
-static PyObject *
-Board_value_generation(cs_board *board)
-{
-    return PyLong_FromUnsignedLongLong(cs_board_generation(board));
-}
-
-static PyObject *
-Board_value_attached(cs_board *board)
-{
-    return PyBool_FromLong(cs_board_attached(board));
-}
-
-static PyObject *
-Board_value_linked(cs_board *board)
-{
-    return PyBool_FromLong(cs_board_is_host(board) &&
-                           cs_board_linked(board));
-}
-
-static PyObject *
-Board_value_owner_pid(cs_board *board)
-{
-    int64_t pid = cs_board_owner_pid(board);
-    if (pid <= 0) {
+    if (value <= 0) {
         Py_RETURN_NONE;
     }
-    return PyLong_FromLongLong(pid);
+    return PyLong_FromLongLong(value);
 }
 
 static PyObject *
-Board_value_heartbeat_limit(cs_board *board)
+Board_get_value(PyObject *op, void *closure)
 {
-    uint64_t limit = cs_board_heartbeat_limit(board);
-    if (!cs_board_is_host(board) || limit == 0) {
-        Py_RETURN_NONE;
+    int which = (int)((const char *const *)closure - board_value_names);
+    cs_board *board = board_handle((BoardObject *)op,
+                                   board_value_names[which]);
+    if (board == NULL) {
+        return NULL;
     }
-    return PyFloat_FromDouble((double)limit / 1e9);
-}
-
-static PyObject *
-Board_value_sampler_passes(cs_board *board)
-{
-    return PyLong_FromUnsignedLongLong(cs_board_sampler_passes(board));
-}
-
-static PyObject *
-Board_value_fd(cs_board *board)
-{
-    int fd = cs_board_fd(board);
-    if (fd < 0) {
-        Py_RETURN_NONE;
+    bool host = cs_board_is_host(board);
+    uint64_t limit;
+    switch (which) {
+    case VALUE_NAME:
+        return PyUnicode_FromString(cs_board_name(board));
+    case VALUE_FD: /* 0 is a descriptor: None only below it */
+        return cs_board_fd(board) < 0 ? Py_NewRef(Py_None)
+                                      : PyLong_FromLong(cs_board_fd(board));
+    case VALUE_OWNER_IS_GONE:
+        return PyBool_FromLong(host && cs_board_owner_is_gone(board));
+    case VALUE_IS_HOST:
+        return PyBool_FromLong(host);
+    case VALUE_SLOTS:
+        return PyLong_FromUnsignedLong(cs_board_slot_count(board));
+    case VALUE_GENERATION:
+        return PyLong_FromUnsignedLongLong(cs_board_generation(board));
+    case VALUE_ATTACHED:
+        return PyBool_FromLong(cs_board_attached(board));
+    case VALUE_LINKED:
+        return PyBool_FromLong(host && cs_board_linked(board));
+    case VALUE_OWNER_PID:
+        return positive_or_none(cs_board_owner_pid(board));
+    case VALUE_HEARTBEAT_LIMIT:
+        limit = cs_board_heartbeat_limit(board);
+        return !host || limit == 0 ? Py_NewRef(Py_None)
+                                   : PyFloat_FromDouble((double)limit / 1e9);
+    default: /* VALUE_SAMPLER_PASSES */
+        return PyLong_FromUnsignedLongLong(cs_board_sampler_passes(board));
     }
-    return PyLong_FromLong(fd);
 }
-
-static PyObject *
-Board_value_owner_is_gone(cs_board *board)
-{
-    return PyBool_FromLong(cs_board_is_host(board) &&
-                           cs_board_owner_is_gone(board));
-}
-
-BOARD_GETTER(fd)
-BOARD_GETTER(owner_is_gone)
-BOARD_GETTER(name)
-BOARD_GETTER(is_host)
-BOARD_GETTER(slots)
-BOARD_GETTER(generation)
-BOARD_GETTER(attached)
-BOARD_GETTER(linked)
-BOARD_GETTER(owner_pid)
-BOARD_GETTER(heartbeat_limit)
-BOARD_GETTER(sampler_passes)
 
 static PyObject *
 Board_get_closed(PyObject *op, void *closure)
@@ -1111,7 +1084,7 @@ static PyMethodDef Board_methods[] = {
      "heartbeat_limit: seconds (0.01 .. 86400) a worker's heartbeat may\n"
      "age before its board is ignored; None: never."},
     {"adopt", (PyCFunction)(void (*)(void))Board_adopt,
-     METH_VARARGS | METH_KEYWORDS | METH_CLASS,
+     METH_FASTCALL | METH_KEYWORDS | METH_CLASS,
      "adopt($type, /, fd, slots, *, generation=0, heartbeat_limit=5.0)\n"
      "--\n\n"
      "Host side: take the board a worker made (Board.make) and sent.\n"
@@ -1120,7 +1093,7 @@ static PyMethodDef Board_methods[] = {
      "layout's header; it is mapped read-only and stays the caller's:\n"
      "close it once this returns.  Linux only."},
     {"make", (PyCFunction)(void (*)(void))Board_make,
-     METH_VARARGS | METH_KEYWORDS | METH_CLASS,
+     METH_FASTCALL | METH_KEYWORDS | METH_CLASS,
      "make($type, /, slots=64, *, generation=0)\n--\n\n"
      "Worker side: make a board for the host to adopt.  Returns\n"
      "(board, fd): send fd to the host (SCM_RIGHTS) and close it.  No\n"
@@ -1203,34 +1176,46 @@ static PyMethodDef Board_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+/* A getter's closure: its row of board_value_names (an address, so no
+ * integer becomes a pointer). */
+#define VALUE(n) ((void *)&board_value_names[(n)])
+
 static PyGetSetDef Board_getset[] = {
-    {"name", Board_get_name, NULL,
-     "The segment's name (informative for a memfd board).", NULL},
-    {"fd", Board_get_fd, NULL,
+    {"name", Board_get_value, NULL,
+     "The segment's name (informative for a memfd board).",
+     VALUE(VALUE_NAME)},
+    {"fd", Board_get_value, NULL,
      "Host side: the descriptor to hand the worker, or None (a named\n"
-     "board, or after unlink()/close()).", NULL},
-    {"owner_is_gone", Board_get_owner_is_gone, NULL,
-     "Host side: True once worker_gone() was called.", NULL},
-    {"is_host", Board_get_is_host, NULL, "True on the host side.", NULL},
-    {"slots", Board_get_slots, NULL, "Number of slots.", NULL},
-    {"generation", Board_get_generation, NULL,
-     "The worker generation the board was made for.", NULL},
+     "board, or after unlink()/close()).",
+     VALUE(VALUE_FD)},
+    {"owner_is_gone", Board_get_value, NULL,
+     "Host side: True once worker_gone() was called.",
+     VALUE(VALUE_OWNER_IS_GONE)},
+    {"is_host", Board_get_value, NULL, "True on the host side.",
+     VALUE(VALUE_IS_HOST)},
+    {"slots", Board_get_value, NULL, "Number of slots.", VALUE(VALUE_SLOTS)},
+    {"generation", Board_get_value, NULL,
+     "The worker generation the board was made for.",
+     VALUE(VALUE_GENERATION)},
     {"closed", Board_get_closed, NULL, "True once closed.", NULL},
-    {"attached", Board_get_attached, NULL,
-     "True while a worker has the board open.", NULL},
-    {"linked", Board_get_linked, NULL,
+    {"attached", Board_get_value, NULL,
+     "True while a worker has the board open.", VALUE(VALUE_ATTACHED)},
+    {"linked", Board_get_value, NULL,
      "Host side: True while the host holds a way in (fd or name).",
-     NULL},
-    {"owner_pid", Board_get_owner_pid, NULL,
-     "The pid the header names as owner (untrusted), or None.", NULL},
+     VALUE(VALUE_LINKED)},
+    {"owner_pid", Board_get_value, NULL,
+     "The pid the header names as owner (untrusted), or None.",
+     VALUE(VALUE_OWNER_PID)},
     {"expected_owner", Board_get_expected_owner, Board_set_expected_owner,
      "Host side: the worker pid reads require (None: any).", NULL},
-    {"heartbeat_limit", Board_get_heartbeat_limit, NULL,
-     "Host side: seconds a heartbeat may age, or None.", NULL},
+    {"heartbeat_limit", Board_get_value, NULL,
+     "Host side: seconds a heartbeat may age, or None.",
+     VALUE(VALUE_HEARTBEAT_LIMIT)},
     {"period", Board_get_period, Board_set_period,
      "Worker side: seconds between sampler passes.", NULL},
-    {"sampler_passes", Board_get_sampler_passes, NULL,
-     "Worker side: sampler passes completed.", NULL},
+    {"sampler_passes", Board_get_value, NULL,
+     "Worker side: sampler passes completed.",
+     VALUE(VALUE_SAMPLER_PASSES)},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -518,65 +518,74 @@ restart_if_newer(cs_module_state *state, PyObject *pool, PyObject *ledger,
     return r == NULL ? -1 : 0;
 }
 
+/* The constructor's checks, in the order a caller meets them: the worker,
+ * the generation, the id, the size, the kind.  Fills *generation, *size,
+ * *kind (a new reference; "other" when not given) and *model_id (an exact
+ * str copy, new: a str subclass's __hash__, __eq__ or attributes never
+ * reach the worker, the table or a cycle).  0, or -1 with an exception
+ * and nothing owned. */
+static int
+standin_args(cs_module_state *state, PyObject **argv, uint64_t *generation,
+             uint64_t *size, PyObject **kind, PyObject **model_id)
+{
+    int code;
+    if (check_worker(argv[0], state) < 0) {
+        return -1;
+    }
+    code = cs_value_check(argv[1], CS_VALUE_MAX, generation);
+    if (code != 0) {
+        (void)cs_value_error(NULL, code, "worker_generation", argv[1],
+                             CS_VALUE_MAX);
+        return -1;
+    }
+    if (cs_check_model_id(argv[2]) < 0) {
+        return -1;
+    }
+    code = cs_value_check(argv[3], CS_VALUE_MAX, size);
+    if (code != 0) {
+        (void)cs_value_error(NULL, code, "model_size", argv[3],
+                             CS_VALUE_MAX);
+        return -1;
+    }
+    if (argv[6] != NULL && !PyUnicode_Check(argv[6])) {
+        PyErr_Format(PyExc_TypeError, "kind: expected a str, got %R",
+                     argv[6]);
+        return -1;
+    }
+    *kind = argv[6] != NULL ? Py_NewRef(argv[6])
+                            : PyUnicode_InternFromString("other");
+    *model_id = *kind != NULL ? PyUnicode_FromObject(argv[2]) : NULL;
+    if (*model_id == NULL) {
+        Py_CLEAR(*kind);
+        return -1;
+    }
+    return 0;
+}
+
 /* The constructor proper, from parsed arguments (borrowed, and owned by
  * the caller for the whole call). */
 static PyObject *
 standin_make(PyTypeObject *type, cs_module_state *state, PyObject **argv)
 {
-    PyObject *worker = argv[0], *generation_obj = argv[1];
-    PyObject *model_id = argv[2], *size_obj = argv[3];
-    PyObject *kind = NULL, *pool = NULL, *ledger = NULL, *profile = NULL;
+    PyObject *worker = argv[0], *size_obj = argv[3];
+    PyObject *kind = NULL, *model_id = NULL, *pool = NULL, *ledger = NULL;
+    PyObject *profile = NULL;
     StandInObject *self = NULL;
-    uint64_t generation, size;
-    int code;
+    uint64_t generation = 0, size = 0;
 
-    if (check_worker(worker, state) < 0) {
+    if (standin_args(state, argv, &generation, &size, &kind, &model_id) <
+        0) {
         return NULL;
-    }
-    code = cs_value_check(generation_obj, CS_VALUE_MAX, &generation);
-    if (code != 0) {
-        return cs_value_error(NULL, code, "worker_generation", generation_obj,
-                              CS_VALUE_MAX),
-               NULL;
-    }
-    if (cs_check_model_id(model_id) < 0) {
-        return NULL;
-    }
-    code = cs_value_check(size_obj, CS_VALUE_MAX, &size);
-    if (code != 0) {
-        return cs_value_error(NULL, code, "model_size", size_obj,
-                              CS_VALUE_MAX),
-               NULL;
-    }
-    if (argv[6] == NULL) {
-        kind = PyUnicode_InternFromString("other");
-    }
-    else if (!PyUnicode_Check(argv[6])) {
-        PyErr_Format(PyExc_TypeError, "kind: expected a str, got %R",
-                     argv[6]);
-        return NULL;
-    }
-    else {
-        kind = Py_NewRef(argv[6]);
-    }
-    /* An exact str copy (no caller code runs): a str subclass's __hash__,
-     * __eq__ or attributes never reach the worker, the table or a cycle. */
-    model_id = kind != NULL ? PyUnicode_FromObject(model_id) : NULL;
-    if (model_id == NULL) {
-        goto error;
     }
     pool = resolve_pool(argv[7], state, &ledger);
     if (pool == NULL ||
-        restart_if_newer(state, pool, ledger, worker, generation_obj,
-                         generation) < 0) {
+        restart_if_newer(state, pool, ledger, worker, argv[1], generation) <
+            0) {
         goto error;
     }
     profile =
         cs_roster_profile_for(ledger, worker, argv[4], argv[5], kind);
-    if (profile == NULL) {
-        goto error;
-    }
-    self = (StandInObject *)type->tp_alloc(type, 0);
+    self = profile ? (StandInObject *)type->tp_alloc(type, 0) : NULL;
     if (self == NULL) {
         goto error;
     }
@@ -591,13 +600,11 @@ standin_make(PyTypeObject *type, cs_module_state *state, PyObject **argv)
     self->size_int = PyLong_CheckExact(size_obj)
                          ? Py_NewRef(size_obj)
                          : PyLong_FromUnsignedLongLong(size);
-    if (self->size_int == NULL) {
-        goto error;
-    }
     /* The one step that registers the model and lists the stand-in on its
      * worker's roster (roster.c); the pool keeps it from there for its
      * graveyard (docs/architecture.md). */
-    if (cs_standin_enlist(self, ledger, generation, size, size_obj) < 0) {
+    if (self->size_int == NULL ||
+        cs_standin_enlist(self, ledger, generation, size, size_obj) < 0) {
         goto error;
     }
     Py_DECREF(ledger);

@@ -128,7 +128,7 @@ PyObject *cs_roster_profile_for(PyObject *ledger, PyObject *worker,
 /* Takes the stand-in off its roster (idempotent).  Runs no Python until
  * the roster is consistent again; dropping the books reference last may
  * run Python (a worker's finalizer). */
-void cs_roster_unlink(StandInObject *self);
+void cs_roster_unlink(StandInObject *s);
 
 /* The figures the charge takes for models whose stand-ins read something
  * newer than the receipt (a board): a growable table, sorted by model

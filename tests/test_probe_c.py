@@ -14,6 +14,10 @@ import pytest
 
 from cbuild import REPO, build_stub, compile_c
 
+# The probe core: the loader and the query (probe.c), the CUDA driver half
+# and the NVML half.
+PROBE = ("probe.c", "probe_cuda.c", "probe_nvml.c")
+
 
 @pytest.fixture(scope="module")
 def probe_test(tmp_path_factory):
@@ -21,7 +25,8 @@ def probe_test(tmp_path_factory):
     cuda = build_stub("cuda", root / "cuda", for_python=False)
     nvml = build_stub("nvml", root / "nvml", for_python=False)
     binary = compile_c(
-        [REPO / "tests" / "c" / "test_probe.c", REPO / "src" / "probe.c"],
+        [REPO / "tests" / "c" / "test_probe.c",
+         *(REPO / "src" / name for name in PROBE)],
         root / "test_probe",
         include_dirs=(REPO / "include",),
         libraries=("dl",),
