@@ -11,11 +11,16 @@ run in a fresh interpreter: when they fail, they fail by crashing it.
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
+
+import comfy_standin._reference as reference
+from comfy_standin import pool as pool_module
 
 PRELUDE = """
 import gc, sys
@@ -194,15 +199,17 @@ print(len(inner))
 
 
 class _HookLock:
-    """The pool's lock, running `hook` the first time it is entered."""
+    """The pool's lock, running `hook` the first time it is entered (from
+    a frame `where` accepts, when given)."""
 
-    def __init__(self, lock, hook) -> None:
-        self._inner, self._hook = lock, hook
+    def __init__(self, lock, hook, where=None) -> None:
+        self._inner, self._hook, self._where = lock, hook, where
 
     def __enter__(self):
-        hook, self._hook = self._hook, None
-        if hook is not None:
-            hook()
+        if self._where is None or self._where(sys._getframe(1)):
+            hook, self._hook = self._hook, None
+            if hook is not None:
+                hook()
         return self._inner.__enter__()
 
     def __exit__(self, *exc):
@@ -215,33 +222,182 @@ class _HookLock:
         return self._inner.release()
 
 
+@pytest.mark.parametrize("moment", ["as_it_locks", "after_the_books_left"])
 def test_a_stand_in_made_while_the_pool_forgets_its_worker_is_seen(
-    impl, make_worker
+    impl, make_worker, moment
 ):
     """forget() used to drop the worker's books and its roster in two
     steps, with a lock-free way onto the roster in between: a stand-in made
     by another thread at that moment landed on the roster the pool was
     about to drop, while its charge went to new books.  The pool then
     charged a worker whose stand-in standins(), restarted() and
-    worker_gone() never saw.  Here the other thread's construction runs
-    exactly there (when forget() first takes the pool's lock)."""
+    worker_gone() never saw.  Here the other thread's construction runs as
+    forget() takes the pool's lock, or once the books have left the
+    ledger: either way the stand-in is listed exactly when its worker is
+    charged, and worker_gone() reaches it."""
     pool = impl.Pool()
     worker = make_worker()
     first = impl.StandIn(worker, 1, "first", 10, "cuda:0", "cpu", pool=pool)
     made: list = []
-    pool._lock = _HookLock(
-        pool._lock,
-        lambda: made.append(
+
+    def construct() -> None:
+        made.append(
             impl.StandIn(worker, 1, "late", 10, "cuda:0", "cpu", pool=pool)
-        ),
-    )
+        )
+
+    if moment == "as_it_locks":
+        pool._lock = _HookLock(pool._lock, construct)
+    else:
+        release = pool._release_held_locked
+
+        def released(*args, **kwargs):
+            if not made:
+                construct()
+            return release(*args, **kwargs)
+
+        pool._release_held_locked = released
     pool.forget(worker)
     (late,) = made
-    # Whatever books the worker is charged on list their stand-ins.
-    assert worker in pool.worker_charges()
-    assert pool.standins()[worker] == [late]
+    listed = any(s is late for s in pool.standins().get(worker, []))
+    assert listed == (worker in pool.worker_charges())
     pool.restarted(worker, 2)
-    assert late.stale and first.stale is False
-    assert pool.graveyard_size() == 1
+    assert late.stale == listed and first.stale is False
     pool.worker_gone(worker)
-    assert first.stale and first.loaded_size() == 0
+    assert first.stale and late.stale
+    assert first.loaded_size() == late.loaded_size() == 0
+
+
+# ---- the pool's locked steps, each whole to the others -------------------
+
+
+def make(impl, pool, worker, model_id):
+    return impl.StandIn(worker, 1, model_id, 10, "cuda:0", "cpu", pool=pool)
+
+
+def test_worker_gone_between_the_steps_of_forget_reaches_the_stand_ins(
+    impl, make_worker
+):
+    """forget() takes the books off the ledger and shelves them for
+    worker_gone() in one locked step.  Here worker_gone() runs as forget()
+    takes the lock (as another thread's would): it used to find the books
+    neither on the ledger nor on the shelf, and the stand-in never read
+    the worker's death."""
+    pool = impl.Pool()
+    worker = make_worker()
+    s = make(impl, pool, worker, "s")
+    pool._lock = _HookLock(pool._lock, lambda: pool.worker_gone(worker))
+    pool.forget(worker)
+    assert s.stale and s.loaded_size() == 0
+
+
+def test_a_second_worker_gone_returns_after_every_stand_in_is_marked(
+    impl, make_worker, monkeypatch
+):
+    """Two threads told the worker died: the second must not return while
+    the first is still marking the stand-ins of its forgotten books (it
+    used to find the shelf emptied by the first and return at once)."""
+    pool = impl.Pool()
+    worker = make_worker()
+    s = make(impl, pool, worker, "s")
+    pool.forget(worker)  # s's books on the shelf
+    seen: list = []
+    threads: list = []
+    real = pool_module._standins_of
+
+    def second_call_meanwhile(books, key):
+        if not threads:
+            def second() -> None:
+                pool.worker_gone(worker)
+                seen.append(s.stale)
+
+            thread = threading.Thread(target=second, daemon=True)
+            threads.append(thread)
+            thread.start()
+            thread.join(0.5)  # blocks on the pool's lock, or returns
+        return real(books, key)
+
+    monkeypatch.setattr(pool_module, "_standins_of", second_call_meanwhile)
+    pool.worker_gone(worker)
+    threads[0].join(30)
+    assert seen == [True]
+
+
+def test_boundary_keeps_the_books_forget_shelves_while_it_prunes(
+    impl, make_worker
+):
+    """boundary() drops shelved books nobody holds a stand-in of.  A
+    forget() between its read of the shelf and its write (here: as it takes
+    the lock to write) shelves more books; they used to be dropped with the
+    dead ones, and worker_gone() missed their stand-ins."""
+    pool = impl.Pool()
+    worker = make_worker()
+    first = make(impl, pool, worker, "first")
+    pool.forget(worker)
+    del first
+    gc.collect()  # the shelved books have no stand-in left
+    second = make(impl, pool, worker, "second")
+
+    def pruning(frame) -> bool:  # boundary(), past its read of the shelf
+        return frame.f_code.co_name == "boundary" and (
+            "forgotten" in frame.f_locals)
+
+    pool._lock = _HookLock(
+        pool._lock, lambda: pool.forget(worker), where=pruning)
+    pool.boundary()
+    assert pool._lock._hook is None, "the hook never ran"
+    pool.worker_gone(worker)
+    assert second.stale and second.loaded_size() == 0
+
+
+def _forget_in_construction(monkeypatch, forget) -> None:
+    """Runs `forget` once, inside the reference's constructor, between its
+    taking the worker's books and listing the stand-in on them."""
+    real = reference.StandInModule
+    done: list = []
+
+    def hooked(*args, **kwargs):
+        if not done:
+            done.append(True)
+            forget()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(reference, "StandInModule", hooked)
+
+
+def test_reference_stand_in_made_while_another_thread_forgets_is_reached(
+    make_worker, monkeypatch
+):
+    """The reference made a stand-in's books and listed it on them in two
+    steps: another thread's forget() between them took the books off the
+    ledger with an empty roster (not shelved), and the stand-in then
+    joined them, where worker_gone() never looked.  (The C type runs no
+    Python between the two.)"""
+    pool = reference.Pool()
+    worker = make_worker()
+    threads: list = []
+
+    def other_thread() -> None:
+        thread = threading.Thread(target=pool.forget, args=(worker,))
+        threads.append(thread)
+        thread.start()
+        thread.join(0.5)  # blocks on the books' lock, or returns
+
+    _forget_in_construction(monkeypatch, other_thread)
+    s = make(reference, pool, worker, "s")
+    threads[0].join(30)
+    pool.worker_gone(worker)
+    assert s.stale and s.loaded_size() == 0
+
+
+def test_reference_stand_in_made_while_a_finalizer_forgets_is_reached(
+    make_worker, monkeypatch
+):
+    """The same, with forget() run on the constructing thread (by a
+    finalizer a collection ran there): no lock can hold it off, so
+    forget() shelves the books even with an empty roster."""
+    pool = reference.Pool()
+    worker = make_worker()
+    _forget_in_construction(monkeypatch, lambda: pool.forget(worker))
+    s = make(reference, pool, worker, "s")
+    pool.worker_gone(worker)
+    assert s.stale and s.loaded_size() == 0

@@ -1147,20 +1147,30 @@ class StandIn:
             # The worker restarted, and this registration is how the host
             # learns it: the pool's restart runs first, as for any.
             pool.restarted(worker, generation)
-        books = ledger.worker(worker, generation)
-        record = books.register(model_id, size, generation)
         self._worker = worker
         self._generation = generation
         self._kind = kind
         self._load_device = load_device
         self._offload_device = offload_device
         self._pool = pool
-        self._record = record
-        self._model = StandInModule(record, load_device, offload_device)
         self._uuid = _CloneBaseSentinel(model_id)
-        # Listed on its worker's roster, which the books own (the pool
-        # keeps it from there for its graveyard).
-        books._enlist(self)
+        while True:
+            books = ledger.worker(worker, generation)
+            # Registered and listed on the roster the books own (the pool
+            # keeps it from there for its graveyard) in one step under the
+            # books' lock, and only while they are on the ledger: forget()
+            # takes them off under the same lock, so no stand-in lands on
+            # a roster the pool has dropped.  Forgotten meanwhile: the next
+            # books are this worker's.
+            with books._lock:
+                if books._ledger is not ledger:
+                    continue
+                record = books.register(model_id, size, generation)
+                self._record = record
+                self._model = StandInModule(record, load_device,
+                                            offload_device)
+                books._enlist(self)
+                break
 
     def __repr__(self) -> str:
         loaded, seq, _, source = self._record.read()

@@ -216,11 +216,12 @@ class Pool:
         The doomed stay on their roster too: it is how boundary() knows
         whether anyone still holds a stand-in of a gone worker.  The
         graveyard is a dict so burying twice keeps one reference.  The
-        roster is read before the lock is taken (the snapshot allocates,
-        and a collection may run a finalizer that calls back in)."""
-        books = self._ledger.find(worker)
-        members = [] if books is None else books.standins()
+        roster is read under the lock, as forget() drops it (the lock is
+        reentrant: the snapshot allocates, and a collection may run a
+        finalizer that calls back in on this thread)."""
         with self._lock:
+            books = self._ledger.find(worker)
+            members = [] if books is None else books.standins()
             for standin in members:
                 if doomed(standin):
                     self._graveyard[id(standin)] = standin
@@ -348,11 +349,17 @@ class Pool:
         # Finalizers (mm.cleanup_models) may run here, outside the lock.
         del buried
         for key, shelf in forgotten:
-            alive = [ref for ref in shelf if _has_standins(ref())]
+            # Read outside the lock (a roster read allocates).  Books with
+            # no stand-in left never gain one (they are off the ledger), so
+            # they leave the shelf in place: a forget() that shelves more
+            # meanwhile appends to the same list, and keeps its entry.
+            dead = [ref for ref in list(shelf) if not _has_standins(ref())]
+            if not dead:
+                continue
+            gone = {id(ref) for ref in dead}
             with self._lock:
-                if alive:
-                    self._forgotten[key] = alive
-                elif self._forgotten.get(key) is shelf:
+                shelf[:] = [ref for ref in shelf if id(ref) not in gone]
+                if not shelf and self._forgotten.get(key) is shelf:
                     del self._forgotten[key]
         for books in self._ledger.books():
             if books.alive or books.standins():
@@ -424,20 +431,23 @@ class Pool:
 
     def worker_gone(self, worker: Any) -> None:
         """The worker's process died: its stand-ins read 0, never raise.
-        Reaches the stand-ins of a worker forgotten before it died too."""
-        books = self._ledger.find(worker)
-        members = []
-        if books is not None:
-            books.gone()
-            members = books.standins()
+        Reaches the stand-ins of a worker forgotten before it died too:
+        the books and the shelf of forgotten ones are read, and every
+        stand-in marked, in one locked step (as forget() moves books from
+        one to the other), so a second call never returns while the first
+        is still marking."""
         with self._lock:
+            books = self._ledger.find(worker)
+            members = []
+            if books is not None:
+                books.gone()
+                members = books.standins()
             shelf = self._forgotten.pop(id(worker), ())
-        orphans = [
-            s for ref in shelf for s in _standins_of(ref(), worker)
-        ]
-        for standin in orphans:
-            standin._worker_gone()
-        with self._lock:
+            orphans = [
+                s for ref in shelf for s in _standins_of(ref(), worker)
+            ]
+            for standin in orphans:
+                standin._worker_gone()
             for standin in (*members, *orphans):
                 self._graveyard[id(standin)] = standin
             self._release_held_locked(lambda s: s.worker is worker)
@@ -445,11 +455,12 @@ class Pool:
 
     def restarted(self, worker: Any, generation: int) -> None:
         """The worker was restarted under a newer `generation`."""
-        books = self._ledger.find(worker)
-        if books is None:
-            self._ledger.worker(worker, generation)
-        else:
-            books.bump(generation)
+        with self._lock:
+            books = self._ledger.find(worker)
+            if books is None:
+                self._ledger.worker(worker, generation)
+            else:
+                books.bump(generation)
         self._bury(worker, lambda s: s.worker_generation < generation)
         with self._lock:
             self._release_held_locked(
@@ -463,11 +474,14 @@ class Pool:
         still held keep their receipts and learn of the worker's death from
         ``worker_gone()`` or their own ``is_alive()`` checks.  The books
         leave the ledger with their roster in one step, so no stand-in made
-        meanwhile is left on a roster the pool no longer sees."""
-        books = self._ledger.forget(worker)
-        members = [] if books is None else books.standins()
+        meanwhile is left on a roster the pool no longer sees; they go on
+        the shelf worker_gone() reads in the same locked step, even with
+        no stand-in listed (one still being made on this thread, by a
+        finalizer that ran this, joins them after; boundary() drops books
+        nobody holds a stand-in of)."""
         with self._lock:
-            if members:
+            books = self._ledger.forget(worker)
+            if books is not None:
                 self._forgotten.setdefault(id(worker), []).append(
                     weakref.ref(books)
                 )
