@@ -27,8 +27,9 @@ from typing import Any
 
 import pytest
 
-# The mock comfy.model_management (tests/mockcomfy) and its fixtures.
-pytest_plugins = ["mock_fixtures"]
+# The mock comfy.model_management (tests/mockcomfy) and its fixtures; the
+# stress modes (--stress=gc|threads, tests/stress.py).
+pytest_plugins = ["mock_fixtures", "stress"]
 
 IMPLEMENTATIONS = ("c", "reference")
 

@@ -57,6 +57,7 @@ from hypothesis.stateful import (
 import comfy_standin
 import comfy_standin._reference as reference
 from comfy_standin import _core
+import stress
 from fakes import FakeWorker
 
 EXAMPLES = int(os.environ.get("COMFY_STANDIN_EXAMPLES", "200"))
@@ -554,6 +555,13 @@ class DifferentialMachine(RuleBasedStateMachine):
 
     def _run(self, world: World, fn: Callable[[World], Any]) -> Any:
         CAPTURE.target = world.logs
+        # Under the GC stress mode (tests/stress.py) each step runs with
+        # the collector on (every allocation collects), and what it left
+        # is collected before the other world's step: collections land
+        # inside the C layer's allocations, and both worlds start clean.
+        collecting = stress.gc_stress()
+        if collecting:
+            gc.enable()
         try:
             return ("ok", world.norm(fn(world)))
         except INJECTED as exc:
@@ -561,6 +569,9 @@ class DifferentialMachine(RuleBasedStateMachine):
         except Exception as exc:  # noqa: BLE001 -- compared
             return ("raised", type(exc).__name__, message_key(exc))
         finally:
+            if collecting:
+                gc.collect()
+                gc.disable()
             CAPTURE.target = None
 
     def both(self, what: str, fn: Callable[[World], Any], gc_after=False):

@@ -305,7 +305,7 @@ def test_a_second_worker_gone_returns_after_every_stand_in_is_marked(
     real = pool_module._standins_of
 
     def second_call_meanwhile(books, key):
-        if not threads:
+        if key is worker and not threads:  # this test's call, no other
             def second() -> None:
                 pool.worker_gone(worker)
                 seen.append(s.stale)
@@ -355,11 +355,11 @@ def _forget_in_construction(monkeypatch, forget) -> None:
     real = reference.StandInModule
     done: list = []
 
-    def hooked(*args, **kwargs):
-        if not done:
+    def hooked(record, *args, **kwargs):
+        if not done and record.model_id == "s":  # the test's stand-in
             done.append(True)
             forget()
-        return real(*args, **kwargs)
+        return real(record, *args, **kwargs)
 
     monkeypatch.setattr(reference, "StandInModule", hooked)
 
