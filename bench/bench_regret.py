@@ -262,6 +262,7 @@ def summarize(rows: list[dict[str, dict]]) -> dict[str, dict[str, Any]]:
 
 
 PAIRS = (("boards", "receipts"), ("receipts+", "receipts"),
+         ("relist", "receipts"), ("relist+boards", "relist"),
          ("receipts", "comfy-env"), ("oracle", "receipts"))
 
 
@@ -373,7 +374,9 @@ def paired_table(random_rows: dict[int, list]) -> str:
 def causes_text(summaries: dict[int, dict]) -> str:
     """Why the figures were wrong in the passes that regretted."""
     lines = []
-    for column in ("comfy-env", "receipts", "receipts+", "boards"):
+    for column in COLUMNS:
+        if column == "oracle":
+            continue
         total: collections.Counter = collections.Counter()
         for summary in summaries.values():
             total += summary[column]["causes"]

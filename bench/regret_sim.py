@@ -134,8 +134,22 @@ NUM_STREAMS = 2
 #: "receipts+" is receipts plus one change at comfy-env's node boundary
 #: (an adapter can make it): the frame's census is applied to the
 #: stand-ins created from that same frame, instead of a size guessed from
-#: the device.
-COLUMNS = ("comfy-env", "receipts", "receipts+", "boards", "oracle")
+#: the device.  "relist" is receipts+ plus, at every node boundary, every
+#: live stand-in whose figure says its model is on the card and that
+#: ComfyUI does not list is listed again (not only the ones the pool
+#: still holds): a model ComfyUI evicted once and its worker loaded again
+#: can be evicted again.  "relist+boards" is relist with boards.
+COLUMNS = ("comfy-env", "receipts", "receipts+", "relist", "boards",
+           "relist+boards", "oracle")
+#: column -> (loaded_size view, census at registration, relist every)
+COLUMN_RULES = {
+    "receipts": ("receipts", False, False),
+    "receipts+": ("receipts", True, False),
+    "relist": ("receipts", True, True),
+    "boards": ("boards", False, False),
+    "relist+boards": ("boards", True, True),
+    "oracle": ("oracle", False, False),
+}
 
 
 class SimError(RuntimeError):
@@ -1162,8 +1176,9 @@ class Run:
         self.workload = workload
         self.column = column
         self.ce = ce
-        # OurStandIn's loaded_size view
-        self.view = "receipts" if column == "receipts+" else column
+        # OurStandIn's loaded_size view and the boundary's extra rules
+        self.view, self.census_at_registration, self.relist_every = \
+            COLUMN_RULES.get(column, ("comfy-env", False, False))
         self.clock = Clock()
         self.thread = "prompt"
         self.prompt_id: str | None = None
@@ -1714,17 +1729,25 @@ class Run:
         pool._register_new_patchers(worker.key, worker, worker.generation)
         if self.our_pool is None:
             return
-        if self.column == "receipts+" and report.get("residency"):
+        if self.census_at_registration and report.get("residency"):
             created = {
                 mid: p for mid, p in
                 pool._WORKER_PATCHERS.get(worker.key, {}).items()
                 if id(p) not in before}
             self._our_census(created, report["residency"])
-        if self.column == "boards":
+        if self.view == "boards":
             for p in pool._WORKER_PATCHERS.get(worker.key, {}).values():
                 if isinstance(p, OurStandIn) and p._tag is None \
                         and p._worker is worker:
                     p._tag = worker.bind(p._model_id)
+        if self.relist_every:
+            listed = {id(e.model) for e in mm.current_loaded_models}
+            for patchers in list(pool._WORKER_PATCHERS.values()):
+                for p in list(patchers.values()):
+                    if (isinstance(p, OurStandIn) and id(p) not in listed
+                            and not p._gone and p._worker.is_alive()
+                            and p.loaded_size() > 0):
+                        self.our_pool.register(p)
         self.our_pool.boundary()
 
     def worker_step(self, worker: SimWorker, step: dict) -> None:
