@@ -13,15 +13,21 @@ Columns (who answers ``loaded_size()`` for a worker model):
 - ``comfy-env``: comfy-env 0.4.46's own ``SubprocessModelPatcher`` and
   ``state_sync`` (receipts: command echoes, the census at the end of every
   node call, registration);
-- ``receipts``: comfy_standin's stand-in without a board (the same
-  receipts, our pool's node boundary, a ``moved: False`` detach writes
-  nothing);
+- ``today``: comfy_standin's stand-in as shipped (the same receipts, our
+  pool's node boundary, which lists again a stand-in it still holds; a
+  detach reply writes 0);
+- ``receipts``: today's, with the lead's change: a ``moved: False``
+  detach reply writes nothing;
 - ``receipts+``: receipts, plus the frame's census applied to the
   stand-ins created from that frame at comfy-env's node boundary;
+- ``relist``: receipts+, plus every live stand-in whose receipt says its
+  model is on the card listed again at each node boundary (a model
+  ComfyUI evicted once and its worker loaded again);
 - ``boards``: receipts, plus the worker's live board (a reading measured
   after the receipt wins), published every 50 ms and synchronously at the
   worker's budget request, after its real load, at every ``_bump_seq``;
-- ``oracle``: stand-ins that read the truth.
+- ``relist+boards``: relist with boards;
+- ``oracle``: stand-ins that read the truth (our pool's listing).
 
 Per free_memory pass that has to evict, the **oracle** is free_memory's own
 rule on the same candidates (same tie-breaks), fed the true resident bytes,
@@ -263,7 +269,8 @@ def summarize(rows: list[dict[str, dict]]) -> dict[str, dict[str, Any]]:
 
 PAIRS = (("boards", "receipts"), ("receipts+", "receipts"),
          ("relist", "receipts"), ("relist+boards", "relist"),
-         ("receipts", "comfy-env"), ("oracle", "receipts"))
+         ("receipts", "today"), ("today", "comfy-env"),
+         ("oracle", "receipts"))
 
 
 def paired(rows: list[dict[str, dict]], a: str, b: str

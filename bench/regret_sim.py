@@ -139,16 +139,20 @@ NUM_STREAMS = 2
 #: ComfyUI does not list is listed again (not only the ones the pool
 #: still holds): a model ComfyUI evicted once and its worker loaded again
 #: can be evicted again.  "relist+boards" is relist with boards.
-COLUMNS = ("comfy-env", "receipts", "receipts+", "relist", "boards",
-           "relist+boards", "oracle")
-#: column -> (loaded_size view, census at registration, relist every)
+#: "today" is comfy_standin's stand-in as shipped before the lead's
+#: change: a detach reply writes 0 whatever its "moved" says.
+COLUMNS = ("comfy-env", "today", "receipts", "receipts+", "relist",
+           "boards", "relist+boards", "oracle")
+#: column -> (loaded_size view, census at registration, relist every,
+#: a moved: False detach writes 0)
 COLUMN_RULES = {
-    "receipts": ("receipts", False, False),
-    "receipts+": ("receipts", True, False),
-    "relist": ("receipts", True, True),
-    "boards": ("boards", False, False),
-    "relist+boards": ("boards", True, True),
-    "oracle": ("oracle", False, False),
+    "today": ("receipts", False, False, True),
+    "receipts": ("receipts", False, False, False),
+    "receipts+": ("receipts", True, False, False),
+    "relist": ("receipts", True, True, False),
+    "boards": ("boards", False, False, False),
+    "relist+boards": ("boards", True, True, False),
+    "oracle": ("oracle", False, False, False),
 }
 
 
@@ -827,7 +831,8 @@ class OurStandIn:
     - ``oracle``: the truth (the worker's own resident bytes).
 
     Its eviction paths act on that same figure: nothing resident, no
-    command.  A detach reply with ``moved: False`` writes nothing."""
+    command.  A detach reply with ``moved: False`` writes nothing (column
+    ``today``: it writes 0, as the shipped type does)."""
 
     def __init__(self, run: Run, worker: SimWorker, worker_generation: int,
                  model_id: str, model_size: int, load_device: Any,
@@ -1012,7 +1017,8 @@ class OurStandIn:
             else:
                 self.eviction_deferred = True
             return self.model
-        if reply.get("moved", True) is False:
+        if reply.get("moved", True) is False \
+                and not self._run.moved_false_zero:
             return self.model  # nothing moved: nothing written
         self._echo(0, reply.get("seq"))
         return self.model
@@ -1177,8 +1183,9 @@ class Run:
         self.column = column
         self.ce = ce
         # OurStandIn's loaded_size view and the boundary's extra rules
-        self.view, self.census_at_registration, self.relist_every = \
-            COLUMN_RULES.get(column, ("comfy-env", False, False))
+        (self.view, self.census_at_registration, self.relist_every,
+         self.moved_false_zero) = COLUMN_RULES.get(
+            column, ("comfy-env", False, False, True))
         self.clock = Clock()
         self.thread = "prompt"
         self.prompt_id: str | None = None

@@ -260,3 +260,77 @@ def test_the_command_line_runs(bench: Any, capsys: Any) -> None:
     out = capsys.readouterr().out
     assert "| mid-call budget | boards |" in out
     assert "two_workers.jsonl" in out
+
+
+class ScriptedWorker:
+    """Answers each command with the next scripted reply (an exception
+    instance is raised), and records what it was sent."""
+
+    def __init__(self, replies: list) -> None:
+        self.replies = list(replies)
+        self.sent: list[tuple[str, dict]] = []
+        self.alive = True
+
+    def send_command(self, command: str, **kwargs: Any) -> dict:
+        self.sent.append((command, kwargs))
+        reply = self.replies.pop(0)
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+
+def test_the_bench_stand_in_decides_as_the_shipped_c_type(
+        bench: Any, ce: Any) -> None:
+    """Column "today" models comfy_standin.StandIn: the same replies give
+    the same figures, the same commands and the same returns."""
+    import comfy_standin as cs
+
+    sim = bench.sim
+    size = 4 * GiB
+    replies = [
+        {"status": "ok", "freed": 1 * GiB, "resident": 2 * GiB, "seq": 2},
+        {"status": "ok", "freed": 0, "resident": 2 * GiB, "seq": 3},
+        RuntimeError("timed out waiting for the worker lock"),
+        {"status": "ok", "device": "cpu", "moved": False, "seq": 4},
+        {"status": "ok", "freed": 1 * GiB, "resident": 0},
+    ]
+    workload = bench.workloads.scenario_pack_thread()
+    with sim.Run(workload, "today", ce) as run:
+        ours_worker = ScriptedWorker(replies)
+        ours = sim.OurStandIn(run, ours_worker, 1, "m", size, "cuda:0",
+                              "cpu")
+        theirs_worker = ScriptedWorker(replies)
+        theirs = cs.StandIn(worker=theirs_worker, worker_generation=1,
+                            model_id="m", model_size=size,
+                            load_device="cuda:0", offload_device="cpu",
+                            pool=cs.Pool(floor=0, process_local=False))
+        steps = [
+            ("census", 3 * GiB, 1),
+            ("unload", 1.5 * GiB),   # frees 1 GiB (short of 1.5)
+            ("unload", 0.5 * GiB),   # frees nothing
+            ("unload", 0.5 * GiB),   # a busy worker: deferred
+            ("detach",),             # moved: False
+            ("census", 1 * GiB, 4),  # a tie goes to the census
+            ("unload", 0),           # no seq in the reply
+            ("census", 3 * GiB, 2),  # strictly older: dropped
+            ("detach",),             # nothing resident: no command
+        ]
+        for step in steps:
+            if step[0] == "census":
+                ours.census(step[1], step[2])
+                cs.apply_residency({"m": theirs}, [
+                    {"id": "m", "resident": step[1], "seq": step[2]}])
+            elif step[0] == "unload":
+                assert ours.partially_unload("cpu", step[1]) == \
+                    theirs.partially_unload("cpu", step[1]), step
+                assert ours.eviction_deferred == \
+                    theirs.eviction_deferred, step
+            else:
+                ours.detach()
+                theirs.detach()
+            assert ours.loaded_size() == theirs.loaded_size(), step
+            assert ours.receipt()[1] == theirs.receipt()[1], step
+        assert ours_worker.sent == theirs_worker.sent
