@@ -821,8 +821,11 @@ class _Inner:
 
 
 class OurStandIn:
-    """comfy_standin's stand-in as the design (DESIGN.md 3.1-3.3, 5.3) and
-    the lead's change have it, in the view of one column:
+    """comfy_standin's stand-in (docs/semantics.md, "Receipts" and its
+    commands; docs/board.md, "Trust rules") with the change that a
+    board's reading wins when it was measured after the receipt was
+    written and a moved: False detach writes nothing, in the view of one
+    column:
 
     - ``receipts``: ``loaded_size()`` is the receipt (last echo, census or
       registration);
