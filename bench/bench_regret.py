@@ -641,10 +641,11 @@ def plot(summaries: dict[int, dict], timings) -> str | None:
     plt.close(fig)
 
     cards = list(summaries)
-    fig, axes = plt.subplots(1, 3, figsize=(12, 4.2), dpi=80)
+    fig, axes = plt.subplots(1, 4, figsize=(15, 4.2), dpi=80)
     width = 0.8 / len(COLUMNS)
     panels = (("regret_per_pass", "regret GiB per pass"),
               ("reload_s", "reload s per workload"),
+              ("ooms", "OOMs per workload"),
               ("stall", "stalled s per workload"))
     for ax, (key, title) in zip(axes, panels, strict=True):
         for j, column in enumerate(COLUMNS):
