@@ -60,6 +60,7 @@ for i in range(1, n + 1):
     while mono() < end:
         pass
 print("done", published, flush=True)
+sys.stdin.readline()  # the board stays open until the host read the last
 """
 
 
@@ -169,7 +170,8 @@ def bench_staleness(count: int, gap_ns: int, deadline: float | None = None
             if published is not None and seen >= published:
                 break
             if published is not None or lines.eof:
-                # the worker is done or gone: one last read, then stop
+                # the worker is done (its board still open) or gone: one
+                # last read, then stop
                 r = read(slot)
                 if r is not None and r[0] != seen:
                     lags.append(mono() - r[1])
@@ -181,6 +183,12 @@ def bench_staleness(count: int, gap_ns: int, deadline: float | None = None
                 break
             if time.monotonic() > end:
                 raise RuntimeError("board staleness: deadline passed")
+        try:
+            proc.stdin.write(b"bye\n")
+            proc.stdin.flush()
+            proc.wait(max(1.0, end - time.monotonic()))
+        except (BrokenPipeError, subprocess.TimeoutExpired):
+            pass
         return {"published": published, "observed": len(lags),
                 "lags_ns": lags}
     finally:

@@ -75,3 +75,43 @@ def test_published_and_observed_are_reported_apart(bench):
     assert "best (median, p90)" in text
     assert "load average 0.10, 0.20, 0.30 before" in text
     assert "`python bench/bench_board.py --publishes 300`" in text
+
+
+class SlowFirstRead:
+    """The host's board, descheduled for a while at its first read (the
+    worker meanwhile publishes everything)."""
+
+    def __init__(self, board, pause: float) -> None:
+        object.__setattr__(self, "_board", board)
+        object.__setattr__(self, "_pause", pause)
+
+    def __getattr__(self, name):
+        return getattr(self._board, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._board, name, value)
+
+    def read(self, slot):
+        if self._pause:
+            import time
+
+            time.sleep(self._pause)
+            object.__setattr__(self, "_pause", 0)
+        return self._board.read(slot)
+
+
+def test_the_last_value_is_read_before_the_worker_closes(bench,
+                                                        monkeypatch):
+    create = bench.Board.create
+
+    class SlowBoard:
+        @staticmethod
+        def create(*args, **kwargs):
+            return SlowFirstRead(create(*args, **kwargs), 0.5)
+
+    monkeypatch.setattr(bench, "Board", SlowBoard)
+    out = bench.bench_staleness(50, 1_000)
+    assert out["published"] == 50
+    # the worker kept its board open until the host had read the last
+    # value: the host saw it, however late it came
+    assert out["observed"] >= 1
