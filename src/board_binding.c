@@ -17,6 +17,7 @@
 #include <limits.h>
 #include <stddef.h>
 #include <string.h>
+#include <unistd.h>
 
 #ifndef _WIN32
 
@@ -201,6 +202,107 @@ Board_create(PyTypeObject *type, PyObject *args, PyObject *kwargs)
         return NULL;
     }
     return board_wrap(type, board);
+}
+
+/* Board.adopt(fd, slots, *, generation=0, heartbeat_limit=5.0): the host
+ * side of a board its worker made (cs_board_adopt). */
+static PyObject *
+Board_adopt(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static const char *keywords[] = {"fd", "slots", "generation",
+                                     "heartbeat_limit", NULL};
+    PyObject *fd_obj = NULL, *slots_obj = NULL, *generation_obj = NULL;
+    PyObject *limit_obj = NULL;
+    uint64_t fd = 0, slots = 0, generation = 0;
+    uint64_t limit = CS_BOARD_DEFAULT_HEARTBEAT_LIMIT_NS;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|$OO:adopt",
+                                     (char **)keywords, &fd_obj, &slots_obj,
+                                     &generation_obj, &limit_obj)) {
+        return NULL;
+    }
+    /* The arguments are read before the GIL is released and not used
+     * after, so borrowed keyword values cannot go stale under them. */
+    if (cs_value_in_range(fd_obj, "Board.adopt(): fd", NULL, 0, INT_MAX,
+                          &fd) < 0 ||
+        cs_value_in_range(slots_obj, "Board.adopt(): slots", NULL, 1,
+                          CS_BOARD_MAX_SLOTS, &slots) < 0 ||
+        (generation_obj != NULL &&
+         cs_value_in_range(generation_obj, "Board.adopt(): generation",
+                           NULL, 0, CS_BOARD_VALUE_MAX, &generation) < 0)) {
+        return NULL;
+    }
+    if (limit_obj == Py_None) {
+        limit = 0;
+    }
+    else if (limit_obj != NULL &&
+             cs_seconds_in_range(limit_obj, "Board.adopt(): heartbeat_limit",
+                                 CS_BOARD_HEARTBEAT_LIMIT_MIN_NS,
+                                 CS_BOARD_HEARTBEAT_LIMIT_MAX_NS,
+                                 &limit) < 0) {
+        return NULL;
+    }
+    cs_board *board = NULL;
+    int os_error = 0;
+    cs_board_status status;
+    Py_BEGIN_ALLOW_THREADS
+    status = cs_board_adopt((int)fd, (uint32_t)slots, generation, limit,
+                            &board, &os_error);
+    Py_END_ALLOW_THREADS
+    if (status != CS_BOARD_OK) {
+        board_raise(status, os_error, "Board.adopt()", "received");
+        return NULL;
+    }
+    return board_wrap(type, board);
+}
+
+/* Board.make(slots=64, *, generation=0): the worker side of a board this
+ * process makes for its host to adopt; returns (board, fd). */
+static PyObject *
+Board_make(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static const char *keywords[] = {"slots", "generation", NULL};
+    PyObject *slots_obj = NULL, *generation_obj = NULL;
+    uint64_t slots = 64, generation = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|O$O:make",
+                                     (char **)keywords, &slots_obj,
+                                     &generation_obj)) {
+        return NULL;
+    }
+    if ((slots_obj != NULL &&
+         cs_value_in_range(slots_obj, "Board.make(): slots", NULL, 1,
+                           CS_BOARD_MAX_SLOTS, &slots) < 0) ||
+        (generation_obj != NULL &&
+         cs_value_in_range(generation_obj, "Board.make(): generation", NULL,
+                           0, CS_BOARD_VALUE_MAX, &generation) < 0)) {
+        return NULL;
+    }
+    cs_board *board = NULL;
+    int fd = -1, os_error = 0;
+    cs_board_status status = cs_board_make((uint32_t)slots, generation,
+                                           &board, &fd, &os_error);
+    if (status != CS_BOARD_OK) {
+        board_raise(status, os_error, "Board.make()", NULL);
+        return NULL;
+    }
+    PyObject *fd_obj = PyLong_FromLong(fd);
+    if (fd_obj == NULL) {
+        (void)close(fd);
+        cs_board_close(board);
+        return NULL;
+    }
+    PyObject *wrapped = board_wrap(type, board); /* closes it on failure */
+    if (wrapped == NULL) {
+        (void)close(fd);
+        Py_DECREF(fd_obj);
+        return NULL;
+    }
+    PyObject *pair = PyTuple_Pack(2, wrapped, fd_obj);
+    Py_DECREF(wrapped);
+    Py_DECREF(fd_obj);
+    if (pair == NULL) {
+        (void)close(fd); /* the board goes with `wrapped` */
+    }
+    return pair;
 }
 
 /* Board.open's body, on owned arguments (period_obj may be NULL). */
@@ -1005,6 +1107,21 @@ static PyMethodDef Board_methods[] = {
      "name: hand Board.fd to the worker (pass_fds or SCM_RIGHTS).\n"
      "heartbeat_limit: seconds (0.01 .. 86400) a worker's heartbeat may\n"
      "age before its board is ignored; None: never."},
+    {"adopt", (PyCFunction)(void (*)(void))Board_adopt,
+     METH_VARARGS | METH_KEYWORDS | METH_CLASS,
+     "adopt($type, /, fd, slots, *, generation=0, heartbeat_limit=5.0)\n"
+     "--\n\n"
+     "Host side: take the board a worker made (Board.make) and sent.\n"
+     "fd must be a memfd of exactly `slots` slots, sealed against\n"
+     "resizing, later writable mappings and seal changes, with this\n"
+     "layout's header; it is mapped read-only and stays the caller's:\n"
+     "close it once this returns.  Linux only."},
+    {"make", (PyCFunction)(void (*)(void))Board_make,
+     METH_VARARGS | METH_KEYWORDS | METH_CLASS,
+     "make($type, /, slots=64, *, generation=0)\n--\n\n"
+     "Worker side: make a board for the host to adopt.  Returns\n"
+     "(board, fd): send fd to the host (SCM_RIGHTS) and close it.  No\n"
+     "process but this one can write the board.  Linux only."},
     {"open", (PyCFunction)(void (*)(void))Board_open,
      METH_VARARGS | METH_KEYWORDS | METH_CLASS,
      "open($type, /, source, *, period=0.01)\n--\n\n"
@@ -1190,6 +1307,12 @@ static PyMethodDef Board_methods[] = {
      METH_VARARGS | METH_KEYWORDS | METH_CLASS,
      "Not on Windows: raises NotImplementedError."},
     {"open", (PyCFunction)(void (*)(void))Board_unsupported,
+     METH_VARARGS | METH_KEYWORDS | METH_CLASS,
+     "Not on Windows: raises NotImplementedError."},
+    {"adopt", (PyCFunction)(void (*)(void))Board_unsupported,
+     METH_VARARGS | METH_KEYWORDS | METH_CLASS,
+     "Not on Windows: raises NotImplementedError."},
+    {"make", (PyCFunction)(void (*)(void))Board_unsupported,
      METH_VARARGS | METH_KEYWORDS | METH_CLASS,
      "Not on Windows: raises NotImplementedError."},
     {NULL, NULL, 0, NULL},

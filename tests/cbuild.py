@@ -18,6 +18,9 @@ ROOT = REPO
 INCLUDE = REPO / "include"
 SRC = REPO / "src"
 STUBS = REPO / "tests" / "c" / "stubs"
+# The board core's translation units (src/board_internal.h says which does
+# what).
+BOARD_SOURCES = [SRC / "board.c", SRC / "board_host.c", SRC / "board_worker.c"]
 
 BASE_FLAGS = ["-std=c11", "-Wall", "-Wextra", "-Werror"]
 # What meson.build's core_args hold the core to (warning_level=3 adds

@@ -7,11 +7,19 @@
 
 Both expose StandIn, StandInModule, Ledger, apply_echo, apply_residency,
 register, EchoError, WorkerGoneError, Pool and default_pool.
+
+Markers (registered in pyproject.toml) say what a test needs beyond the
+``test-core`` extra.  A test marked ``comfy_env`` needs comfy-env from
+PyPI (the ``test-comfy-env`` extra): where it is missing the test FAILS
+with a line saying so, it is never skipped; ``-m "not comfy_env"``
+deselects those tests, and every other test file imports and runs
+without comfy-env.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import itertools
 from collections.abc import Callable
 from types import ModuleType
@@ -23,6 +31,36 @@ import pytest
 pytest_plugins = ["mock_fixtures"]
 
 IMPLEMENTATIONS = ("c", "reference")
+
+#: What a test marked ``comfy_env`` is told when comfy-env is missing.
+COMFY_ENV_MISSING = (
+    "comfy-env is not installed ({error}): this test is marked comfy_env "
+    "and needs it.  Install the test extras (python -m pip install "
+    "'.[test]'), or leave these tests out with -m \"not comfy_env\"."
+)
+
+
+def comfy_env_version() -> str:
+    """The installed comfy-env's version; fails the calling test (never
+    skips it) with COMFY_ENV_MISSING when comfy-env cannot be imported."""
+    try:
+        importlib.import_module("comfy_env")
+        return importlib.metadata.version("comfy-env")
+    except (ImportError, importlib.metadata.PackageNotFoundError) as exc:
+        pytest.fail(COMFY_ENV_MISSING.format(error=exc), pytrace=False)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # A missing dependency is a failure of the test that needs it, said
+    # before its fixtures import anything.
+    if item.get_closest_marker("comfy_env") is not None:
+        comfy_env_version()
+
+
+@pytest.fixture
+def comfy_env_installed_version() -> str:
+    """comfy-env's version (the test fails when comfy-env is missing)."""
+    return comfy_env_version()
 
 
 def _c_implementation() -> ModuleType:

@@ -73,3 +73,15 @@ def test_c_methods_have_signatures():
         assert "self" in sig.parameters
     assert list(inspect.signature(comfy_standin.apply_echo).parameters)[:2] \
         == ["standin", "resident"]
+
+
+def test_dir_lists_only_the_api():
+    """dir(comfy_standin) is what a user may use: no sys, threading,
+    annotations or private helpers (completion in an editor or REPL
+    reads dir)."""
+    listed = set(dir(comfy_standin))
+    assert listed == set(comfy_standin.__all__) | {"__version__"}
+    for name in comfy_standin.__all__:
+        assert hasattr(comfy_standin, name), name
+    assert not {"sys", "threading", "annotations"} & set(
+        vars(comfy_standin))

@@ -1,8 +1,8 @@
 """Runs the board core's C unit tests (tests/c/test_board.c).
 
 Compiled with cc -std=c11 -Wall -Wextra -Werror plus $CS_TEST_CFLAGS (CI:
--fsanitize=address,undefined), against src/board.c itself, so the core is
-tested without Python in the process.
+-fsanitize=address,undefined), against the board core's own sources, so
+the core is tested without Python in the process.
 """
 
 import subprocess
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from cbuild import ROOT, build
+from cbuild import BOARD_SOURCES, ROOT, build
 
 pytestmark = pytest.mark.skipif(
     sys.platform == "win32", reason="the board is POSIX shared memory"
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(
 
 def test_board_core_c(tmp_path):
     exe = build(
-        [ROOT / "tests" / "c" / "test_board.c", ROOT / "src" / "board.c"],
+        [ROOT / "tests" / "c" / "test_board.c", *BOARD_SOURCES],
         tmp_path / "test_board",
         libs=["-lrt"] if sys.platform.startswith("linux") else [],
     )

@@ -142,11 +142,16 @@ def test_demo_cleans_up_after_a_crash(monkeypatch):
 
 
 def test_status_in_a_fresh_process_says_it_is_empty():
+    """A fresh process has no workers: one line says so and points to
+    ``status --url`` (where ComfyUI's workers are), then the probe."""
     result = cli("status")
     assert result.returncode == 0, result.stderr
-    assert "no workers" in result.stdout
-    assert "boards attached: none" in result.stdout
-    assert "GPU probe" in result.stdout
+    first, *rest = result.stdout.splitlines()
+    assert first.startswith("no workers in this process")
+    assert "python -m comfy_standin status --url" in first
+    assert "pool (" not in result.stdout  # no empty pool dump
+    assert "boards attached" not in result.stdout
+    assert rest[0].startswith("GPU probe")
 
 
 @pytest.mark.parametrize("impl", ["c", "reference"])
@@ -155,7 +160,8 @@ def test_status_json_parses(impl):
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert data["workers"] == [] and data["boards"] == []
-    assert data["implementation"].startswith("comfy_standin")
+    # The demo's and --impl's names, one vocabulary.
+    assert data["implementation"] == impl
     assert set(data["probe_summary"]["libraries"]) == {"cuda", "nvml"}
     assert "devices" in data["probe"]
 
@@ -217,8 +223,9 @@ def test_probe_readable_and_json():
     assert result.returncode == 0, result.stderr
     assert "CUDA driver:" in result.stdout and "NVML:" in result.stdout
     data = json.loads(cli("probe", "--json").stdout)
-    assert {"probe", "summary"} <= set(data)
-    assert data["summary"]["devices"] == len(data["probe"]["devices"])
+    # The key status --json uses for the same summary.
+    assert set(data) == {"probe", "probe_summary"}
+    assert data["probe_summary"]["devices"] == len(data["probe"]["devices"])
 
 
 def test_probe_explains_a_missing_library():
@@ -231,7 +238,7 @@ def test_probe_explains_a_missing_library():
     assert "COMFY_STANDIN_LIBCUDA" in result.stdout
     data = json.loads(cli("probe", "--json", env={
         "COMFY_STANDIN_LIBCUDA": missing}).stdout)
-    cuda = data["summary"]["libraries"]["cuda"]
+    cuda = data["probe_summary"]["libraries"]["cuda"]
     assert cuda["loaded"] is False and missing in cuda["explanation"]
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import gc
 import glob
-import importlib.metadata
 import importlib.util
 import os
 import pathlib
@@ -37,14 +36,21 @@ import pytest
 import comfy_standin as cs
 from comfy_standin.integrations import comfy_env as adapter
 
+# Every test here needs comfy-env (conftest fails them when it is
+# missing; -m "not comfy_env" leaves them out).
+pytestmark = pytest.mark.comfy_env
+
 PINNED = "0.4.46"
-VERSION = importlib.metadata.version("comfy-env")
-WRONG_VERSION = (
-    f"tests/test_comfy_env_e2e.py drives comfy-env {PINNED}'s internals "
-    f"(_call_in_worker, _register_new_patchers, comfy_worker); this "
-    f"environment has comfy-env {VERSION}. Re-check those internals "
-    f"against {VERSION} and update PINNED."
-)
+
+
+def wrong_version(version: str) -> str:
+    return (
+        f"tests/test_comfy_env_e2e.py drives comfy-env {PINNED}'s "
+        f"internals (_call_in_worker, _register_new_patchers, "
+        f"comfy_worker); this environment has comfy-env {version}. "
+        f"Re-check those internals against {version} and update PINNED."
+    )
+
 
 MiB = 1 << 20
 MOCK_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)),
@@ -114,8 +120,9 @@ PACK = textwrap.dedent('''
 ''')
 
 
-def test_comfy_env_is_the_pinned_version():
-    assert VERSION == PINNED, WRONG_VERSION
+def test_comfy_env_is_the_pinned_version(comfy_env_installed_version):
+    version = comfy_env_installed_version
+    assert version == PINNED, wrong_version(version)
 
 
 def _fds():
@@ -147,10 +154,10 @@ def _sockets():
 
 
 @pytest.fixture
-def host(mm, monkeypatch, tmp_path):
+def host(mm, monkeypatch, tmp_path, comfy_env_installed_version):
     """A ComfyUI host with the adapter installed and a pack on disk."""
-    if VERSION != PINNED:
-        pytest.fail(WRONG_VERSION)
+    if comfy_env_installed_version != PINNED:
+        pytest.fail(wrong_version(comfy_env_installed_version))
     from comfy_env.isolation import metadata
     from comfy_env.isolation import pool as ce_pool
 

@@ -31,7 +31,8 @@ FORBIDDEN = [
     "seeds/" + "000_",
 ]
 
-TOP = ("docs", "src", "include", "tests", "bench", "python", "examples")
+TOP = ("docs", "src", "include", "tests", "bench", "python", "examples",
+       "tools")
 # e.g. docs/glossary.md, src/ledger.c, tests/c, python/comfy_standin
 # (a template such as tests/c/stubs/stub_<kind>.c is not a citation)
 PREFIXED = re.compile(

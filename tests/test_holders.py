@@ -795,6 +795,204 @@ def test_pool_holder_never_raises(impl, pool, caplog):
     assert holder.release_memory(CUDA0, "lots") == 0
 
 
+class DiesWhenAsked(ReleasingWorker):
+    """comfy-env's no-spawn path: the process dies during the ask (the
+    transport raises), or was found dead before it ("dead")."""
+
+    def __init__(self, name: str, how: str, **kw: Any) -> None:
+        super().__init__(name, **kw)
+        self.how = how
+        self.barrier: Any = None
+
+    def send_command_no_spawn(self, command, lock_timeout, **params):
+        self.commands.append((command, params))
+        if self.barrier is not None:
+            self.barrier.wait(timeout=60)  # every asker is inside
+        if self.how == "dead":
+            self.kill()
+            return "dead"
+        self.kill()
+        raise fakes.WorkerDiedError(f"worker {self.name} died")
+
+
+def dying(impl, pool, how, size=3 * GiB):
+    w = DiesWhenAsked("d", how)
+    w.add_model("b", size, resident=size)
+    s = impl.StandIn(w, 1, "b", size, CUDA0, CPU, pool=pool)
+    impl.apply_residency({"b": s}, w.census())
+    pool.report(w, {"held": w.held()})
+    w.keep = [s]
+    return w
+
+
+@pytest.mark.parametrize("how", ["raises", "dead"])
+def test_a_death_seen_while_asking_goes_to_the_pool_once(impl, pool, how):
+    w = dying(impl, pool, how)
+    holder = holders.PoolHolder(pool)
+    assert holder.held_memory(CUDA0) == 3 * GiB
+    assert holder.release_memory(CUDA0, 1 * GiB) == 3 * GiB  # went with it
+    books = pool._ledger.find(w)
+    assert books is not None and not books.alive  # worker_gone ran
+    assert w.keep[0].stale and w.keep[0].loaded_size() == 0
+    assert holder.held_memory(CUDA0) == 0
+    asked = len(w.commands)
+    assert holder.release_memory(CUDA0, 1 * GiB) == 0  # counted once
+    assert len(w.commands) == asked  # and not asked again
+
+
+def test_two_askers_seeing_one_death_count_it_once(impl, pool):
+    """A second caller while the first one's ask is in flight does not
+    ask the same worker; the death is counted by the one that saw it."""
+    w = dying(impl, pool, "raises")
+    inside, go_on = threading.Event(), threading.Event()
+    w.barrier = types.SimpleNamespace(
+        wait=lambda timeout: (inside.set(), go_on.wait(timeout)))
+    holder = holders.PoolHolder(pool, deadline=60)
+    got: list[int] = []
+    first = threading.Thread(target=lambda: got.append(
+        holder.release_memory(CUDA0, 1 * GiB)))
+    first.start()
+    assert inside.wait(60)
+    got.append(holder.release_memory(CUDA0, 1 * GiB))  # skipped: 0
+    go_on.set()
+    first.join(timeout=60)
+    assert got == [0, 3 * GiB]
+    assert len(w.commands) == 1
+
+
+def test_a_tracked_worker_seen_dead_is_untracked(impl, pool):
+    w = DiesWhenAsked("t", "dead")
+    w.add_model("a", 1 * GiB, resident=1 * GiB)
+    holder = holders.PoolHolder(pool)
+    holder.track(w, CUDA0)
+    pool.report(w, {"held": w.held()})
+    assert holder.release_memory(CUDA0, 1 * GiB) == 1 * GiB
+    assert holder._devices == {}
+    assert holder.held_memory(CUDA0) == 0
+
+
+def test_freed_counts_no_more_than_the_worker_held(impl, pool):
+    class Boasting(ReleasingWorker):
+        def _perform(self, command, model_id, params, cap):
+            reply = super()._perform(command, model_id, params, cap)
+            if command in ("partial_release", "release_pins"):
+                reply["receipt"]["freed_bytes"] = 1 << 50
+                reply["receipt"]["freed"] = 1 << 50
+            return reply
+
+    w = Boasting("w", pinned=256 * MiB)
+    w.add_model("a", 2 * GiB, resident=2 * GiB)
+    s = impl.StandIn(w, 1, "a", 2 * GiB, CUDA0, CPU, pool=pool)
+    impl.apply_residency({"a": s}, w.census())
+    pool.report(w, {"held": w.held(), "pinned": w.pinned})
+    holder = holders.PoolHolder(pool)
+    assert holder.release_memory(CUDA0, 1 * GiB) == 2 * GiB
+    assert holder.release_memory("cpu", 1 * GiB) == 256 * MiB
+
+
+def test_a_hostile_report_in_a_reply_is_logged_bounded(impl, pool, caplog):
+    w = tracked(impl, pool, "w", [("a", 2 * GiB, 2 * GiB)])
+    huge = "\x1b[2J" + "x" * (1 << 20)
+    w.vram_report = lambda: {"held": huge, "residency": [{"id": huge}]}
+    holder = holders.PoolHolder(pool)
+    with caplog.at_level(logging.DEBUG, logger="comfy_standin"):
+        assert holder.release_memory(CUDA0, 1 * GiB) == 1 * GiB
+    assert caplog.records, "the bad report is said"
+    for record in caplog.records:
+        text = record.getMessage()
+        assert len(text) < 2000 and "\x1b" not in text, text[:200]
+        assert record.exc_info is None  # no traceback of worker text
+
+
+def test_a_reply_that_is_a_dict_subclass_is_read_from_its_storage(impl,
+                                                                   pool):
+    class Sly(dict):
+        def get(self, *args):
+            raise RuntimeError("the worker's get ran in the host")
+
+    class SlyWorker(ReleasingWorker):
+        def send_command_no_spawn(self, command, lock_timeout, **params):
+            reply = self.send_command(command, **params)
+            reply["receipt"] = Sly(reply["receipt"])
+            return Sly(reply)
+
+    w = SlyWorker("w")
+    w.add_model("a", 2 * GiB, resident=2 * GiB)
+    s = impl.StandIn(w, 1, "a", 2 * GiB, CUDA0, CPU, pool=pool)
+    impl.apply_residency({"a": s}, w.census())
+    holder = holders.PoolHolder(pool)
+    assert holder.release_memory(CUDA0, 1 * GiB) == 1 * GiB
+
+
+def test_a_strange_device_text_breaks_no_other_worker(impl, pool):
+    """"cuda:²" passes str.isdigit() and fails int(): one stand-in with
+    such a device must not make the holder answer 0 for every card."""
+    w = tracked(impl, pool, "w", [("a", 2 * GiB, 2 * GiB)])
+    odd = ReleasingWorker("odd")
+    odd.add_model("b", 1 * GiB, resident=1 * GiB)
+    s = impl.StandIn(odd, 1, "b", 1 * GiB, "cuda:\u00b2", CPU, pool=pool)
+    impl.apply_residency({"b": s}, odd.census())
+    holder = holders.PoolHolder(pool)
+    assert holder.held_memory(CUDA0) == 3 * GiB  # index-less: any card
+    assert w.keep
+
+
+def test_a_holder_whose_getattr_raises_counts_as_zero(caplog):
+    class Hostile(Holder):
+        def __getattr__(self, name):
+            raise RuntimeError(f"no {name}")
+
+    reg = holders.Registry()
+    reg.register(Hostile(5))
+    assert reg.reserved("cuda:0") == 0
+    assert reg.failures == 1
+
+
+class StuckReleasing(ReleasingWorker):
+    """Its release asks block until the test lets go (at most 10 s, so a
+    broken run ends)."""
+
+    def __init__(self, name: str, **kw: Any) -> None:
+        super().__init__(name, **kw)
+        self.let_go = threading.Event()
+        self.entered = 0
+
+    def send_command_no_spawn(self, command, lock_timeout, **params):
+        self.entered += 1
+        self.let_go.wait(10)
+        return self.send_command(command, **params)
+
+
+def test_a_worker_that_does_not_answer_holds_no_caller(impl, pool):
+    """ComfyUI's thread waits on workers for at most the holder's
+    deadline; the silent worker is skipped until its ask returns, and the
+    others are asked meanwhile."""
+    stuck = StuckReleasing("stuck")
+    stuck.unload_cap = 1 * GiB  # its late answer frees only part
+    stuck.add_model("s", 4 * GiB, resident=4 * GiB)
+    s = impl.StandIn(stuck, 1, "s", 4 * GiB, CUDA0, CPU, pool=pool)
+    impl.apply_residency({"s": s}, stuck.census())
+    healthy = tracked(impl, pool, "healthy", [("h", 2 * GiB, 2 * GiB)])
+    holder = holders.PoolHolder(pool, deadline=0.2)
+    try:
+        # The largest is asked first and does not answer in time.
+        assert holder.release_memory(CUDA0, 1 * GiB) == 0
+        assert not stuck.let_go.is_set() and stuck.entered == 1
+        # Its ask is still in flight: skipped; the healthy one is asked.
+        assert holder.release_memory(CUDA0, 1 * GiB) == 1 * GiB
+        assert stuck.entered == 1
+        assert [c for c, _ in healthy.commands] == ["partial_release"]
+    finally:
+        stuck.let_go.set()
+    for t in threading.enumerate():
+        if t.name == "comfy-standin-holder-ask":
+            t.join(timeout=60)
+    # Its late reply reached the books; it is asked again from now on.
+    assert holder.held_memory(CUDA0) < 5 * GiB
+    holder.release_memory(CUDA0, 1 * GiB)
+    assert stuck.entered == 2
+
+
 def test_tracked_worker_without_standins(impl, pool):
     w = ReleasingWorker("w", pinned=256 * MiB)
     w.add_model("a", 2 * GiB, resident=2 * GiB)

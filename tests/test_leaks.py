@@ -45,7 +45,7 @@ PYI = TESTS.parent / "python" / "comfy_standin" / "__init__.pyi"
 
 PRELUDE = textwrap.dedent(
     """
-    import gc, json, logging, pickle, sys, tracemalloc
+    import gc, json, logging, os, pickle, sys, tracemalloc
     sys.path.insert(0, {tests!r})
     # Log records are still made (their path is under test), not printed.
     logging.getLogger().addHandler(logging.NullHandler())
@@ -662,6 +662,22 @@ WORKLOADS = {
         bad(cs.Board.create, "x")
         with cs.Board.create(1, heartbeat_limit=None) as scoped:
             scoped.assign("x", 1)
+        made, made_fd = cs.Board.make(2, generation=3)
+        adopted = cs.Board.adopt(made_fd, 2, generation=3,
+                                 heartbeat_limit=None)
+        bad(cs.Board.adopt, made_fd, 3)
+        os.close(made_fd)
+        bad(cs.Board.adopt, -1, 2)
+        bad(cs.Board.adopt, 0, 0)
+        bad(cs.Board.adopt)
+        bad(cs.Board.make, 0)
+        bad(cs.Board.make, 2, generation=-1)
+        adopted.assign("a", 10)
+        pool.own_board(w, adopted)
+        pool.own_board(w, adopted)
+        bad(pool.own_board, w)
+        pool.forget(w)
+        made.close()
         cs.probe()
         bad(cs.probe, 1)
     """, 1000, 1000),

@@ -94,7 +94,8 @@ def test_install_refuses_a_foreign_folder(comfyui):
 def test_uninstall_removes_and_is_idempotent(comfyui):
     assert run("install-node", str(comfyui))[0] == 0
     (entry(comfyui) / "__pycache__").mkdir()
-    (entry(comfyui) / "__pycache__" / "x.pyc").write_bytes(b"")
+    cached = f"__init__.{sys.implementation.cache_tag}.pyc"
+    (entry(comfyui) / "__pycache__" / cached).write_bytes(b"")
     code, out = run("uninstall-node", str(comfyui))
     assert code == 0 and "removed" in out
     assert not entry(comfyui).exists()
@@ -114,8 +115,9 @@ class _Routes:
     def __init__(self):
         self.added = []
 
-    def get(self, path):
+    def get(self, path, **kwargs):
         def add(handler):
+            assert kwargs == {"allow_head": False}  # GET only
             self.added.append(("GET", path, handler))
             return handler
 
@@ -138,6 +140,7 @@ def load_like_comfyui(folder):
     return module
 
 
+@pytest.mark.comfy_env
 def test_the_entry_switches_on_and_adds_the_route(comfyui, mm,
                                                    monkeypatch):
     from comfy_env.isolation import model_patcher
@@ -158,10 +161,11 @@ def test_the_entry_switches_on_and_adds_the_route(comfyui, mm,
         assert adapter.installed()
         assert model_patcher.SubprocessModelPatcher is cs.StandIn
         assert routes.added == [
-            ("GET", "/comfy_standin/status", _server_route.handle)
+            ("GET", "/comfy_standin/status", _server_route.handle),
+            ("GET", "/comfy_standin/", _server_route.handle_page),
         ]
         load_like_comfyui(entry(comfyui))  # a second load adds nothing
-        assert len(routes.added) == 1
+        assert len(routes.added) == 2
     finally:
         adapter.uninstall()
     assert model_patcher.SubprocessModelPatcher is not cs.StandIn
@@ -183,6 +187,7 @@ def test_the_entry_never_breaks_comfyui_start(comfyui, monkeypatch,
     assert not adapter.installed()
 
 
+@pytest.mark.comfy_env
 def test_importing_the_package_changes_nothing_in_comfy_env():
     """No .pth, no import side effect: a process that imports
     comfy_standin and comfy-env keeps comfy-env's own stand-in class."""

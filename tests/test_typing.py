@@ -1,4 +1,4 @@
-"""The typed surface: mypy (pinned by the ``test-typing`` extra) checks a
+"""The typed surface: mypy (pinned in the ``test-core`` extra) checks a
 short example of the public API against python/comfy_standin/__init__.pyi,
 the types it infers are the ones the stub promises, and stubtest holds the
 stub to the runtime module, so the stub cannot drift unnoticed."""

@@ -7,20 +7,31 @@
  * Plain C11, no Python.  POSIX only: the extension does not build the
  * board on Windows.
  *
- * Two roles, fixed when the handle is made:
+ * Two roles, fixed when the handle is made, and two ways to begin:
  *
- *   host     cs_board_create(): makes the segment.  On Linux it is an
- *            anonymous memfd sealed against resizing (F_SEAL_SHRINK,
- *            F_SEAL_GROW, F_SEAL_SEAL) before any other process can see
- *            it, handed to the worker as a descriptor (cs_board_fd()).
- *            Elsewhere it is a named POSIX segment (cs_board_name()),
- *            which a worker could shrink (docs/board.md).  The host keeps
- *            which model each slot carries in its own table, with a tag
- *            it chose per assignment; it never writes the segment after
- *            creating it.
- *   worker   cs_board_open_fd() / cs_board_open(): maps the segment, is
- *            told (slot, tag) per model by its host (cs_board_bind), and
- *            is the only writer: readings, the heartbeat, its pid.
+ *   worker makes, host adopts (Linux; what the comfy-env adapter uses)
+ *            cs_board_make() in the worker: an anonymous memfd it maps
+ *            read-write and then seals against resizing and against any
+ *            further writable mapping (F_SEAL_FUTURE_WRITE); the worker
+ *            sends the descriptor to its host over a Unix socket and
+ *            closes it.  cs_board_adopt() in the host checks the seals
+ *            and the length, maps it read-only and keeps no descriptor.
+ *            No process but that worker can ever write it, whoever
+ *            obtains a descriptor of it.
+ *   host creates, worker opens
+ *            cs_board_create() in the host: an anonymous memfd sealed
+ *            against resizing (F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_SEAL)
+ *            before any other process can see it, handed to the worker
+ *            as a descriptor (cs_board_fd(), inherited or sent);
+ *            cs_board_open_fd() in the worker.  Elsewhere than Linux a
+ *            named POSIX segment (cs_board_name(), cs_board_open()),
+ *            which a worker could shrink (docs/board.md).  Until
+ *            cs_board_unlink() the host holds a writable descriptor.
+ *
+ * Either way the host keeps which model each slot carries in its own
+ * table, with a tag it chose per assignment, and never writes the
+ * segment; the worker is told (slot, tag) per model (cs_board_bind) and is
+ * the only writer: readings, the heartbeat, its pid.
  *
  * The segment is untrusted input to the host.  A host read takes the slot
  * through a seqlock with a bounded number of retries (it never waits),
@@ -143,6 +154,10 @@ typedef enum cs_board_reading {
 typedef int (*cs_board_sampler_fn)(void *context, uint64_t *loaded);
 
 const char *cs_board_status_message(cs_board_status status);
+/* CS_BOARD_LAYOUT_VERSION of the library itself: a caller that loads the
+ * board as a shared library (a worker's ctypes publisher) checks it
+ * against the layout its host expects. */
+int cs_board_layout_version(void);
 /* A short lower-case name ("valid", "torn", "tag mismatch", ...). */
 const char *cs_board_reading_name(cs_board_reading reading);
 
@@ -169,6 +184,22 @@ int64_t cs_board_owner_pid(const cs_board *board);
 void *cs_board_memory(const cs_board *board, size_t *length);
 
 /* ---- host ------------------------------------------------------------ */
+
+/* Adopts the board a worker made (cs_board_make) and sent over a Unix
+ * socket: `fd` is checked before it is mapped -- a regular file (a memfd)
+ * of exactly the length of `slots` slots, sealed against shrinking,
+ * growing, any later writable mapping or write() (F_SEAL_FUTURE_WRITE)
+ * and seal changes -- and its header must be this layout's with `slots`
+ * slots.  Mapped read-only: the host never writes a board, and with the
+ * write seal no process but the worker that made it can either.  `fd`
+ * stays the caller's: close it as soon as this returns (the mapping keeps
+ * the memory; a host holding no descriptor lends none through
+ * /proc/<pid>/fd).  The host's table starts empty; cs_board_fd() is -1.
+ * Linux only (CS_BOARD_ERR_UNSUPPORTED elsewhere). */
+cs_board_status cs_board_adopt(int fd, uint32_t slots, uint64_t generation,
+                               uint64_t heartbeat_limit_ns, cs_board **out,
+                               int *os_error);
+
 
 /* Makes a board of `slots` slots (1..CS_BOARD_MAX_SLOTS) under the
  * worker's `generation`.  heartbeat_limit_ns 0 disables the heartbeat
@@ -243,6 +274,19 @@ bool cs_board_read_slot(const cs_board *board, uint32_t slot, uint64_t tag,
 
 /* ---- worker ---------------------------------------------------------- */
 
+/* Makes a board of `slots` slots in this (the worker's) process, for the
+ * host to adopt (cs_board_adopt): an anonymous memfd mapped here
+ * read-write, then sealed against resizing, against every later writable
+ * mapping or write() (F_SEAL_FUTURE_WRITE: this mapping keeps working, no
+ * other one can be made writable, whoever opens the memfd) and against
+ * seal changes; the header written and the owner word claimed.  *fd_out is
+ * the descriptor to send to the host with SCM_RIGHTS; close it once sent.
+ * Linux only (CS_BOARD_ERR_UNSUPPORTED elsewhere; CS_BOARD_ERR_SEALS on a
+ * kernel without F_SEAL_FUTURE_WRITE, before Linux 5.1). */
+cs_board_status cs_board_make(uint32_t slots, uint64_t generation,
+                              cs_board **out, int *fd_out, int *os_error);
+
+
 /* Maps the board behind `fd` (the host's memfd, inherited or received).
  * The descriptor stays the caller's (close it after this returns).
  * Refused when the segment is not sealed against resizing (Linux), is not
@@ -260,15 +304,19 @@ cs_board_status cs_board_bind(cs_board *board, uint32_t slot, uint64_t tag);
 uint64_t cs_board_bound_tag(const cs_board *board, uint32_t slot);
 
 /* Publishes `loaded` (<= CS_BOARD_VALUE_MAX) for `slot` under its bound
- * tag, stamped now, and beats the heartbeat.  Lock-free; safe from any
- * thread of the worker (writers of one slot exclude each other through
- * the seqlock word; a word that stays odd makes a writer give up with
- * CS_BOARD_ERR_BUSY after a bounded wait -- only a writer killed inside
- * or a foreign write can do that; the host never writes). */
+ * tag, stamped now, and beats the heartbeat.  The stamp says when the
+ * value was true: the host prefers a reading to a receipt when the
+ * reading's stamp is newer, so a value measured earlier must go through
+ * cs_board_publish_at with the time its measurement began.  Lock-free;
+ * safe from any thread of the worker (writers of one slot exclude each
+ * other through the seqlock word; a word that stays odd makes a writer
+ * give up with CS_BOARD_ERR_BUSY after a bounded wait -- only a writer
+ * killed inside or a foreign write can do that; the host never writes). */
 cs_board_status cs_board_publish(cs_board *board, uint32_t slot,
                                  uint64_t loaded);
-/* The same with the caller's own CLOCK_MONOTONIC stamp (e.g. when the
- * pager measured).  A stamp of 0 or in the future is refused. */
+/* The same with the caller's own CLOCK_MONOTONIC stamp: the time the
+ * measurement of `loaded` began (never later).  A stamp of 0 or in the
+ * future is refused. */
 cs_board_status cs_board_publish_at(cs_board *board, uint32_t slot,
                                     uint64_t loaded, uint64_t updated_ns);
 /* Tells the host the worker is alive (publish does it too). */

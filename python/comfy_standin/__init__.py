@@ -6,10 +6,9 @@ pure-Python reference of the same contract is ``comfy_standin._reference``.
 See docs/semantics.md for the contract in detail.
 """
 
-from __future__ import annotations
-
-import sys
-import threading
+import sys as _sys
+import threading as _threading
+from typing import Optional as _Optional
 
 from . import pool as _pool
 from ._core import (
@@ -52,11 +51,11 @@ __all__ = [
 class Pool(_pool.Pool):
     """Per-worker charges over the C ledger (docs/reserve.md)."""
 
-    _impl = sys.modules[__name__]
+    _impl = _sys.modules[__name__]
 
 
-_default_pool: Pool | None = None
-_default_pool_lock = threading.Lock()
+_default_pool: _Optional[Pool] = None
+_default_pool_lock = _threading.Lock()
 
 
 def default_pool() -> Pool:
@@ -67,3 +66,9 @@ def default_pool() -> Pool:
             _default_pool = Pool()
         return _default_pool
 
+
+
+def __dir__() -> list[str]:
+    """The API only: ``__all__`` and ``__version__`` (the module's own
+    imports and private helpers stay reachable but unlisted)."""
+    return sorted([*__all__, "__version__"])

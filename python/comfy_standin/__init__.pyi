@@ -168,8 +168,13 @@ class Pool:
     def worker_charges(self) -> Mapping[Worker, int]: ...  # WorkerMap
     def standins(self) -> Mapping[Worker, list[StandIn]]: ...
     def board_for(
-        self, worker: Worker, slots: int = 64, heartbeat_limit: float = 5.0
+        self,
+        worker: Worker,
+        slots: int = 64,
+        heartbeat_limit: float = 5.0,
+        generation: int | None = None,
     ) -> Board: ...
+    def own_board(self, worker: Worker, board: Board) -> None: ...
     def graveyard_size(self) -> int: ...
     def charge_details(self) -> Mapping[Worker, dict[str, Any]]: ...
     def held(self) -> list[StandIn]: ...
@@ -202,6 +207,19 @@ class Board:
     ) -> Board: ...
     @classmethod
     def open(cls, source: int | str, *, period: float = ...) -> Board: ...
+    @classmethod
+    def adopt(
+        cls,
+        fd: int,
+        slots: int,
+        *,
+        generation: int = 0,
+        heartbeat_limit: float | None = ...,
+    ) -> Board: ...
+    @classmethod
+    def make(
+        cls, slots: int = 64, *, generation: int = 0
+    ) -> tuple[Board, int]: ...
     name: str
     fd: int | None
     owner_is_gone: bool

@@ -1,12 +1,10 @@
 """Command line: ``comfy-standin COMMAND`` or ``python -m comfy_standin
 COMMAND`` (docs/cli.md).
 
-Exit codes: 0 success; 1 a check failed (demo, selfcheck), ``status
---url`` read nothing, ``install-node``/``uninstall-node`` refused; 2 bad
-usage; 3 ``probe --require-gpu`` found no readable GPU; 130 interrupted
-(Ctrl-C, SIGINT; a ``status --watch`` ends on Ctrl-C with its last code);
-143 terminated (SIGTERM).  Both signals run the same clean-up
-(worker processes ended, boards closed) and end with one line on stderr.
+Exit codes: ``EXIT_CODES`` below.  SIGINT and SIGTERM run the same
+clean-up (worker processes ended, boards closed) and end with one line on
+stderr.  docs/cli.md's reference is written from this parser
+(``python -m comfy_standin._clidoc docs/cli.md``).
 
 Adding a subcommand: write ``_add_NAME(sub, common)`` that adds its
 parser (``parents=[common]`` gives it ``--json``/``--quiet``/
@@ -30,6 +28,24 @@ EXIT_USAGE = 2
 EXIT_NO_GPU = 3
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130
 EXIT_TERMINATED = 128 + signal.SIGTERM  # 143
+
+#: Every exit code and what it means: the one table (``--help``'s epilog
+#: and docs/cli.md's table are written from it; tests/test_cli_reference.py
+#: makes each code happen).
+EXIT_CODES: tuple[tuple[int, str], ...] = (
+    (EXIT_OK, "success"),
+    (EXIT_FAILED, "a check failed (`demo`, `selfcheck`); `status --url` "
+                  "read nothing usable (nothing answers, no route, a "
+                  "reply that is not a status, the deadline); "
+                  "`install-node` / `uninstall-node` refused"),
+    (EXIT_USAGE, "bad usage (unknown option or command, no command, "
+                 "`--open` without `--url`): usage and an `error:` line "
+                 "on stderr"),
+    (EXIT_NO_GPU, "`probe --require-gpu` found no readable GPU"),
+    (EXIT_INTERRUPTED, "interrupted (Ctrl-C, SIGINT), `status --watch` "
+                       "included: clean-up, one line on stderr"),
+    (EXIT_TERMINATED, "terminated (SIGTERM): the same clean-up"),
+)
 
 
 # ---------------------------------------------------------------------------
@@ -174,43 +190,88 @@ def _add_demo(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def _cmd_status(args: argparse.Namespace, out: Output) -> int:
+    if args.open and args.url is None:
+        args.parser.error("--open needs --url (the ComfyUI whose page to "
+                          "open)")
+    if args.open:
+        return _status_open(args, out)
     if args.url is not None or args.watch is not None:
         return _status_loop(args, out)
     return _status_once(args, out)
 
 
-def _status_loop(args: argparse.Namespace, out: Output) -> int:
-    """``status --url`` (a running ComfyUI) and ``--watch SECONDS``."""
-    import time
-
+def _status_open(args: argparse.Namespace, out: Output) -> int:
+    """``status --url URL --open``: the live VRAM page's address, printed;
+    opened in a browser too when this session has a display."""
     from . import _status
+
+    try:
+        address = _status.page_address(args.url)
+    except _status.RemoteError as exc:
+        print(f"status: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    opened = False
+    if _has_display():
+        import webbrowser
+
+        try:
+            opened = webbrowser.open(address)
+        except Exception:  # noqa: BLE001 - the address is printed anyway
+            opened = False
+    if out.json:
+        out.emit_json({"page": address, "opened": opened})
+    else:
+        print(address, file=out.stream)
+    return EXIT_OK
+
+
+def _has_display() -> bool:
+    """A graphical session a browser could open in (never a text-mode
+    browser taking over this terminal)."""
+    if sys.platform == "darwin":
+        return True
+    return bool(os.environ.get("DISPLAY")
+                or os.environ.get("WAYLAND_DISPLAY"))
+
+
+def _status_loop(args: argparse.Namespace, out: Output) -> int:
+    """``status --url`` (a running ComfyUI) and ``--watch SECONDS``.  Each
+    round has its own deadline (``--timeout``); Ctrl-C ends a watch like
+    any command: clean-up, one line on stderr, exit 130."""
+    import time
 
     while True:
         if args.url is None:
             code = _status_once(args, out)
         else:
-            try:
-                data = _status.fetch(args.url)
-            except _status.RemoteError as exc:
-                print(f"status: {exc}", file=sys.stderr)
-                code = EXIT_FAILED
-            else:
-                code = EXIT_OK
-                if out.json:
-                    out.emit_json(data)
-                else:
-                    print(_status.render_remote(data, args.url),
-                          file=out.stream)
+            code = _status_remote(args, out)
         if args.watch is None:
             return code
         out.stream.flush()
-        try:
-            time.sleep(args.watch)
-        except KeyboardInterrupt:
-            # Ctrl-C is how a watch is meant to end: the last answer's
-            # code, not 130.
-            return code
+        time.sleep(args.watch)
         print(file=out.stream)
+
+
+def _status_remote(args: argparse.Namespace, out: Output) -> int:
+    from . import _status
+
+    try:
+        data = _status.fetch(args.url, timeout=args.timeout)
+        text = None if out.json else _status.render_remote(data, args.url)
+    except _status.RemoteError as exc:
+        print(f"status: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except Exception as exc:  # noqa: BLE001 - the one-line promise holds
+        print(f"status: {_status.visible(args.url)}: internal error "
+              f"reading the answer ({type(exc).__name__}: "
+              f"{_status.visible(exc, 120)}); please report it",
+              file=sys.stderr)
+        return EXIT_FAILED
+    if text is None:
+        out.emit_json(data)
+    else:
+        print(text, file=out.stream)
+    return EXIT_OK
 
 
 def _status_once(args: argparse.Namespace, out: Output) -> int:
@@ -232,6 +293,10 @@ def _status_once(args: argparse.Namespace, out: Output) -> int:
         out.emit_json(status)
     elif out.quiet:
         print(_status.summary_line(status, result), file=out.stream)
+    elif not status["workers"] and not status["graveyard"] \
+            and args.watch is None:
+        print(_status.no_workers_line(program_name()), file=out.stream)
+        print(_status.render_probe(result), file=out.stream)
     else:
         print(_status.render(status, probe=False), file=out.stream)
         print(_status.render_probe(result), file=out.stream)
@@ -247,6 +312,13 @@ def _add_status(sub: Any, common: argparse.ArgumentParser) -> None:
         help="this process's default pool, or a running ComfyUI's "
              "(--url): workers, models, receipts (age, source), boards; "
              "and the probe",
+        description=(
+            "Without --url: this process's own pool, which is empty "
+            "unless something in this process registered stand-ins (a "
+            "fresh command line has none). With --url: the pool of a "
+            "running ComfyUI with the node entry installed, read from "
+            "its GET /comfy_standin/status."
+        ),
     )
     status.add_argument("--impl", choices=("c", "reference"), default="c",
                         help="whose default pool (default: c)")
@@ -259,7 +331,19 @@ def _add_status(sub: Any, common: argparse.ArgumentParser) -> None:
     status.add_argument("--watch", type=_positive_seconds, default=None,
                         metavar="SECONDS",
                         help="print again every SECONDS until Ctrl-C")
-    status.set_defaults(func=_cmd_status)
+    status.add_argument(
+        "--timeout", type=_positive_seconds, default=5.0,
+        metavar="SECONDS",
+        help="with --url: the whole request (each --watch round) ends "
+             "after SECONDS (default: 5)",
+    )
+    status.add_argument(
+        "--open", action="store_true",
+        help="with --url: print the address of the live VRAM page "
+             "(GET /comfy_standin/), and open it in a browser when there "
+             "is a display",
+    )
+    status.set_defaults(func=_cmd_status, parser=status)
 
 
 # ---------------------------------------------------------------------------
@@ -274,7 +358,7 @@ def _cmd_probe(args: argparse.Namespace, out: Output) -> int:
     result = cs.probe()
     summary = _status.probe_summary(result)
     if out.json:
-        out.emit_json({"probe": result, "summary": summary})
+        out.emit_json({"probe": result, "probe_summary": summary})
     elif out.quiet:
         print(_status.probe_line(summary), file=out.stream)
     else:
@@ -327,13 +411,15 @@ def _add_selfcheck(sub: Any, common: argparse.ArgumentParser) -> None:
 def _cmd_install_node(args: argparse.Namespace, out: Output) -> int:
     from . import _node
 
-    return _node.install(args.comfyui, out.stream)
+    return _node.install(args.comfyui, out.stream, json_output=out.json,
+                         quiet=out.quiet)
 
 
 def _cmd_uninstall_node(args: argparse.Namespace, out: Output) -> int:
     from . import _node
 
-    return _node.uninstall(args.comfyui, out.stream)
+    return _node.uninstall(args.comfyui, out.stream, json_output=out.json,
+                           quiet=out.quiet)
 
 
 def _add_node(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -350,7 +436,9 @@ def _add_node(sub: Any, common: argparse.ArgumentParser) -> None:
         "uninstall-node", parents=[common],
         help="remove the entry install-node wrote",
     )
-    uninstall_node.add_argument("comfyui", metavar="PATH_TO_COMFYUI")
+    uninstall_node.add_argument("comfyui", metavar="PATH_TO_COMFYUI",
+                                help="the ComfyUI folder install-node "
+                                     "wrote into")
     uninstall_node.set_defaults(func=_cmd_uninstall_node)
 
 
@@ -388,13 +476,13 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
             "ComfyUI's VRAM management."
         ),
         epilog=(
-            "Every command takes --json, --quiet and --verbose. "
-            "exit codes: 0 ok; 1 a check failed (demo, selfcheck), status "
-            "--url read nothing, install-node/uninstall-node refused; 2 bad "
-            "usage; 3 probe --require-gpu found no GPU; 130 interrupted; "
-            "143 terminated. Colour only on a terminal and never with "
-            "NO_COLOR. Docs: docs/ in the source tree (cli.md, "
-            "glossary.md, architecture.md)."
+            "Every command takes --json, --quiet and --verbose. Exit "
+            "codes: "
+            + "; ".join(f"{code} {meaning.replace('`', '')}"
+                        for code, meaning in EXIT_CODES)
+            + ". Colour only on a terminal and never with NO_COLOR. "
+            "Docs: docs/ in the source tree (cli.md, glossary.md, "
+            "architecture.md)."
         ),
     )
     parser.add_argument("--version", action="version",

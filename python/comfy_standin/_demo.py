@@ -22,6 +22,7 @@ each check); ``mode="quiet"`` only the verdict.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import importlib
 import io
@@ -30,6 +31,7 @@ import logging
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -181,19 +183,28 @@ class PipeWorker:
     """The host's handle on one worker process: comfy-env's
     ``send_command(method, **params) -> dict`` and ``is_alive()``."""
 
-    def __init__(self, name: str, board: Any) -> None:
+    def __init__(self, name: str, board: Any = None,
+                 handoff: socket.socket | None = None) -> None:
         self.name = name
         self.board = board
         self._buffer = b""
         #: Called with (method, params, reply or error) for each command
         #: when the demo runs with --verbose.
         self.trace: Callable[[str, dict, Any], None] | None = None
-        # The board goes to the worker as an inherited descriptor (Linux:
-        # a sealed memfd with no name), else by its name.
-        fd = board.fd
+        # Linux: the worker makes its board (a memfd only it can write) and
+        # sends it back over `handoff`, one end of a socket pair only it
+        # inherits.  Elsewhere it opens the host's named board.
+        # A board the host created (the benches' way) goes as an
+        # inherited descriptor.
+        if handoff is not None:
+            argument, passed = f"socket:{handoff.fileno()}", \
+                (handoff.fileno(),)
+        elif board.fd is not None:
+            argument, passed = str(board.fd), (board.fd,)
+        else:
+            argument, passed = board.name, ()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "comfy_standin._demo_worker",
-             str(fd) if fd is not None else board.name],
+            [sys.executable, "-m", "comfy_standin._demo_worker", argument],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             bufsize=0,
@@ -201,7 +212,7 @@ class PipeWorker:
             # only, which then ends the worker itself (no second
             # traceback from the worker).
             start_new_session=True,
-            pass_fds=(fd,) if fd is not None else (),
+            pass_fds=passed,
         )
 
     def wait_ready(self) -> None:
@@ -382,6 +393,13 @@ class Eviction:
     left_list: bool = False
     card_got_back: int = 0
     error: str | None = None
+    #: What happened while this eviction ran, in order: ("log", a line
+    #: comfy_standin logged) and, with --verbose, ("wire", a command).
+    notes: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def log(self) -> list[str]:
+        return [text for kind, text in self.notes if kind == "log"]
 
     @property
     def returned(self) -> int:
@@ -694,9 +712,15 @@ class Demo:
         print(paint(f"== {text} ==", "title", self.color), file=self.out)
 
     def trace_command(self, method: str, params: dict, reply: Any) -> None:
-        """--verbose: each command to a worker and its reply."""
+        """--verbose: each command to a worker and its reply (inside an
+        eviction, printed under its row, as ``log`` does)."""
         shown = {k: v for k, v in params.items() if k != "models"}
-        self.say(f"    [wire] {method} {shown} -> {reply}")
+        line = f"{method} {shown} -> {reply}"
+        eviction = self.mm._current_eviction
+        if eviction is not None:
+            eviction.notes.append(("wire", line))
+        else:
+            self.say(f"    [wire] {line}")
 
     def define(self, *terms: str) -> None:
         """Names a glossary term the first time the demo uses it."""
@@ -708,6 +732,17 @@ class Demo:
                 self.steps[-1]["glossary"][term] = GLOSSARY[term]
             print(f"  {paint(term, 'term', self.color)} "
                   f"(docs/glossary.md): {GLOSSARY[term]}", file=self.out)
+
+    def log(self, message: str) -> None:
+        """A line comfy_standin logged.  Written inside an eviction, it
+        belongs to that eviction and is printed under its row in the
+        table of what ComfyUI chose (after the table, as it happened
+        during the choice); anywhere else, at once."""
+        eviction = self.mm._current_eviction
+        if eviction is not None:
+            eviction.notes.append(("log", message))
+        else:
+            self.say(f"  [log] {message}")
 
     # -- views ----------------------------------------------------------
 
@@ -826,6 +861,8 @@ class Demo:
                 f"card got back {gib(e.card_got_back)}"
                 + (f"; RAISED {e.error}" if e.error else "")
             )
+            for kind, text in e.notes:
+                self.say(f"      [{kind}] {text}")
         self.say(f"  free after: {gib(run.free_after)}")
         short = run.free_after < run.memory_required
         if short:
@@ -853,7 +890,8 @@ class Demo:
                     {"name": e.name, "memory_to_free": e.memory_to_free,
                      "steps": [list(step) for step in e.steps],
                      "returned": e.returned, "left_list": e.left_list,
-                     "card_got_back": e.card_got_back, "error": e.error}
+                     "card_got_back": e.card_got_back, "error": e.error,
+                     "log": e.log}
                     for e in run.evictions
                 ],
             })
@@ -864,25 +902,64 @@ class Demo:
         # Ctrl-C or SIGTERM between spawning a worker and recording it
         # would leave a process nobody ends: they wait for the record.
         with signals_deferred():
-            board = self.board_type.create(
-                8, generation=1, heartbeat_limit=HEARTBEAT_LIMIT
-            )
-            self.boards.append(board)
-            self.board_names.append(board.name)
-            if self.verbose:
-                self.say(f"    [board] created {board.name} for {name}")
-            worker = PipeWorker(name, board)
+            if sys.platform.startswith("linux"):
+                host_end, worker_end = socket.socketpair(
+                    socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                try:
+                    worker = PipeWorker(name, handoff=worker_end)
+                finally:
+                    worker_end.close()
+            else:
+                host_end = None
+                board = self.board_type.create(
+                    8, generation=1, heartbeat_limit=HEARTBEAT_LIMIT
+                )
+                self.boards.append(board)
+                self.board_names.append(board.name)
+                worker = PipeWorker(name, board=board)
             self.workers[name] = worker  # cleaned up even if never greets
         if self.verbose:
             worker.trace = self.trace_command
-        worker.wait_ready()
+        try:
+            worker.wait_ready()
+            if host_end is not None:
+                worker.board = self.adopt_board(host_end)
+        finally:
+            if host_end is not None:
+                host_end.close()
+        board = worker.board
         board.expected_owner = worker.pid
-        # The worker has mapped it (it greeted us): the host drops its
-        # descriptor, so the memory lives exactly as long as the two
-        # mappings and nothing can leak it (docs/board.md).
-        if board.attached:
+        if self.verbose:
+            self.say(f"    [board] {board.name} for {name}")
+        # A created board: the worker has mapped it (it greeted us), so
+        # the host drops its descriptor and the memory lives exactly as
+        # long as the two mappings (docs/board.md).
+        if board.attached and board.linked:
             board.unlink()
         return worker
+
+    def adopt_board(self, host_end: socket.socket) -> Any:
+        """The board the worker made and sent (it greeted after sending):
+        adopted read-only, its descriptor closed at once."""
+        _, ancillary, flags, _ = host_end.recvmsg(
+            16, socket.CMSG_SPACE(4),
+            socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC)
+        fds = [
+            fd for level, kind, data in ancillary
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
+            for fd in array.array("i", data[: len(data) - len(data) % 4])
+        ]
+        try:
+            if len(fds) != 1 or flags & socket.MSG_CTRUNC:
+                raise WorkerError(f"the worker sent {len(fds)} descriptors")
+            board = self.board_type.adopt(
+                fds[0], 8, generation=1, heartbeat_limit=HEARTBEAT_LIMIT)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        self.boards.append(board)
+        self.board_names.append(board.name)
+        return board
 
     def add_worker_models(self, worker: PipeWorker, specs: list) -> None:
         reply = worker.send_command("make_models", models=specs)
@@ -946,7 +1023,8 @@ class Demo:
         b = self.start_worker("B")
         self.say(f"  worker A pid {a.pid}, board {a.board.name}; "
                  f"worker B pid {b.pid}, board {b.board.name} "
-                 f"(handed over as a sealed descriptor, dropped once mapped)")
+                 f"(made by each worker, sealed so only it can write, sent "
+                 f"to the host and mapped read-only there)")
         self.add_host_model("clip", 2 * GiB, "clip")
         self.add_host_model("vae", 1 * GiB, "vae")
         self.add_worker_models(a, [
@@ -1076,8 +1154,21 @@ class Demo:
         self.title("5. worker A refuses (its lock is busy): eviction deferred")
         unet_a = self.models["A/unet"]
         if self.entry_of(unet_a) is None:
+            # Detached in section 3, it left ComfyUI's list; a node of A's
+            # uses it again, so it is listed and loaded again.
             self.impl.register(self.mm, unet_a)
-        unet_a.partially_load(CUDA, 2 * GiB)
+            self.say("  A/unet left ComfyUI's list when section 3 detached "
+                     "it; a node of A's needs it again: its stand-in is "
+                     "registered again (index 0)")
+        reloaded = unet_a.partially_load(CUDA, 2 * GiB)
+        self.say(f"  ComfyUI loads 2 GiB of it: partially_load -> "
+                 f"{gib(reloaded)} (a load echo)")
+        self.print_models()
+        c.check(reloaded == 2 * GiB == unet_a.loaded_size(),
+                f"A/unet: partially_load returned {gib(reloaded)} and the "
+                f"receipt says so")
+        self.say("  then a long call of A's holds its command lock: A "
+                 "answers every other command 'busy'")
         a.send_command("refuse", on=True)
         kept = unet_a.loaded_size()
         need = self.card.free() + 1 * GiB
@@ -1102,10 +1193,21 @@ class Demo:
             f"refusing: pool.on_pressure got the shortfall "
             f"({', '.join(gib(n) for n in self.pressure_calls) or 'nothing'})",
         )
-        self.impl.register(self.mm, unet_a)
-        self.say("  at the next boundary the stand-in is registered again "
-                 "(currently_used False, index 0).")
         a.send_command("refuse", on=False)
+        # Node boundary: the pool lists again what ComfyUI dropped while
+        # the worker still holds it (LoadedModel.model_unload pops an
+        # entry even when detach freed nothing).
+        restored = self.pool.boundary(self.mm)
+        names = sorted(s.model_id for s in restored)
+        self.say(f"  node boundary: pool.boundary(mm) lists again what A "
+                 f"still holds ({', '.join(names) or 'nothing'}; "
+                 f"currently_used False, index 0)")
+        c.check(
+            names == ["A/lora", "A/unet"]
+            and all(self.entry_of(s) is not None for s in restored),
+            "refusing: the refused models are listed again at the "
+            "boundary",
+        )
 
     def shut_down(self) -> None:
         """Workers exit or are killed and reaped; boards closed."""
@@ -1141,6 +1243,20 @@ class Demo:
                 + (f" (running: {running})" if running else ""))
 
 
+class _StoryLog(logging.Handler):
+    """Hands comfy_standin's log records to the demo (``Demo.log``)."""
+
+    def __init__(self, demo: Demo) -> None:
+        super().__init__()
+        self.demo = demo
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.demo.log(record.getMessage())
+        except Exception:  # noqa: BLE001 - logging's own rule
+            self.handleError(record)
+
+
 def run_demo(impl_name: str = "c", out: TextIO | None = None,
              show_status: bool = True, mode: str = "text",
              color: bool = False, verbose: bool = False) -> int:
@@ -1157,10 +1273,9 @@ def run_demo(impl_name: str = "c", out: TextIO | None = None,
     crashed: str | None = None
     interrupted = False
     # What the stand-ins log (deferred evictions, a gone worker) is part
-    # of the story: show it inline rather than on stderr.
+    # of the story: shown next to what it belongs to, not on stderr.
     logger = logging.getLogger("comfy_standin")
-    handler = logging.StreamHandler(story)
-    handler.setFormatter(logging.Formatter("  [log] %(message)s"))
+    handler = _StoryLog(demo)
     handler.setLevel(logging.DEBUG if verbose else logging.INFO)
     logger.addHandler(handler)
     try:

@@ -2,12 +2,15 @@
 
 Started by ``python -m comfy_standin demo`` as::
 
-    python -m comfy_standin._demo_worker BOARD_FD_OR_NAME
+    python -m comfy_standin._demo_worker socket:FD | BOARD_FD | BOARD_NAME
 
-It opens the residency board the host created from the descriptor it
-inherited (it never creates one; on Linux the board has no name),
-then speaks comfy-env's command protocol (docs/comfyui.md, "Worker
-protocol") as JSON lines: one request per line on stdin, exactly one reply
+On Linux it makes its residency board (a sealed memfd only it can write)
+and sends the descriptor to the host over the socket it inherited (FD,
+one end of a socket pair), as a comfy-env worker does over its handoff.
+Given a board the host created (the benches do that), it opens it: an
+inherited descriptor, or a name where boards have names.  Then it speaks
+comfy-env's command protocol (docs/comfyui.md, "Worker protocol") as JSON
+lines: one request per line on stdin, exactly one reply
 line per request on stdout, so the host never has to wait on a clock.
 
 Requests are ``{"method": ..., "params": {...}}``; replies are
@@ -42,8 +45,10 @@ the reply is written, so a host that has the reply also sees the board.
 
 from __future__ import annotations
 
+import array
 import json
 import os
+import socket
 import sys
 from typing import Any
 
@@ -187,11 +192,27 @@ class DemoWorker:
         return {"refusing": self.refusing}
 
 
+def _make_and_send(handoff_fd: int) -> Any:
+    """Linux: make this worker's board (a memfd only it can write) and send
+    its descriptor to the host over the socket it handed us; neither the
+    socket nor the descriptor stays open here."""
+    from comfy_standin._core import Board
+
+    board, fd = Board.make(8, generation=1)
+    with socket.socket(fileno=handoff_fd) as handoff:
+        handoff.sendmsg([b"board"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                      array.array("i", [fd]).tobytes())])
+    os.close(fd)  # the mapping keeps the board
+    return board
+
+
 def main() -> int:
     from comfy_standin._core import Board
 
     source = sys.argv[1]
-    if source.isdigit():  # an inherited descriptor (Linux)
+    if source.startswith("socket:"):  # Linux
+        board = _make_and_send(int(source.partition(":")[2]))
+    elif source.isdigit():  # a board the host created, inherited
         board = Board.open(int(source))
         os.close(int(source))  # mapped: the descriptor is not needed
     else:  # a name, where boards have names

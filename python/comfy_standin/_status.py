@@ -9,7 +9,15 @@ library failed to load and why when there is no GPU.
 
 from __future__ import annotations
 
+import http.client
+import io
+import json
+import math
 import os
+import socket
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 from . import pool as _pool_module
@@ -81,6 +89,7 @@ def _standin_view(s: Any) -> dict[str, Any]:
         "kind": s.kind,
         "size": s.size,
         "generation": s.worker_generation,
+        "load_device": str(s.load_device),
         "loaded": loaded,
         "seq": seq,
         "age_seconds": round(age, 3),
@@ -90,6 +99,24 @@ def _standin_view(s: Any) -> dict[str, Any]:
         "bad_replies": s.bad_replies,
         "board": _board_view(s),
     }
+
+
+def _worker_name(worker: Any) -> str:
+    """The worker's repr, cut to TEXT_LIMIT; one that raises is named by
+    its type (a worker object is the adapter's or a pack's code)."""
+    try:
+        text = repr(worker)
+    except Exception as exc:  # noqa: BLE001 - status must still print
+        return (f"<{type(worker).__name__} object; its repr raised "
+                f"{type(exc).__name__}>")
+    return text if isinstance(text, str) else "<repr not a str>"
+
+
+def _pid_of(worker: Any) -> int | None:
+    try:
+        return _pool_module._default_pid_of(worker)
+    except Exception:  # noqa: BLE001 - a property that raises: unknown
+        return None
 
 
 def collect(pool: Any) -> dict[str, Any]:
@@ -113,8 +140,8 @@ def collect(pool: Any) -> dict[str, Any]:
                     s.model_id
                 )
         workers.append({
-            "worker": repr(worker),
-            "pid": _pool_module._default_pid_of(worker),
+            "worker": _worker_name(worker)[:TEXT_LIMIT],
+            "pid": _pid_of(worker),
             "generation": books.generation,
             "alive": books.alive,
             "in_flight": books.in_flight,
@@ -122,13 +149,32 @@ def collect(pool: Any) -> dict[str, Any]:
             "models": [_standin_view(s) for s in standins],
         })
     return {
-        "implementation": pool._impl.__name__,
+        "implementation": implementation_name(pool),
         "floor": pool.floor,
         "process_local": pool.process_local,
         "workers": workers,
         "graveyard": pool.graveyard_size(),
         "boards": list(boards.values()),
     }
+
+
+def implementation_name(pool: Any) -> str:
+    """``c`` or ``reference``: the names ``demo --impl`` and ``status
+    --impl`` take."""
+    impl = getattr(pool, "_impl", None)
+    name = getattr(impl, "__name__", "")
+    return "reference" if name.endswith("._reference") else "c"
+
+
+def no_workers_line(program: str) -> str:
+    """Plain ``status`` where this process has no workers (a command line
+    never has any: comfy-env registers them inside ComfyUI)."""
+    return (
+        f"no workers in this process: '{program} status' shows its own "
+        f"pool, and only ComfyUI's process has workers; to see "
+        f"ComfyUI's, run '{program} status --url [URL]' (default "
+        f"{DEFAULT_URL})"
+    )
 
 
 def summary_line(status: dict[str, Any], result: dict[str, Any]) -> str:
@@ -145,6 +191,9 @@ def summary_line(status: dict[str, Any], result: dict[str, Any]) -> str:
 
 def render(status: dict[str, Any], probe: bool = True,
            no_workers: str | None = None) -> str:
+    """`status` (from `collect`, or a checked remote answer's pool) as
+    text; every string in it is made `visible` first."""
+    status = _visible_tree(status)
     lines = [
         f"pool ({status['implementation']}): floor "
         f"{_gib(status['floor'])} per worker, free memory "
@@ -197,12 +246,12 @@ def render(status: dict[str, Any], probe: bool = True,
                              f"{', '.join(b['models'])}")
                 continue
             lines.append(
-                f"    {b['name']}: {b['slots']} slots, generation "
-                f"{b['generation']}, owner pid {b['owner_pid']} (expected "
-                f"{b['expected_owner']}), "
-                f"{'host holds a way in' if b['linked'] else 'handed over'}"
-                f"{', worker gone' if b.get('worker_gone') else ''}"
-                f"{', closed' if b['closed'] else ''}; models "
+                f"    {b['name']}: {b.get('slots')} slots, generation "
+                f"{b.get('generation')}, owner pid {b.get('owner_pid')} "
+                f"(expected {b.get('expected_owner')}), "
+                + ("host holds a way in" if b.get("linked")
+                   else "handed over") +
+                f"{', worker gone' if b.get('worker_gone') else ''}; models "
                 f"{', '.join(b['models'])}"
             )
     else:
@@ -233,7 +282,7 @@ def _why(key: str, info: dict[str, Any]) -> str:
         hint = " (the library loaded but found no usable GPU)"
     override = os.environ.get(variable)
     if override:
-        hint += f" [{variable}={override}]"
+        hint += f" [{variable}={visible(override)}]"
     return f"{name}: not loaded: {error}{hint}"
 
 
@@ -266,6 +315,8 @@ def probe_line(summary: dict[str, Any]) -> str:
 
 
 def render_probe(result: dict[str, Any]) -> str:
+    """The probe's result as text, every string made `visible`."""
+    result = _visible_tree(result)
     lines = ["GPU probe (dlopen, no CUDA context created):"]
     for key, (name, _, _) in _LIBRARIES.items():
         info = result.get(key) or {}
@@ -313,60 +364,540 @@ def render_probe(result: dict[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------------------
+# text for a terminal
+
+#: Longest text from a worker or a reply shown on one line.
+TEXT_LIMIT = 200
+
+
+def _escape(ch: str) -> str:
+    code = ord(ch)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def visible(value: object, limit: int = TEXT_LIMIT) -> str:
+    """`value` as text a terminal shows and never obeys: every character
+    Python does not call printable (``str.isprintable``: control
+    characters C0, DEL and C1 (cursor moves, screen clears, OSC 52
+    clipboard writes), format characters (bidirectional overrides,
+    zero-width marks), separators other than the space, unassigned and
+    private-use code points) is written as ``\\xNN``/``\\uNNNN``;
+    text longer than `limit` characters ends in ``...``."""
+    text = value if isinstance(value, str) else str(value)
+    if len(text) > limit:
+        text = text[:limit] + "..."
+    if text.isascii() and text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else _escape(ch) for ch in text)
+
+
+# ---------------------------------------------------------------------------
 # a running ComfyUI (status --url)
 
 #: ComfyUI's default --listen address and --port.
 DEFAULT_URL = "http://127.0.0.1:8188"
+#: Seconds the whole request may take (connect, send, every read).
+DEFAULT_TIMEOUT = 5.0
+#: The largest answer read; a status of 100 workers is about 0.5 MiB.
+MAX_BODY = 4 << 20
+#: Deepest nesting of lists and objects accepted in an answer.
+MAX_DEPTH = 32
+#: Most lists and objects in an answer (a status has about five per
+#: model): bounds the parsed answer's memory to a few times MAX_BODY,
+#: where 4 MiB of ``[{},{},...]`` would parse into ~190 MiB of dicts.
+MAX_CONTAINERS = 50_000
+_READ_PIECE = 64 << 10
 
 
 class RemoteError(Exception):
     """The one-line reason ``status --url`` could not read a ComfyUI."""
 
 
-def fetch(url: str, timeout: float = 5.0) -> dict[str, Any]:
-    """GET ``URL/comfy_standin/status``; RemoteError says why not."""
-    import json
-    import urllib.error
-    import urllib.request
+class Remote:
+    """Where ``status --url`` reads: `base` as the user will recognise it
+    (scheme, host, port, path prefix), and the parts to connect to."""
 
+    def __init__(self, url: str) -> None:
+        import urllib.parse
+
+        text = url.strip()
+        shown = visible(text)
+        if not text:
+            raise RemoteError("the URL is empty; e.g. " + DEFAULT_URL)
+        if not text.isprintable() or any(c.isspace() for c in text):
+            raise RemoteError(f"{shown}: not a URL (it has spaces or "
+                              f"control characters)")
+        if "://" not in text:
+            text = "http://" + text
+        try:
+            parts = urllib.parse.urlsplit(text)
+            port = parts.port
+        except ValueError as exc:
+            raise RemoteError(
+                f"{shown}: not a URL ({visible(exc)}); e.g. {DEFAULT_URL}"
+            ) from None
+        scheme = parts.scheme.lower()
+        if scheme not in ("http", "https"):
+            raise RemoteError(f"{shown}: only http:// and https:// URLs "
+                              f"are read")
+        if not parts.hostname:
+            raise RemoteError(f"{shown}: the URL names no host; e.g. "
+                              f"{DEFAULT_URL}")
+        if parts.username is not None or parts.password is not None:
+            raise RemoteError(f"{shown}: credentials in the URL are not "
+                              f"sent; ComfyUI's server asks for none")
+        self.scheme = scheme
+        self.host = parts.hostname
+        self.port = port if port is not None else (
+            443 if scheme == "https" else 80)
+        self.prefix = parts.path.rstrip("/")
+        netloc = parts.netloc
+        self.base = visible(f"{scheme}://{netloc}{self.prefix}")
+
+    def url(self, route: str) -> str:
+        return f"{self.base}{route}"
+
+
+def _resolve(host: str, port: int, deadline: float) -> list[Any]:
+    """getaddrinfo within the deadline (the resolver's own timeouts can
+    be far longer: it runs in a daemon thread that is left to finish)."""
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    else:
+        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                  flags=socket.AI_NUMERICHOST)
+    result: list[Any] = []
+
+    def lookup() -> None:
+        try:
+            result.append(socket.getaddrinfo(host, port,
+                                             type=socket.SOCK_STREAM))
+        except Exception as exc:  # noqa: BLE001 - reported to the caller
+            result.append(exc)
+
+    thread = threading.Thread(target=lookup, name="comfy_standin resolve",
+                              daemon=True)
+    thread.start()
+    thread.join(max(0.0, deadline - time.monotonic()))
+    if not result:
+        raise TimeoutError(f"resolving {host} took too long")
+    if isinstance(result[0], Exception):
+        raise result[0]
+    return list(result[0])
+
+
+class _DeadlineIO:
+    """A connected socket as http.client uses it, where every send and
+    every receive gets only the time left before one deadline: a server
+    that drips a byte at a time cannot hold the client past it."""
+
+    def __init__(self, sock: Any, deadline: float) -> None:
+        self._sock = sock
+        self._deadline = deadline
+        # As with a socket's own makefile(): the socket closes when the
+        # connection and every reader made from it are closed.
+        self._users = 1
+
+    def _arm(self) -> None:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the deadline passed")
+        self._sock.settimeout(left)
+
+    def sendall(self, data: bytes) -> None:
+        self._arm()
+        self._sock.sendall(data)
+
+    def recv_into(self, buffer: Any, nbytes: int = 0) -> int:
+        self._arm()
+        return int(self._sock.recv_into(buffer, nbytes))
+
+    def makefile(self, mode: str = "rb", *args: Any, **kwargs: Any) -> Any:
+        self._users += 1
+        return io.BufferedReader(_DeadlineReader(self))
+
+    def close(self) -> None:
+        self._users -= 1
+        if self._users <= 0:
+            self._sock.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+class _DeadlineReader(io.RawIOBase):
+    def __init__(self, io: _DeadlineIO) -> None:
+        super().__init__()
+        self._io = io
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        return self._io.recv_into(buffer)
+
+    def close(self) -> None:
+        if not self.closed:
+            self._io.close()
+        super().close()
+
+
+def _connection(remote: Remote, deadline: float) -> Any:
+    """An http.client connection whose every step keeps to `deadline`."""
+    def create(address: tuple[str, int], timeout: Any = None,
+               source_address: Any = None) -> Any:
+        last: Exception = OSError(f"no address for {address[0]}")
+        for family, kind, proto, _, sockaddr in _resolve(
+                address[0], address[1], deadline)[:4]:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the deadline passed")
+            sock = socket.socket(family, kind, proto)
+            try:
+                sock.settimeout(left)
+                sock.connect(sockaddr)
+            except OSError as exc:
+                sock.close()
+                last = exc
+                continue
+            return sock
+        raise last
+
+    base = (http.client.HTTPSConnection if remote.scheme == "https"
+            else http.client.HTTPConnection)
+
+    class Connection(base):  # type: ignore[valid-type,misc]
+        def connect(self) -> None:
+            self.timeout = max(0.001, deadline - time.monotonic())
+            super().connect()
+            self.sock = _DeadlineIO(self.sock, deadline)
+
+    conn = Connection(remote.host, remote.port)
+    conn._create_connection = create
+    return conn
+
+
+def _media_type(value: str | None) -> str:
+    return (value or "").split(";", 1)[0].strip().lower()
+
+
+def get(url: str, route: str, timeout: float = DEFAULT_TIMEOUT,
+        accept: str = "application/json",
+        max_body: int = MAX_BODY) -> bytes:
+    """GET ``URL + route`` within `timeout` seconds overall; the body, of
+    the `accept` media type, at most `max_body` bytes.  Any other
+    outcome (no answer, a redirect, an error status, another type, a
+    truncated or oversized body, the deadline) is a RemoteError."""
+    deadline = time.monotonic() + timeout
+    remote = Remote(url)
+    target = remote.url(route)
+    conn = _connection(remote, deadline)
+    try:
+        try:
+            conn.request("GET", remote.prefix + route,
+                         headers={"Accept": accept,
+                                  "Connection": "close"})
+            reply = conn.getresponse()
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            if isinstance(exc, TimeoutError):
+                raise RemoteError(
+                    f"{target}: no answer within {timeout:g} s"
+                ) from None
+            raise RemoteError(
+                f"nothing answers at {remote.base} "
+                f"({visible(_reason(exc))}); is ComfyUI running there?"
+            ) from None
+        status = reply.status
+        if status == 404:
+            raise RemoteError(
+                f"{remote.base} answers but has no {route}: install the "
+                f"node entry (python -m comfy_standin install-node "
+                f"PATH_TO_COMFYUI) and restart ComfyUI"
+            )
+        if 300 <= status < 400:
+            where = reply.getheader("Location") or "nowhere"
+            raise RemoteError(
+                f"{target}: HTTP {status}, a redirect to "
+                f"{visible(where)} (not followed: give that address)"
+            )
+        if status != 200:
+            raise RemoteError(f"{target}: HTTP {status} "
+                              f"{visible(reply.reason)}")
+        kind = _media_type(reply.getheader("Content-Type"))
+        if kind != accept:
+            raise RemoteError(
+                f"{target}: the answer is {visible(kind or 'untyped')}, "
+                f"not {accept}"
+            )
+        # http.client has checked Content-Length (reply.length is None
+        # without one, or when chunked).
+        promised = reply.length
+        if promised is not None and promised > max_body:
+            raise RemoteError(
+                f"{target}: the answer is {promised} bytes, more than "
+                f"the {max_body >> 20} MiB this client reads"
+            )
+        pieces: list[bytes] = []
+        size = 0
+        try:
+            while True:
+                piece = reply.read(_READ_PIECE)
+                if not piece:
+                    break
+                size += len(piece)
+                if size > max_body:
+                    raise RemoteError(
+                        f"{target}: the answer is more than the "
+                        f"{max_body >> 20} MiB this client reads"
+                    )
+                pieces.append(piece)
+        except TimeoutError:
+            raise RemoteError(
+                f"{target}: the answer did not arrive whole within "
+                f"{timeout:g} s"
+            ) from None
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            raise RemoteError(
+                f"{target}: the answer was cut short "
+                f"({visible(_reason(exc))})"
+            ) from None
+        if promised is not None and size != promised:
+            raise RemoteError(
+                f"{target}: the answer was cut short ({size} of the "
+                f"{promised} bytes promised)"
+            )
+        return b"".join(pieces)
+    finally:
+        conn.close()
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, http.client.IncompleteRead):
+        return f"{len(exc.partial)} bytes of the promised length"
+    reason = getattr(exc, "reason", None) or exc
+    return str(reason) or type(exc).__name__
+
+
+# The shape of a status answer (``_server_route.payload``), checked before
+# anything is rendered.  A checker takes (value, where) and raises
+# RemoteError naming the field; nesting is bounded by the shape itself.
+
+Checker = Callable[[Any, str], None]
+_INT_BOUND = 1 << 64
+
+
+def _kind(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string",
+            bool: "a boolean", type(None): "null"}.get(
+                type(value), "a number")
+
+
+def _wrong(where: str, wanted: str, value: Any) -> RemoteError:
+    return RemoteError(f"not a comfy_standin status answer: {where} "
+                       f"should be {wanted}, is {_kind(value)}")
+
+
+def _integer(value: Any, where: str) -> None:
+    if type(value) is not int or not -_INT_BOUND < value < _INT_BOUND:
+        raise _wrong(where, "an integer of at most 64 bits", value)
+
+
+def _number(value: Any, where: str) -> None:
+    if type(value) not in (int, float) or not math.isfinite(value) \
+            or not -_INT_BOUND < value < _INT_BOUND:
+        raise _wrong(where, "a finite number", value)
+
+
+def _text(value: Any, where: str) -> None:
+    if type(value) is not str:
+        raise _wrong(where, "a string", value)
+
+
+def _flag(value: Any, where: str) -> None:
+    if type(value) is not bool:
+        raise _wrong(where, "true or false", value)
+
+
+def _maybe(check: Checker) -> Checker:
+    def maybe(value: Any, where: str) -> None:
+        if value is not None:
+            check(value, where)
+    return maybe
+
+
+def _list_of(check: Checker) -> Checker:
+    def each(value: Any, where: str) -> None:
+        if type(value) is not list:
+            raise _wrong(where, "a list", value)
+        for i, item in enumerate(value):
+            check(item, f"{where}[{i}]")
+    return each
+
+
+def _object(required: dict[str, Checker],
+            optional: dict[str, Checker] | None = None) -> Checker:
+    def fields(value: Any, where: str) -> None:
+        if type(value) is not dict:
+            raise _wrong(where, "an object", value)
+        for key, check in required.items():
+            if key not in value:
+                raise RemoteError(f"not a comfy_standin status answer: "
+                                  f"{where}.{key} is missing")
+            check(value[key], f"{where}.{key}")
+        for key, check in (optional or {}).items():
+            if key in value:
+                check(value[key], f"{where}.{key}")
+    return fields
+
+
+def _values_of(check: Checker) -> Checker:
+    def each(value: Any, where: str) -> None:
+        if type(value) is not dict:
+            raise _wrong(where, "an object", value)
+        for key, item in value.items():
+            check(item, f"{where}[{visible(key, 40)}]")
+    return each
+
+
+_LIBRARY = _object({"loaded": _flag}, {
+    "path": _maybe(_text), "error": _maybe(_text),
+    "driver_version": _maybe(_integer), "preloaded": _flag,
+})
+_DEVICE = _object({}, {
+    "index": _maybe(_integer), "name": _maybe(_text),
+    "uuid": _maybe(_text), "total": _maybe(_integer),
+    "free": _maybe(_integer), "source": _maybe(_text),
+    "error": _maybe(_text),
+    "processes": _maybe(_values_of(_maybe(_integer))),
+    "processes_truncated": _flag,
+})
+_PROBE = _object({}, {
+    "cuda": _LIBRARY, "nvml": _LIBRARY, "devices": _list_of(_DEVICE),
+    "devices_truncated": _flag, "elapsed_ns": _maybe(_integer),
+})
+_BOARD_VIEW = _object({"slot": _integer, "status": _text,
+                       "name": _maybe(_text), "loaded": _maybe(_integer)})
+_MODEL = _object({
+    "model_id": _text, "kind": _text, "size": _integer,
+    "loaded": _integer, "seq": _integer, "age_seconds": _number,
+    "source": _text, "stale": _flag, "eviction_deferred": _flag,
+    "board": _maybe(_BOARD_VIEW),
+})
+_CHARGE = _object({key: _integer for key in (
+    "charge", "sum_loaded", "sum_peak", "held", "floor")})
+_WORKER = _object({
+    "worker": _text, "pid": _maybe(_integer), "generation": _integer,
+    "alive": _flag, "in_flight": _integer, "charge": _CHARGE,
+    "models": _list_of(_MODEL),
+})
+_BOARD = _object({"name": _text, "closed": _flag,
+                  "models": _list_of(_text)}, {
+    "slots": _integer, "generation": _integer,
+    "owner_pid": _maybe(_integer), "expected_owner": _maybe(_integer),
+    "linked": _flag, "worker_gone": _flag,
+})
+_POOL = _object({
+    "implementation": _text, "floor": _integer, "process_local": _flag,
+    "workers": _list_of(_WORKER), "graveyard": _integer,
+    "boards": _list_of(_BOARD),
+}, {"held": _integer})
+_ANSWER = _object({"pool": _POOL}, {
+    "pid": _maybe(_integer), "comfy_standin": _maybe(_text),
+    "adapter_installed": _flag,
+    "reserve": _object({}, {"extra_reserved_vram": _maybe(_integer),
+                            "worker_charges": _maybe(_integer)}),
+    "probe": _PROBE,
+})
+
+
+def _depth_within(data: Any, limit: int) -> bool:
+    """No list or object in `data` nested deeper than `limit` (walked
+    without recursion)."""
+    stack = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            children = list(value.values())
+        elif isinstance(value, list):
+            children = value
+        else:
+            continue
+        if depth > limit:
+            return False
+        stack.extend((child, depth + 1) for child in children
+                     if isinstance(child, (dict, list)))
+    return True
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_answer(body: bytes, where: str) -> dict[str, Any]:
+    """A status answer from raw bytes: JSON (no NaN or Infinity), nested
+    at most MAX_DEPTH deep, of the status shape; else RemoteError."""
+    if body.count(b"{") + body.count(b"[") > MAX_CONTAINERS:
+        raise RemoteError(f"{where}: the answer has more than "
+                          f"{MAX_CONTAINERS} lists and objects; not a "
+                          f"status")
+    try:
+        data = json.loads(body, parse_constant=_reject_constant)
+    except RecursionError:
+        raise RemoteError(f"{where}: the answer is nested too deeply "
+                          f"to be a status") from None
+    except ValueError as exc:  # includes UnicodeDecodeError
+        raise RemoteError(f"{where}: the answer is not JSON "
+                          f"({visible(exc, 80)})") from None
+    if not _depth_within(data, MAX_DEPTH):
+        raise RemoteError(f"{where}: the answer is nested deeper than "
+                          f"{MAX_DEPTH} levels; not a status")
+    try:
+        _ANSWER(data, "answer")
+    except RemoteError as exc:
+        raise RemoteError(f"{where}: {exc}") from None
+    return data  # type: ignore[no-any-return]
+
+
+def fetch(url: str, timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
+    """GET ``URL/comfy_standin/status`` and check its shape; RemoteError
+    says why not, in one line."""
     from ._server_route import ROUTE
 
-    base = url.rstrip("/")
-    if "://" not in base:
-        base = "http://" + base
-    target = base + ROUTE
-    try:
-        with urllib.request.urlopen(target, timeout=timeout) as reply:
-            body = reply.read()
-    except urllib.error.HTTPError as exc:
-        if exc.code == 404:
-            raise RemoteError(
-                f"{base} answers but has no {ROUTE}: install the node "
-                f"entry (python -m comfy_standin install-node "
-                f"PATH_TO_COMFYUI) and restart ComfyUI"
-            ) from None
-        raise RemoteError(f"{target}: HTTP {exc.code} {exc.reason}") from None
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise RemoteError(
-            f"nothing answers at {base} ({reason}); is ComfyUI running "
-            f"there?"
-        ) from None
-    try:
-        data = json.loads(body)
-    except ValueError:
-        raise RemoteError(f"{target}: the answer is not JSON") from None
-    if not isinstance(data, dict) or not isinstance(data.get("pool"), dict):
-        raise RemoteError(f"{target}: not a comfy_standin status answer")
-    return data
+    body = get(url, ROUTE, timeout)
+    return parse_answer(body, Remote(url).url(ROUTE))
+
+
+def page_address(url: str) -> str:
+    """Where the live VRAM page of the ComfyUI at `url` is served."""
+    from ._server_route import PAGE_ROUTE
+
+    return Remote(url).url(PAGE_ROUTE)
+
+
+def _visible_tree(value: Any) -> Any:
+    """A copy of checked data with every string made `visible`."""
+    if isinstance(value, str):
+        return visible(value)
+    if isinstance(value, list):
+        return [_visible_tree(item) for item in value]
+    if isinstance(value, dict):
+        return {visible(key) if isinstance(key, str) else key:
+                _visible_tree(item) for key, item in value.items()}
+    return value
 
 
 def render_remote(data: dict[str, Any], url: str) -> str:
-    """A running ComfyUI's status, printed like the local one."""
+    """A running ComfyUI's status (checked by `parse_answer`), printed
+    like the local one, every string made `visible`."""
+    data = _visible_tree(data)
     reserve = data.get("reserve") or {}
     pool = data["pool"]
     lines = [
-        f"ComfyUI at {url}: pid {data.get('pid')}, comfy_standin "
+        f"ComfyUI at {visible(url)}: pid {data.get('pid')}, comfy_standin "
         f"{data.get('comfy_standin')}, adapter "
         f"{'installed' if data.get('adapter_installed') else 'NOT installed'}"
         f"; reserve published {_gib(reserve.get('extra_reserved_vram'))}, "

@@ -44,11 +44,13 @@ import inspect
 import logging
 import math
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
-from .pool import _card_total, _pinned_of
+from ._text import visible
+from .pool import _alive, _card_total, _pinned_of
 
 __all__ = [
     "ALL",
@@ -187,24 +189,25 @@ class Registry:
     # ---- asking -----------------------------------------------------------
 
     def _ask(self, holder: Any, name: str, *args: Any) -> int:
-        method = getattr(holder, name, None)
-        if method is None:
-            return 0
         try:
+            method = getattr(holder, name, None)
+            if method is None:
+                return 0
             value = method(*args)
         except Exception:  # noqa: BLE001 - a holder never breaks ComfyUI
             self._failed()
             log.warning(
-                "comfy_standin: memory holder %r raised in %s; counted as "
-                "0", holder, name, exc_info=True,
+                "comfy_standin: memory holder %s raised in %s; counted as "
+                "0", visible(holder), name, exc_info=True,
             )
             return 0
         count = _byte_count(value)
         if count is None:
             self._failed()
             log.warning(
-                "comfy_standin: memory holder %r answered %s with %r, not "
-                "a byte count; counted as 0", holder, name, value,
+                "comfy_standin: memory holder %s answered %s with %s, not "
+                "a byte count; counted as 0", visible(holder), name,
+                visible(value),
             )
             return 0
         return count
@@ -225,8 +228,7 @@ class Registry:
         """The sum of ``reserved_memory(device)`` over the holders that
         have it."""
         return min(ALL, sum(
-            self._ask(h, "reserved_memory", device) for h in self.holders()
-            if hasattr(h, "reserved_memory")))
+            self._ask(h, "reserved_memory", device) for h in self.holders()))
 
     def release(self, device: Any, size: object) -> int:
         """Asks holders, largest ``held_memory(device)`` first, until
@@ -295,7 +297,8 @@ def _device_kind(device: Any) -> tuple[str, int | None]:
     if not isinstance(kind, str):
         text = str(device)
         kind, _, rest = text.partition(":")
-        index = int(rest) if rest.isdigit() else None
+        # ASCII digits only: "²".isdigit() is true and int("²") raises.
+        index = int(rest) if rest.isascii() and rest.isdigit() else None
     if isinstance(device, int) and not isinstance(device, bool):
         return "cuda", device
     return kind, index if isinstance(index, int) else None
@@ -318,8 +321,10 @@ def _same_device(a: Any, b: Any) -> bool:
 
 
 def _receipt_of(reply: object) -> dict[str, Any]:
+    """The reply's receipt, read from the dicts' storage (a dict
+    subclass's own ``get`` never runs)."""
     if isinstance(reply, dict):
-        receipt = reply.get("receipt")
+        receipt = dict.get(reply, "receipt")
         if isinstance(receipt, dict):
             return receipt
     return {}
@@ -346,11 +351,19 @@ class PoolHolder:
       ``supports_release_pins``, as comfy-env's workers do), through
       ``send_command_no_spawn(..., lock_timeout=...)`` when the worker has
       it (a worker whose lock is taken answers "busy" and is skipped).
+      One call waits on its workers for at most `deadline` seconds in
+      all: each ask runs on a helper thread, and a worker that has not
+      answered when the time is up counts 0 and is not asked again until
+      that ask returns (its late reply still updates the books).
       Freed bytes are the worker's measured receipt (``freed_bytes``,
-      ``freed``, the drop of its reported ``held`` or pinned figure), or,
-      for a worker that died while asked, what it held.  A reply's
-      ``_vram_report`` is applied to the pool (``Pool.report``).  Never
-      raises.
+      ``freed``, the drop of its reported ``held`` or pinned figure), at
+      most what the books say it held.  A worker found dead while asked
+      (the ask raised and ``is_alive()`` says False, or comfy-env's
+      ``"dead"`` answer) is marked gone in the pool at once
+      (``Pool.worker_gone``): the first asker to see the death counts
+      what it held as freed, every later one 0, and ``held_memory`` no
+      longer counts it.  A reply's ``_vram_report`` is applied to the
+      pool (``Pool.report``).  Never raises.
     - ``reserved_memory(device)``: where free memory is process-local
       (Windows), the charges of the workers on that card, capped at 75%
       of the card; on Linux 0, because their bytes are already missing
@@ -361,14 +374,21 @@ class PoolHolder:
     device)``.
     """
 
-    def __init__(self, pool: Any = None, *, lock_timeout: float = 0.1):
+    def __init__(self, pool: Any = None, *, lock_timeout: float = 0.1,
+                 deadline: float = 5.0):
         if pool is None:
             from . import default_pool
 
             pool = default_pool()
         self.pool = pool
         self.lock_timeout = float(lock_timeout)
+        self.deadline = float(deadline)
         self._lock = threading.Lock()
+        # The end of the current release_memory() call, per thread.
+        self._local = threading.local()
+        # id(worker) -> worker, while an ask to it is in flight (held, so
+        # the id stays that worker's).
+        self._asking: dict[int, Any] = {}
         # id(worker) -> (worker, device) for tracked workers.
         self._devices: dict[int, tuple[Any, Any]] = {}
         self._totals: dict[str, int | None] = {}
@@ -395,7 +415,13 @@ class PoolHolder:
         for worker, members in self.pool.standins().items():
             for s in members:
                 devices.setdefault(id(worker), s.load_device)
+        ledger = self.pool._ledger
         with self._lock:
+            # A tracked worker the pool forgot (gone, then dropped at a
+            # boundary) leaves: the holder keeps no dead worker alive.
+            for key, (worker, _) in list(self._devices.items()):
+                if ledger.find(worker) is None:
+                    del self._devices[key]
             for key, (_, device) in self._devices.items():
                 devices[key] = device
         return devices
@@ -466,6 +492,7 @@ class PoolHolder:
             want = _request_bytes(size)
             if want <= 0:
                 return 0
+            self._local.until = time.monotonic() + self.deadline
             if _is_cpu(device):
                 return self._release_pins(want)
             return self._release_vram(device, want)
@@ -473,19 +500,19 @@ class PoolHolder:
             log.warning("comfy_standin: PoolHolder.release_memory failed",
                         exc_info=True)
             return 0
+        finally:
+            self._local.until = None
 
     def _send(self, worker: Any, command: str, **params: Any) -> object:
-        """One ask; None when it failed or the worker was busy/dead."""
+        """One ask: the reply, or comfy-env's "busy" / "dead" answer."""
         no_spawn = getattr(worker, "send_command_no_spawn", None)
         if callable(no_spawn):
             reply = no_spawn(command, lock_timeout=self.lock_timeout,
                              **params)
         else:
             reply = worker.send_command(command, **params)
-        if isinstance(reply, str):  # comfy-env: "busy" or "dead"
-            return None
         if isinstance(reply, dict):
-            report = reply.get("_vram_report")
+            report = dict.get(reply, "_vram_report")
             if isinstance(report, dict):
                 try:
                     self.pool.report(worker, report)
@@ -496,48 +523,112 @@ class PoolHolder:
                                if k != "residency"}
                     try:
                         self.pool.report(worker, figures)
-                    except Exception:  # noqa: BLE001
-                        log.info("comfy_standin: report of %r ignored",
-                                 worker, exc_info=True)
+                    except Exception as exc:  # noqa: BLE001
+                        log.info("comfy_standin: report of %s ignored: %s",
+                                 visible(worker), visible(exc))
         return reply
+
+    def _gone(self, worker: Any, books: Any, before: int) -> int:
+        """`worker` was found dead: the first to see it marks it gone in
+        the pool and counts what it held (`before`) as freed; 0 after."""
+        with self._lock:
+            if not books.alive:
+                return 0  # someone else saw it first and counted it
+            log.info("comfy_standin: %s died while asked; marked gone",
+                     visible(worker))
+            try:
+                self.pool.worker_gone(worker)
+            except Exception:  # noqa: BLE001 - the books at least
+                log.warning("comfy_standin: worker_gone(%s) failed",
+                            visible(worker), exc_info=True)
+                books.gone()
+            self._devices.pop(id(worker), None)
+        return before
 
     def _ask(self, worker: Any, books: Any, command: str, before: int,
              figure: str, **params: Any) -> int | None:
-        """Sends `command`; the bytes it freed by the worker's receipt,
-        else by the drop of the worker's own figure (`figure`: "held" or
-        "pinned") from `before`.  None when the worker gave no answer
-        (busy, dead before the ask, the ask failed)."""
+        """Sends `command` from a helper thread and waits for the answer
+        until this call's deadline: the bytes it freed by the worker's
+        receipt, else by the drop of the worker's own figure (`figure`:
+        "held" or "pinned") from `before`.  None when the worker gave no
+        answer (busy, dead before the ask, the ask failed, not in time,
+        or an earlier ask to it is still in flight)."""
         if self._busy(worker, books):  # a call started since we looked
             return None
+        if not books.alive:  # marked gone since we looked: counted there
+            return None
+        until = getattr(self._local, "until", None)
+        left = self.deadline if until is None else until - time.monotonic()
+        if left <= 0:
+            return None
+        with self._lock:
+            if id(worker) in self._asking:
+                return None  # its last ask has not returned: not again
+            self._asking[id(worker)] = worker
+        outcome: list[int | None] = []
+        done = threading.Event()
+
+        def ask() -> None:
+            try:
+                outcome.append(self._ask_now(worker, books, command, before,
+                                             figure, **params))
+            except Exception:  # noqa: BLE001 - a helper thread has no caller
+                log.warning("comfy_standin: %s to %s failed in the host",
+                            command, visible(worker), exc_info=True)
+            finally:
+                with self._lock:
+                    self._asking.pop(id(worker), None)
+                done.set()
+
+        helper = threading.Thread(target=ask, daemon=True,
+                                  name="comfy-standin-holder-ask")
+        try:
+            helper.start()
+        except RuntimeError:  # no thread to be had: no ask
+            with self._lock:
+                self._asking.pop(id(worker), None)
+            return None
+        if not done.wait(left):
+            log.info("comfy_standin: %s did not answer %s in time; not "
+                     "asked again until it does", visible(worker), command)
+            return None
+        return outcome[0] if outcome else None
+
+    def _ask_now(self, worker: Any, books: Any, command: str, before: int,
+                 figure: str, **params: Any) -> int | None:
+        """The ask itself, on the helper thread; never raises an
+        ``Exception``."""
         try:
             reply = self._send(worker, command, **params)
         except Exception as exc:  # noqa: BLE001
-            try:
-                alive = bool(worker.is_alive())
-            except Exception:  # noqa: BLE001 - undecidable: alive
-                alive = True
-            if not alive:  # its bytes went back to the driver with it
-                log.info("comfy_standin: %r died during %s", worker,
-                         command)
-                return before
-            log.info("comfy_standin: %s to %r failed: %s", command, worker,
-                     exc)
+            if not _alive(worker):  # its bytes went back with it
+                return self._gone(worker, books, before)
+            log.info("comfy_standin: %s to %s failed: %s", command,
+                     visible(worker), visible(exc))
             return None
-        if reply is None:
+        if isinstance(reply, str):  # comfy-env's no-spawn answers
+            if str.__str__(reply) == "dead":
+                return self._gone(worker, books, before)
+            return None  # "busy": its lock was not won in time
+        if not isinstance(reply, dict):
             return None
+        return min(before, self._freed(reply, before, figure))
+
+    @staticmethod
+    def _freed(reply: dict[str, Any], before: int, figure: str) -> int:
         receipt = _receipt_of(reply)
         for key in ("freed_bytes", "freed"):
-            got = _byte_count(receipt.get(key))
+            got = _byte_count(dict.get(receipt, key))
             if got is not None:
                 return got
         if figure == "pinned":
-            after = _byte_count(receipt.get("pinned_after"))
-            start = _byte_count(receipt.get("pinned_before"))
+            after = _byte_count(dict.get(receipt, "pinned_after"))
+            start = _byte_count(dict.get(receipt, "pinned_before"))
             if after is not None and start is not None:
                 return max(0, start - after)
             return 0
-        report = reply.get("_vram_report") if isinstance(reply, dict) else None
-        after = _byte_count(report.get("held")) if isinstance(
+        report = dict.get(reply, "_vram_report")
+        after = _byte_count(dict.get(report, "held")) if isinstance(
             report, dict) else None
         if after is not None:
             return max(0, before - after)

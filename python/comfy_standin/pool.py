@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import math
 import sys
 import threading
 import time
@@ -30,6 +31,8 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import ModuleType
 from typing import Any
+
+from ._text import visible
 
 __all__ = ["DEFAULT_FLOOR", "Pool", "WorkerMap"]
 
@@ -41,6 +44,9 @@ DEFAULT_FLOOR = 300 << 20
 #: pool uses the same 2 s): ComfyUI's eviction loop may ask several
 #: stand-ins in one pass, and each ask is the same news.
 PRESSURE_DEBOUNCE_SECONDS = 2.0
+#: Pressure asks in flight at once, over all workers: each asking thread
+#: has at most one ask in flight, so this bounds the threads too.
+PRESSURE_MAX_ASKS = 4
 #: comfy-aimdo's compiled-in headroom when ComfyUI seeds none.
 AIMDO_DEFAULT_HEADROOM = 256 << 20
 
@@ -185,10 +191,14 @@ class Pool:
         self._reserve_base: int | None = None
         self._published: int | None = None
         self._headroom_written: int | None = None
-        # release_idle_on_pressure(): debounce and the last asking thread.
+        # release_idle_on_pressure(): debounce, the last asking thread, the
+        # asking threads running, and id(worker) -> worker for each worker
+        # with an ask in flight (held, so the id stays that worker's).
         self._pressure_debounce = PRESSURE_DEBOUNCE_SECONDS
         self._last_pressure_ask: float | None = None
         self._pressure_thread: threading.Thread | None = None
+        self._pressure_rounds = 0
+        self._pressure_asking: dict[int, Any] = {}
 
     def __repr__(self) -> str:
         return (
@@ -379,7 +389,11 @@ class Pool:
     # ---- residency boards (docs/board.md) -----------------------------------
 
     def board_for(
-        self, worker: Any, slots: int = 64, heartbeat_limit: float = 5.0
+        self,
+        worker: Any,
+        slots: int = 64,
+        heartbeat_limit: float = 5.0,
+        generation: int | None = None,
     ) -> Any:
         """The host side of `worker`'s live residency board, created on the
         first call and owned by the pool: it is closed (unmapped, its
@@ -388,15 +402,18 @@ class Pool:
         spawn, or SCM_RIGHTS; ``board.name`` where boards have names),
         have each stand-in ``attach_board(board)`` and tell the worker
         ``(slot, board.tag(slot))``, and ``board.unlink()`` once the worker
-        has mapped it."""
+        has mapped it.  `generation`: the worker process's (default: its
+        books', 0 before any stand-in).  Where the worker makes its own
+        board and the host adopts it, use ``own_board``."""
         from ._core import Board  # shared memory is C in both impls
 
         with self._lock:
             held = self._boards.get(id(worker))
             if held is not None and not held[1].closed:
                 return held[1]
-        books = self._ledger.find(worker)
-        generation = books.generation if books is not None else 0
+        if generation is None:
+            books = self._ledger.find(worker)
+            generation = books.generation if books is not None else 0
         board = Board.create(
             slots, generation=generation, heartbeat_limit=heartbeat_limit
         )
@@ -411,6 +428,17 @@ class Pool:
             board.close()
             return raced
         return board
+
+    def own_board(self, worker: Any, board: Any) -> None:
+        """Takes `board` (a host-side Board, e.g. ``Board.adopt``ed from
+        the worker) as `worker`'s: closed with the worker (gone, restarted,
+        forgotten) or the pool, like ``board_for``'s.  A board the pool
+        held for the worker before is closed."""
+        with self._lock:
+            held = self._boards.get(id(worker))
+            self._boards[id(worker)] = (worker, board)
+        if held is not None and held[1] is not board:
+            held[1].close()
 
     def _close_board(self, worker: Any) -> None:
         with self._lock:
@@ -679,23 +707,59 @@ class Pool:
         The stand-in calls ``on_pressure`` inside ComfyUI's
         ``free_memory``: nothing is sent there, a daemon thread asks (a
         comfy-env worker through ``send_command_no_spawn(...,
-        lock_timeout=2.0)``; a busy one answers "busy" and is skipped)."""
+        lock_timeout=2.0)``; a busy one answers "busy" and is skipped).
+
+        A worker that does not answer holds only its own ask: a worker
+        with an ask in flight is skipped until that ask returns, and at
+        most ``PRESSURE_MAX_ASKS`` threads ask at once (a notice beyond
+        that is dropped).  A worker found dead while asked is marked gone
+        (``worker_gone``)."""
         self._pressure_debounce = float(debounce)
         self.on_pressure = self._pressure_noticed
 
-    def _pressure_noticed(self, shortfall: int) -> None:
+    def _pressure_noticed(self, shortfall: object) -> None:
+        want = _shortfall_bytes(shortfall)
+        if want <= 0:
+            return
         now = time.monotonic()
         with self._lock:
             last = self._last_pressure_ask
             if last is not None and now - last < self._pressure_debounce:
                 return
+            if self._pressure_rounds >= PRESSURE_MAX_ASKS:
+                return  # the asks in flight are stuck: nothing more to add
             self._last_pressure_ask = now
+            self._pressure_rounds += 1
         thread = threading.Thread(
-            target=self._ask_idle_workers, args=(int(shortfall),),
+            target=self._pressure_round, args=(want,),
             name="comfy-standin-pressure", daemon=True,
         )
         self._pressure_thread = thread
-        thread.start()
+        try:
+            thread.start()
+        except BaseException:  # no thread (RuntimeError): no round
+            with self._lock:
+                self._pressure_rounds -= 1
+            raise
+
+    def _pressure_round(self, shortfall: int) -> None:
+        try:
+            self._ask_idle_workers(shortfall)
+        except Exception:  # noqa: BLE001 - a daemon thread has no caller
+            log.warning("comfy_standin: pressure round failed",
+                        exc_info=True)
+        finally:
+            with self._lock:
+                self._pressure_rounds -= 1
+
+    def _claim_for_ask(self, worker: Any) -> bool:
+        """Marks `worker` as being asked; False when an ask to it is
+        already in flight."""
+        with self._lock:
+            if id(worker) in self._pressure_asking:
+                return False
+            self._pressure_asking[id(worker)] = worker
+            return True
 
     def _ask_idle_workers(self, shortfall: int) -> int:
         """Runs on the pressure thread; returns the bytes given back."""
@@ -710,22 +774,46 @@ class Pool:
         candidates.sort(key=lambda c: -c[0])
         remaining, freed = shortfall, 0
         for held, pinned, worker in candidates:
-            if remaining > 0 and held > 0 and getattr(
-                worker, "supports_partial_release", False
-            ):
-                ask = min(held, remaining)
-                reply = _ask(worker, "partial_release", ask)
-                receipt = (
-                    reply.get("receipt") if isinstance(reply, dict) else None
-                )
-                got = receipt.get("freed_bytes") if isinstance(
-                    receipt, dict) else None
-                if _is_byte_value(got):
-                    freed += got
-                    remaining -= min(remaining, got)
-            if pinned > 0 and getattr(worker, "supports_release_pins", False):
-                _ask(worker, "release_pins", pinned)
+            wants_vram = remaining > 0 and held > 0 and getattr(
+                worker, "supports_partial_release", False)
+            wants_pins = pinned > 0 and getattr(
+                worker, "supports_release_pins", False)
+            if not (wants_vram or wants_pins):
+                continue
+            if not self._claim_for_ask(worker):
+                continue  # its last ask has not returned: not again
+            try:
+                if wants_vram:
+                    reply = self._pressure_ask(
+                        worker, "partial_release", min(held, remaining))
+                    # Read from the dicts' storage: a dict subclass's own
+                    # get() never runs on this thread.
+                    receipt = dict.get(reply, "receipt") if isinstance(
+                        reply, dict) else None
+                    got = dict.get(receipt, "freed_bytes") if isinstance(
+                        receipt, dict) else None
+                    if _is_byte_value(got):
+                        got = min(got, held)  # no more than it held
+                        freed += got
+                        remaining -= min(remaining, got)
+                if wants_pins:
+                    self._pressure_ask(worker, "release_pins", pinned)
+            finally:
+                with self._lock:
+                    self._pressure_asking.pop(id(worker), None)
         return freed
+
+    def _pressure_ask(self, worker: Any, command: str, size: int) -> object:
+        """One ask; a death it reveals goes to the pool at once."""
+        reply, dead = _ask(worker, command, size)
+        if dead:
+            books = self._ledger.find(worker)
+            if books is not None and books.alive:
+                log.info("comfy_standin: %s died (found during %s); "
+                         "marked gone", visible(worker), command)
+                self.worker_gone(worker)
+            return None
+        return reply
 
     def reserve(self, device: Any, base: int, total: int | None = None) -> int:
         """The EXTRA_RESERVED_VRAM to publish for `device`.
@@ -815,16 +903,41 @@ def _pinned_of(books: Any) -> int:
     return value if _is_byte_value(value) else 0
 
 
-def _ask(worker: Any, command: str, size: int) -> object:
-    """One release ask from the pressure thread; never raises."""
+def _shortfall_bytes(value: object) -> int:
+    """A shortfall as bytes: an int (not a bool) or a finite float, else
+    0 (nothing to ask for)."""
+    if isinstance(value, bool):
+        return 0
+    if isinstance(value, int):
+        return max(0, min(int.__index__(value), _VALUE_MAX))
+    if isinstance(value, float) and math.isfinite(value) and value > 0:
+        return min(math.ceil(value), _VALUE_MAX)
+    return 0
+
+
+def _ask(worker: Any, command: str, size: int) -> tuple[object, bool]:
+    """One release ask from the pressure thread: (reply, the worker is
+    dead).  Never raises an ``Exception``."""
     try:
         no_spawn = getattr(worker, "send_command_no_spawn", None)
         if callable(no_spawn):
-            return no_spawn(command, size=int(size), lock_timeout=2.0)
-        return worker.send_command(command, size=int(size))
+            reply = no_spawn(command, size=int(size), lock_timeout=2.0)
+        else:
+            reply = worker.send_command(command, size=int(size))
     except Exception as exc:  # noqa: BLE001 - an ask is best effort
-        log.info("comfy_standin: %s to %r failed: %s", command, worker, exc)
-        return None
+        log.info("comfy_standin: %s to %s failed: %s", command,
+                 visible(worker), visible(exc))
+        return None, not _alive(worker)
+    # comfy-env's no-spawn sentinels: "busy" (lock not won) and "dead".
+    return reply, isinstance(reply, str) and str.__str__(reply) == "dead"
+
+
+def _alive(worker: Any) -> bool:
+    """``worker.is_alive()``; a probe that raises counts as alive."""
+    try:
+        return bool(worker.is_alive())
+    except Exception:  # noqa: BLE001 - undecidable: alive
+        return True
 
 
 def _probe(impl: ModuleType) -> Mapping[str, Any]:

@@ -16,6 +16,7 @@
 #include <inttypes.h>
 #include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -873,6 +874,238 @@ test_sampler(void)
     close(fds[1]);
 }
 
+/* ---- worker makes, host adopts ---------------------------------------- */
+
+#ifndef F_SEAL_FUTURE_WRITE
+#define F_SEAL_FUTURE_WRITE 0x0010
+#endif
+
+static cs_board *
+make_worker(uint32_t slots, int *fd)
+{
+    cs_board *worker = NULL;
+    int err = 0;
+    cs_board_status st = cs_board_make(slots, 9, &worker, fd, &err);
+    CHECK_EQ(st, CS_BOARD_OK);
+    if (worker == NULL) {
+        fprintf(stderr, "make failed: %s (errno %d)\n",
+                cs_board_status_message(st), err);
+        exit(2);
+    }
+    return worker;
+}
+
+static void
+test_make_adopt(void)
+{
+    int fd = -1, err = 0;
+    cs_board *worker = make_worker(3, &fd);
+    size_t length = CS_BOARD_HEADER_SIZE + 3 * CS_BOARD_SLOT_SIZE;
+    CHECK(!cs_board_is_host(worker));
+    CHECK_EQ(cs_board_owner_pid(worker), getpid());
+    CHECK(fcntl(fd, F_GETFD) & FD_CLOEXEC);
+    int seals = fcntl(fd, F_GET_SEALS);
+    int want = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL | F_SEAL_FUTURE_WRITE;
+    CHECK((seals & want) == want);
+    CHECK(fcntl(fd, F_ADD_SEALS, F_SEAL_WRITE) != 0 && errno == EPERM);
+
+    /* Whoever gets a descriptor of it (here by reopening through /proc, as
+     * another process of the same user could) cannot write it: no new
+     * writable mapping, no write(), no resize. */
+    char path[64];
+    snprintf(path, sizeof(path), "/proc/self/fd/%d", fd);
+    int other = open(path, O_RDWR | O_CLOEXEC);
+    CHECK(other >= 0);
+    void *map = mmap(NULL, length, PROT_READ | PROT_WRITE, MAP_SHARED,
+                     other, 0);
+    CHECK(map == MAP_FAILED && errno == EPERM);
+    CHECK(pwrite(other, "x", 1, 0) < 0 && errno == EPERM);
+    CHECK(ftruncate(other, 0) != 0 && errno == EPERM);
+    close(other);
+
+    cs_board *host = NULL;
+    CHECK_EQ(cs_board_adopt(fd, 3, 9, 0, &host, &err), CS_BOARD_OK);
+    close(fd); /* the host keeps no descriptor: only its mapping */
+    CHECK(host != NULL);
+    if (host == NULL) {
+        cs_board_close(worker);
+        return;
+    }
+    CHECK(cs_board_is_host(host));
+    CHECK_EQ(cs_board_fd(host), -1);
+    CHECK(!cs_board_linked(host));
+    CHECK(cs_board_attached(host));
+    CHECK_EQ(cs_board_slot_count(host), 3);
+    CHECK_EQ(cs_board_generation(host), 9);
+    /* Labelled with the worker's memfd name, as /proc/<pid>/maps shows
+     * the host's mapping. */
+    CHECK(strcmp(cs_board_name(host), cs_board_name(worker)) == 0);
+    cs_board_expect_owner(host, getpid());
+
+    uint64_t loaded = 0, stamp = 0;
+    uint32_t slot = assign_bound(host, worker, ID("unet"), 100);
+    CHECK_EQ(read_status(host, slot, 100, &loaded, &stamp),
+             CS_BOARD_NO_READING);
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    uint64_t measured = (uint64_t)ts.tv_sec * 1000000000u +
+                        (uint64_t)ts.tv_nsec;
+    CHECK_EQ(cs_board_publish_at(worker, slot, 64, measured), CS_BOARD_OK);
+    CHECK_EQ(read_status(host, slot, 100, &loaded, &stamp), CS_BOARD_VALID);
+    CHECK_EQ(loaded, 64);
+    CHECK_EQ(stamp, measured);
+    CHECK_EQ(cs_board_unlink(host, &err), CS_BOARD_OK); /* nothing held */
+    cs_board_close(worker); /* detaches */
+    CHECK_EQ(read_status(host, slot, 100, &loaded, &stamp),
+             CS_BOARD_NOT_ATTACHED);
+    cs_board_close(host);
+}
+
+/* A sealed memfd of `length` bytes whose header says `version` and
+ * `slots`; `seals` added after the header is written. */
+static int
+forged_board(size_t length, uint64_t version, uint64_t slots, int seals)
+{
+    int fd = memfd_create("forged", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    CHECK(fd >= 0);
+    CHECK(ftruncate(fd, (off_t)length) == 0);
+    uint64_t words[4] = {CS_BOARD_MAGIC, version, CS_BOARD_SLOT_SIZE, slots};
+    CHECK(pwrite(fd, words, sizeof(words), 0) == (ssize_t)sizeof(words));
+    if (seals != 0) {
+        CHECK(fcntl(fd, F_ADD_SEALS, seals) == 0);
+    }
+    return fd;
+}
+
+static void
+test_adopt_refusals(void)
+{
+    int all = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL | F_SEAL_FUTURE_WRITE;
+    size_t two = CS_BOARD_HEADER_SIZE + 2 * CS_BOARD_SLOT_SIZE;
+    cs_board *host = NULL;
+    int err = 0;
+
+    /* A forged board of the right shape is adopted (the check is of the
+     * descriptor and the layout, not of who wrote it: the peer check is
+     * the caller's). */
+    int fd = forged_board(two, CS_BOARD_LAYOUT_VERSION, 2, all);
+    CHECK_EQ(cs_board_adopt(fd, 2, 0, 0, &host, &err), CS_BOARD_OK);
+    /* Its memfd name is not one of ours: the host labels it itself. */
+    CHECK(host != NULL && strncmp(cs_board_name(host), "memfd:csb-", 10) ==
+                              0 && strlen(cs_board_name(host)) == 34);
+    cs_board_close(host);
+    host = NULL;
+    /* Another slot count than the host's own. */
+    CHECK_EQ(cs_board_adopt(fd, 3, 0, 0, &host, &err), CS_BOARD_ERR_SIZE);
+    CHECK(host == NULL);
+    close(fd);
+    /* The header disagrees with the length. */
+    fd = forged_board(two, CS_BOARD_LAYOUT_VERSION, 3, all);
+    CHECK_EQ(cs_board_adopt(fd, 2, 0, 0, &host, &err), CS_BOARD_ERR_SIZE);
+    close(fd);
+    fd = forged_board(two, CS_BOARD_LAYOUT_VERSION + 1, 2, all);
+    CHECK_EQ(cs_board_adopt(fd, 2, 0, 0, &host, &err),
+             CS_BOARD_ERR_VERSION);
+    close(fd);
+    /* Without the write seal (or any seal), the worker could not be the
+     * only writer: refused before mapping. */
+    fd = forged_board(two, CS_BOARD_LAYOUT_VERSION, 2,
+                      F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
+    CHECK_EQ(cs_board_adopt(fd, 2, 0, 0, &host, &err), CS_BOARD_ERR_SEALS);
+    close(fd);
+    fd = forged_board(two, CS_BOARD_LAYOUT_VERSION, 2, 0);
+    CHECK_EQ(cs_board_adopt(fd, 2, 0, 0, &host, &err), CS_BOARD_ERR_SEALS);
+    close(fd);
+    /* A host-created board's descriptor has no write seal either. */
+    cs_board *created = make_host(2, 0);
+    CHECK_EQ(cs_board_adopt(cs_board_fd(created), 2, 0, 0, &host, &err),
+             CS_BOARD_ERR_SEALS);
+    cs_board_close(created);
+    /* Not a file at all, and no descriptor. */
+    int pipe_fds[2];
+    CHECK(pipe(pipe_fds) == 0);
+    CHECK_EQ(cs_board_adopt(pipe_fds[0], 2, 0, 0, &host, &err),
+             CS_BOARD_ERR_SIZE);
+    close(pipe_fds[0]);
+    close(pipe_fds[1]);
+    CHECK_EQ(cs_board_adopt(-1, 2, 0, 0, &host, &err), CS_BOARD_ERR_RANGE);
+    CHECK_EQ(cs_board_adopt(0, 0, 0, 0, &host, &err), CS_BOARD_ERR_RANGE);
+    CHECK(host == NULL);
+    CHECK_EQ(cs_board_layout_version(), CS_BOARD_LAYOUT_VERSION);
+}
+
+/* ---- the owner's pidfd under concurrent calls ------------------------ */
+
+typedef struct race {
+    cs_board *host;
+    pid_t child;
+    atomic_bool stop;
+} race;
+
+static void *
+race_expect(void *arg)
+{
+    race *r = arg;
+    while (!atomic_load(&r->stop)) {
+        cs_board_expect_owner(r->host, r->child); /* closes the old pidfd */
+    }
+    return NULL;
+}
+
+static void *
+race_reuse(void *arg)
+{
+    /* Fills freed descriptor numbers with readable pipes: a poll on a
+     * number the pidfd once had would see "readable" and take the owner
+     * for dead. */
+    race *r = arg;
+    while (!atomic_load(&r->stop)) {
+        int fds[2];
+        if (pipe(fds) == 0) {
+            (void)!write(fds[1], "x", 1);
+            sched_yield();
+            close(fds[0]);
+            close(fds[1]);
+        }
+    }
+    return NULL;
+}
+
+static void
+test_owner_poll_race(void)
+{
+    cs_board *host = make_host(1, 0);
+    fflush(NULL);
+    pid_t child = fork();
+    CHECK(child >= 0);
+    if (child == 0) {
+        pause();
+        _exit(0);
+    }
+    race r = {.host = host, .child = child};
+    atomic_init(&r.stop, false);
+    pthread_t expecter, reuser;
+    CHECK(pthread_create(&expecter, NULL, race_expect, &r) == 0);
+    CHECK(pthread_create(&reuser, NULL, race_reuse, &r) == 0);
+    struct timespec start, now;
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    do {
+        (void)cs_board_poll_owner(host);
+        clock_gettime(CLOCK_MONOTONIC, &now);
+    } while (!cs_board_owner_is_gone(host) &&
+             now.tv_sec - start.tv_sec < 2);
+    atomic_store(&r.stop, true);
+    pthread_join(expecter, NULL);
+    pthread_join(reuser, NULL);
+    /* The child lives: nothing may have called it gone. */
+    CHECK(!cs_board_owner_is_gone(host));
+    kill(child, SIGKILL);
+    int wstatus = 0;
+    CHECK(waitpid(child, &wstatus, 0) == child);
+    CHECK(cs_board_poll_owner(host)); /* now it is */
+    cs_board_close(host);
+}
+
 int
 main(void)
 {
@@ -887,6 +1120,9 @@ main(void)
     test_seqlock_threads();
     test_scribbled_board();
     test_sampler();
+    test_make_adopt();
+    test_adopt_refusals();
+    test_owner_poll_race();
     printf("%d checks, %d failures\n", checks, failures);
     return failures == 0 ? 0 : 1;
 }

@@ -1,6 +1,7 @@
 /*
- * fuzz_board.c -- libFuzzer harness for the board's host reader and the
- * worker's open-time validation (src/board.c).
+ * fuzz_board.c -- libFuzzer harness for the board's host reader, the
+ * worker's open-time validation and the host's adoption of a worker-made
+ * segment (src/board.c, src/board_host.c, src/board_worker.c).
  *
  * Each input is a host table and a segment: the first bytes choose the
  * slot count, the heartbeat limit, the expected owner and, per slot,
@@ -10,16 +11,25 @@
  * reading above the caller's size or stamped after now (plus the coarse
  * clock's tick), and never take a
  * reading for a tag the host did not give; opening the fuzzed segment as
- * a worker must refuse or succeed cleanly.
+ * a worker must refuse or succeed cleanly; so must adopting the same
+ * bytes, at a length and with seals the input picks, as a board a worker
+ * sent (and every reading of an adopted board obeys the same bounds).
  *
  * Build and run (see tests/fuzz/):
  *   clang -g -O1 -fsanitize=fuzzer,address,undefined -Iinclude \
  *       -D_GNU_SOURCE tests/fuzz/fuzz_board.c src/board.c -o /tmp/fb
  *   /tmp/fb tests/fuzz/corpus/fuzz_board -max_total_time=30
  */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+
 #include "comfy_standin/board.h"
 
+#include <fcntl.h>
 #include <stdint.h>
+#include <sys/mman.h>
+#include <unistd.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -50,6 +60,78 @@ now_ns(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * UINT64_C(1000000000) + (uint64_t)ts.tv_nsec;
+}
+
+#ifndef F_SEAL_FUTURE_WRITE
+#define F_SEAL_FUTURE_WRITE 0x0010
+#endif
+
+static void
+adopt_segment(const unsigned char *bytes, size_t length, uint32_t slots,
+              uint64_t config)
+{
+    static const int seal_bits[] = {F_SEAL_SHRINK, F_SEAL_GROW,
+                                    F_SEAL_FUTURE_WRITE, F_SEAL_SEAL};
+    int fd = memfd_create("fuzz", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (fd < 0) {
+        abort();
+    }
+    /* Mostly the right length, sometimes a slot more or less. */
+    size_t actual = length;
+    switch ((config >> 9) & 7) {
+    case 1:
+        actual = length > CS_BOARD_SLOT_SIZE ? length - CS_BOARD_SLOT_SIZE
+                                             : 0;
+        break;
+    case 2:
+        actual = length + CS_BOARD_SLOT_SIZE;
+        break;
+    default:
+        break;
+    }
+    if (ftruncate(fd, (off_t)actual) != 0 ||
+        pwrite(fd, bytes, length < actual ? length : actual, 0) < 0) {
+        abort();
+    }
+    int seals = 0;
+    for (int i = 0; i < 4; i++) {
+        /* All four most of the time, so the reads below get exercised. */
+        if (((config >> 12) & 3) != 0 || ((config >> (14 + i)) & 1)) {
+            seals |= seal_bits[i];
+        }
+    }
+    if (seals != 0 && fcntl(fd, F_ADD_SEALS, seals) != 0) {
+        abort();
+    }
+    cs_board *host = NULL;
+    int err = 0;
+    cs_board_status st = cs_board_adopt(fd, slots, 1, 0, &host, &err);
+    close(fd);
+    int all = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE |
+              F_SEAL_SEAL;
+    if (st != CS_BOARD_OK) {
+        return;
+    }
+    if (actual != length || (seals & all) != all ||
+        cs_board_slot_count(host) != slots || cs_board_fd(host) != -1) {
+        abort(); /* adopted what it must have refused */
+    }
+    for (uint32_t i = 0; i < slots; i++) {
+        char id[2] = {'a', (char)('0' + i)};
+        uint32_t got = 0;
+        if (cs_board_assign(host, id, 2, 1000, &got) != CS_BOARD_OK) {
+            abort();
+        }
+    }
+    for (uint32_t i = 0; i < slots + 1; i++) {
+        uint64_t loaded = 0, stamp = 0;
+        if (cs_board_read_slot_status(host, i, 0, 1000, &loaded, &stamp) ==
+                CS_BOARD_VALID &&
+            (i >= slots || loaded > 1000 || stamp > now_ns() + 1000000000u)) {
+            abort();
+        }
+    }
+    cs_board_close(host);
 }
 
 int
@@ -155,5 +237,9 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         (void)cs_board_bind(worker, 0, 1);
         cs_board_close(worker);
     }
+
+    /* The same bytes as a board a worker made and sent: a length off by a
+     * fuzzed amount and a fuzzed subset of the seals. */
+    adopt_segment(mem, length, slots, config);
     return 0;
 }

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds every tests/fuzz/fuzz_*.c as a libFuzzer binary against the core
-# (src/ledger.c src/board.c src/probe.c, include/) with ASan and UBSan, and
+# (src/ledger.c, src/board*.c but the binding, src/probe.c, include/) with ASan and UBSan, and
 # runs each for a bounded time over its corpus tests/fuzz/corpus/<name>/.
 # Any crash, sanitizer report, leak or invariant abort fails the run; the
 # reproducer is left in the build directory (crash-*, leak-*, timeout-*).
@@ -27,7 +27,7 @@ cc="${CC:-clang}"
 jobs="${FUZZ_JOBS:-1}"
 mkdir -p "$build"
 
-core=(src/ledger.c src/board.c src/probe.c)
+core=(src/ledger.c src/board.c src/board_host.c src/board_worker.c src/probe.c)
 flags=(-std=c11 -g -O1 -fno-omit-frame-pointer -D_GNU_SOURCE
        -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all
        -Iinclude -Isrc -I"$here")

@@ -15,10 +15,14 @@ What it swaps, all reversibly (``uninstall()``):
 - ``comfy_env.state_sync.apply_echo``, ``apply_residency`` and
   ``apply_peak_raise`` route comfy_standin stand-ins to the C state sync
   and pass every other patcher to comfy-env's originals.  They keep
-  comfy-env's calling contract: they never raise, a bad census entry is
-  skipped (comfy_standin itself rejects the whole census; here the valid
-  entries are then applied one by one, as comfy-env did), and
-  ``apply_residency`` returns the ids whose receipt changed.
+  comfy-env's calling contract: they never raise an ``Exception``,
+  whatever the worker's frame held, and ``apply_residency`` returns the
+  ids whose receipt changed.  Every census entry is checked: one that is
+  not a dict with a str ``id`` is skipped, as is one the C state sync
+  rejects (comfy_standin itself rejects a whole census; here the valid
+  entries are then applied one by one); the valid ones apply.  Skipped
+  entries and ignored echoes are counted (``counters()``) and said once
+  per kind, in one bounded line.
 
 - ``comfy_env.isolation.pool._insert_loaded_model`` lists comfy_standin
   stand-ins through ``comfy_standin.register`` (so the pool holds them
@@ -33,22 +37,27 @@ What it swaps, all reversibly (``uninstall()``):
   does in its ``partially_unload``.
 
 - Live residency boards (docs/board.md), on Linux with a comfy-env
-  version the board was checked against (``SUPPORTED_COMFY_ENV``):
+  version the board was checked against (``SUPPORTED_COMFY_ENV``), for
+  every pack with nothing installed in the pack's environment.
   ``SubprocessWorker._ensure_started`` and ``workers.subprocess.
-  popen_in_own_group`` (its only spawn of a worker process) are wrapped so
-  each worker process gets a fresh board from the default pool, handed to
-  it with ``pass_fds`` and named in its environment (``COMFY_STANDIN_BOARD
-  =<fd>:<host pid>``), ``expected_owner`` set to the process.  At each
-  node boundary the worker's new stand-ins ``attach_board`` it and the
-  host sends their (model id -> slot, tag) bindings with one
-  ``call_module("comfy_standin.worker", "bind")`` (comfy-env's own command
-  channel); the worker then publishes every residency change its
-  bookkeeping tracks plus a sampler's, and the host drops its descriptor.
+  popen_in_own_group`` (its only spawn of a worker process) are wrapped:
+  each spawn gets a one-time handoff (``comfy_standin._handoff``: a
+  private socket named, with a token, in that worker's environment only)
+  and a private directory first on the worker's path holding one module,
+  the stdlib-only publisher (``_comfy_standin_publisher``).  Once the
+  worker is up, one ``call_module(..., "attach")`` has it load the board
+  library of this installation with ctypes, make its board (a sealed
+  memfd only it can write) and send the descriptor; the host checks the
+  peer (SO_PEERCRED: the spawned process or its descendant), adopts the
+  board read-only and keeps no descriptor.  At each node boundary the
+  worker's new stand-ins ``attach_board`` it and the host sends their
+  (model id -> slot, tag) bindings with one ``call_module(..., "bind")``;
+  the worker publishes every change comfy-env's worker tracks, before it
+  asks the host for VRAM, after its loads, and from a sampler thread.
   ``SubprocessWorker.shutdown`` closes the board.
   ``COMFY_STANDIN_NO_BOARD=1`` in ComfyUI's environment turns boards off.
-  On any mismatch (another
-  comfy-env version, a changed internal, comfy_standin missing from the
-  pack's environment) one log line says so and that worker stays on
+  On any mismatch (another comfy-env version, a changed internal, a
+  refused handoff) one log line says so and that worker stays on
   receipts.
 
 comfy-env reads ``_residency_peak``, ``_residency_seq``,
@@ -59,18 +68,28 @@ unchanged.
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import importlib.metadata
+import importlib.resources
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import weakref
 from typing import Any
 
 import comfy_standin as cs
 
-__all__ = ["install", "installed", "uninstall"]
+from .._handoff import PROTOCOL, Handoff, HandoffRefused
+from .._text import LOG_TEXT_LIMIT, visible
+
+#: The variable naming a worker's board handoff (its environment only).
+ENV_VAR = "COMFY_STANDIN_BOARD"
+
+__all__ = ["counters", "install", "installed", "uninstall"]
 
 log = logging.getLogger("comfy_standin")
 
@@ -81,7 +100,10 @@ _POOL_MODULE = "comfy_env.isolation.pool"
 _POOL_NAMES = ("_insert_loaded_model", "_register_new_patchers")
 _SPAWN_MODULE = "comfy_env.isolation.workers.subprocess"
 _WORKER_CLASS = _SPAWN_MODULE + ":SubprocessWorker"
-_WORKER_MODULE = "comfy_standin.worker"
+# The worker-side publisher: a module name of its own (it can shadow
+# nothing of a pack's), importable only from the private directory.
+_PUBLISHER = "_comfy_standin_publisher"
+_BOARD_LIBRARY = "libcomfy_standin_board.so"
 
 #: comfy-env versions whose internals the board wiring was checked against
 #: (the worker's ``main()`` closures, ``call_module``, the spawn call).
@@ -163,6 +185,61 @@ def _is_ours(p: Any) -> bool:
     return isinstance(p, cs.StandIn)
 
 
+# What the state-sync wrappers skipped, for status displays.
+_counts = {
+    "census_entries_skipped": 0,
+    "peak_entries_skipped": 0,
+    "echoes_ignored": 0,
+}
+_counts_lock = threading.Lock()
+
+
+def counters() -> dict[str, int]:
+    """What the state-sync wrappers skipped since start-up:
+    ``census_entries_skipped`` (entries of ``apply_residency`` that were
+    not a dict with a str id, or that the state sync rejected; a census
+    that is not a list counts once), ``peak_entries_skipped``
+    (``apply_peak_raise``) and ``echoes_ignored`` (``apply_echo``)."""
+    with _counts_lock:
+        return dict(_counts)
+
+
+def _count(name: str, n: int = 1) -> None:
+    with _counts_lock:
+        _counts[name] += n
+
+
+_MISSING = object()
+
+
+def _census_entries(census: Any) -> tuple[list[tuple[str, dict[str, Any]]],
+                                          int, str | None]:
+    """(id, entry) for each entry of `census` that is a dict with a str
+    id, in order; how many were not; the first reason.  A census that is
+    not a list or tuple is one bad entry."""
+    if census is None:
+        return [], 0, None
+    if not isinstance(census, (list, tuple)):
+        return [], 1, (f"census is a {type(census).__name__}, not a list")
+    entries: list[tuple[str, dict[str, Any]]] = []
+    bad, reason = 0, None
+    for index, entry in enumerate(list(census)):
+        mid = dict.get(entry, "id", _MISSING) if isinstance(
+            entry, dict) else _MISSING
+        if isinstance(mid, str):
+            # An exact str: a subclass's __hash__/__eq__ never runs here.
+            entries.append((str.__str__(mid), entry))
+            continue
+        bad += 1
+        if reason is None:
+            what = (f"{type(entry).__name__}, not a dict"
+                    if not isinstance(entry, dict) else
+                    "no id" if mid is _MISSING else
+                    f"id is a {type(mid).__name__}, not a str")
+            reason = f"census[{index}]: {what}"
+    return entries, bad, reason
+
+
 def _wrap_apply_echo(original: Any) -> Any:
     def apply_echo(
         p: Any,
@@ -180,8 +257,10 @@ def _wrap_apply_echo(original: Any) -> Any:
             cs.apply_echo(p, value, seq=None if seq is None else int(seq),
                           unmapped=unmapped, in_flight=in_flight)
         except Exception as exc:  # an echo must not fail an eviction
-            log.warning("comfy_standin: echo for %r ignored: %s",
-                        p.model_id, exc)
+            _count("echoes_ignored")
+            _note_once("echo", None,
+                       f"comfy_standin: echo for model {visible(p.model_id)} "
+                       f"ignored: {visible(exc)}")
         return None
 
     apply_echo.__wrapped__ = original  # type: ignore[attr-defined]
@@ -194,56 +273,97 @@ def _wrap_apply_residency(original: Any) -> Any:
         census: list[dict[str, Any]],
         log: Any = None,
     ) -> list[str]:
-        ours = {k: p for k, p in (patchers or {}).items() if _is_ours(p)}
-        theirs = {k: p for k, p in (patchers or {}).items() if not _is_ours(p)}
-        changed: list[str] = []
-        entries = list(census or [])
-        if theirs:
-            changed += original(theirs, entries, log=log)
-        mine = [
-            e for e in entries
-            if isinstance(e, dict) and e.get("id") in ours
-        ]
-        if not mine:
-            return changed
-        before = {e["id"]: ours[e["id"]].loaded_size() for e in mine}
         try:
-            cs.apply_residency(ours, mine)
-        except cs.EchoError as exc:
-            _note(log, f"[comfy-standin] census rejected whole ({exc}); "
-                       f"applying its valid entries one by one")
-            for entry in mine:
-                try:
-                    cs.apply_residency(ours, [entry])
-                except cs.EchoError as entry_exc:
-                    _note(log, f"[comfy-standin] census entry skipped: "
-                               f"{entry_exc}")
-        changed += [
-            mid for mid in before if ours[mid].loaded_size() != before[mid]
-        ]
-        return changed
+            return _apply_residency(original, patchers, census, log)
+        except Exception as exc:  # comfy-env's contract: never raises
+            _count("census_entries_skipped")
+            _note_once("census-failed", log,
+                       f"[comfy-standin] census not applied: "
+                       f"{visible(exc)}")
+            return []
 
     apply_residency.__wrapped__ = original  # type: ignore[attr-defined]
     return apply_residency
+
+
+def _apply_residency(original: Any, patchers: Any, census: Any,
+                     log_fn: Any) -> list[str]:
+    ours: dict[str, Any] = {}
+    theirs: dict[str, Any] = {}
+    for mid, p in dict(patchers or {}).items():
+        (ours if _is_ours(p) else theirs)[mid] = p
+    entries, bad, reason = _census_entries(census)
+    changed: list[str] = []
+    if theirs:
+        their_entries = [e for mid, e in entries if mid in theirs]
+        try:
+            changed += list(original(theirs, their_entries, log=log_fn)
+                            or [])
+        except Exception as exc:  # comfy-env's own code, on worker data
+            _note_once("census-original", log_fn,
+                       f"[comfy-standin] comfy-env's census apply failed: "
+                       f"{visible(exc)}")
+    mine = [(mid, e) for mid, e in entries if mid in ours]
+    if mine:
+        before = {mid: ours[mid].loaded_size() for mid, _ in mine}
+        try:
+            cs.apply_residency(ours, [e for _, e in mine])
+        except Exception:  # noqa: BLE001 - rejected whole: one by one
+            for mid, entry in mine:
+                try:
+                    cs.apply_residency({mid: ours[mid]}, [entry])
+                except Exception as exc:  # noqa: BLE001
+                    bad += 1
+                    if reason is None:
+                        reason = str(exc)
+        changed += [
+            mid for mid in before if ours[mid].loaded_size() != before[mid]
+        ]
+    if bad:
+        _count("census_entries_skipped", bad)
+        _note_once("census-entry", log_fn, (
+            f"[comfy-standin] census: {bad} bad entr"
+            f"{'y' if bad == 1 else 'ies'} skipped, the valid ones applied "
+            f"(first: {visible(reason)}); later ones are counted, not "
+            f"logged"))
+    return changed
 
 
 def _wrap_apply_peak_raise(original: Any) -> Any:
     def apply_peak_raise(
         patchers: dict[str, Any], census: list[dict[str, Any]]
     ) -> None:
-        theirs = {k: p for k, p in (patchers or {}).items() if not _is_ours(p)}
-        if theirs:
-            original(theirs, census)
-        for entry in census or []:
-            try:
-                p = (patchers or {}).get(entry.get("id"))
-                if _is_ours(p):
-                    cs.raise_peak(p, max(0, int(entry.get("resident", 0))))
-            except Exception:
-                continue  # comfy-env's contract: never raises
+        try:
+            _apply_peak_raise(original, patchers, census)
+        except Exception:  # noqa: BLE001 - comfy-env's contract
+            _count("peak_entries_skipped")
 
     apply_peak_raise.__wrapped__ = original  # type: ignore[attr-defined]
     return apply_peak_raise
+
+
+def _apply_peak_raise(original: Any, patchers: Any, census: Any) -> None:
+    table = dict(patchers or {})
+    theirs = {k: p for k, p in table.items() if not _is_ours(p)}
+    entries, bad, _ = _census_entries(census)
+    if theirs:
+        try:
+            original(theirs, [e for mid, e in entries if mid in theirs])
+        except Exception:  # noqa: BLE001 - comfy-env's own code
+            bad += 1
+    for mid, entry in entries:
+        p = table.get(mid)
+        if not isinstance(p, cs.StandIn):
+            continue
+        try:
+            resident = dict.get(entry, "resident", 0)
+            if not isinstance(resident, int) or isinstance(resident, bool):
+                raise TypeError("resident is not an int")
+            cs.raise_peak(p, max(0, resident))
+        except Exception:  # noqa: BLE001 - skipped, counted
+            bad += 1
+    if bad:
+        _count("peak_entries_skipped", bad)
 
 
 def _forward_pressure(shortfall: int) -> None:
@@ -281,8 +401,9 @@ def _wrap_register_new_patchers(original: Any) -> Any:
                 )
                 for s in restored:
                     log.warning(
-                        "comfy_standin: listed %r again: ComfyUI dropped "
-                        "it while its worker still holds it", s.model_id,
+                        "comfy_standin: listed model %s again: ComfyUI "
+                        "dropped it while its worker still holds it",
+                        visible(s.model_id),
                     )
             except Exception:
                 log.exception("comfy_standin: boundary failed (ignored)")
@@ -296,14 +417,35 @@ def _wrap_register_new_patchers(original: Any) -> Any:
     return _register_new_patchers
 
 
+#: Characters of one adapter log line; a longer one keeps its start and
+#: its last ``_LINE_TAIL`` characters (the adapter's own closing words).
+_LINE_LIMIT = 4 * LOG_TEXT_LIMIT
+_LINE_TAIL = LOG_TEXT_LIMIT // 2
+
+
+def _line(message: str) -> str:
+    return visible(message, _LINE_LIMIT, tail=_LINE_TAIL)
+
+
 def _note(log_fn: Any, message: str) -> None:
+    """One bounded line through comfy-env's log function when given (it
+    prints where comfy-env's own census warnings go), else ours."""
+    line = _line(message)
     if log_fn is not None:
         try:
-            log_fn(message)
+            log_fn(line)
             return
-        except Exception:
+        except Exception:  # noqa: BLE001 - a broken log: ours
             pass
-    log.warning("%s", message)
+    log.warning("%s", line)
+
+
+def _note_once(kind: str, log_fn: Any, message: str) -> None:
+    """``_note`` the first time for `kind`; later ones at debug level."""
+    if _first_time(kind):
+        _note(log_fn, message)
+    else:
+        log.debug("%s", _line(message))
 
 
 # ---- live residency boards (docs/board.md) ---------------------------------
@@ -312,12 +454,13 @@ def _note(log_fn: Any, message: str) -> None:
 class _BoardState:
     """The host's side of one worker process's board."""
 
-    __slots__ = ("board", "pid", "sent", "off")
+    __slots__ = ("board", "spawned", "owner", "sent", "off")
 
-    def __init__(self, board: Any, pid: int) -> None:
+    def __init__(self, board: Any, spawned: int, owner: int) -> None:
         self.board = board
-        self.pid = pid  # the spawned process (the board's expected owner)
-        self.sent: dict[str, tuple[int, int]] = {}  # bindings the worker has
+        self.spawned = spawned  # the pid comfy-env spawned (maybe pixi's)
+        self.owner = owner  # the worker process that made the board
+        self.sent: dict[str, tuple[int, int]] = {}  # bindings it has
         self.off = False
 
 
@@ -326,23 +469,110 @@ _boards: weakref.WeakKeyDictionary[Any, _BoardState] = (
     weakref.WeakKeyDictionary()
 )
 _boards_lock = threading.Lock()
-# The worker being started on this thread (set by _ensure_started).
+# The worker being started on this thread, and the handoff made for it
+# (set by _ensure_started and popen_in_own_group).
 _spawning = threading.local()
-# One log line per kind of mismatch, per process.
+# One log line per kind, per process.  Kinds are fixed words
+# ("version", "create", "worker"); the set never holds worker text.
 _warned: set[str] = set()
+_warned_lock = threading.Lock()
+#: Distinct kinds remembered; past this every kind counts as said.
+_WARNED_MAX = 64
+# The directory holding this process's copy of the publisher, and only it.
+_private_dir: str | None = None
 
 
-def _warn_once(kind: str, message: str) -> None:
-    if kind in _warned:
+def _kind_key(kind: str) -> str:
+    """The fixed part of a kind: what precedes a ':' (a caller may append
+    detail, "worker:<reason>"), at most 40 characters."""
+    return visible(str(kind).partition(":")[0], 40)
+
+
+def _first_time(kind: str) -> bool:
+    key = _kind_key(kind)
+    with _warned_lock:
+        if key in _warned or len(_warned) >= _WARNED_MAX:
+            return False
+        _warned.add(key)
+        return True
+
+
+def _warn_once(kind: str, message: str, **worker_text: object) -> None:
+    """Logs `message` once per kind, as one bounded line.
+
+    `kind` is keyed by its fixed part (see ``_kind_key``), never by text
+    a worker supplied.  With `worker_text`, `message` is a ``str.format``
+    template and each value is made safe (``visible``) and bounded before
+    it is put in; without, the whole message is bounded and keeps its
+    last words."""
+    if not _first_time(kind):
         return
-    _warned.add(kind)
-    log.warning("%s", message)
+    if worker_text:
+        try:
+            message = message.format(**{
+                name: visible(value) for name, value in worker_text.items()
+            })
+        except Exception:  # noqa: BLE001 - a bad template: say it raw
+            pass
+    log.warning("%s", _line(message))
 
 
 def _resolve(target: str) -> Any:
     module_name, _, class_name = target.partition(":")
     obj = importlib.import_module(module_name)
     return getattr(obj, class_name) if class_name else obj
+
+
+def _board_library() -> str | None:
+    """The board writer shipped in this installation (a plain shared
+    library a worker of any Python loads with ctypes), or None."""
+    try:
+        path = importlib.resources.files("comfy_standin").joinpath(
+            "_lib", _BOARD_LIBRARY)
+        text = os.fspath(path)  # a real file (wheel or editable build)
+    except (TypeError, OSError, ModuleNotFoundError):
+        return None
+    return text if os.path.isfile(text) else None
+
+
+def _board_layout(library: str) -> int | None:
+    """The layout version the board library writes (read once)."""
+    global _layout
+    if _layout is None:
+        try:
+            import ctypes
+
+            _layout = int(ctypes.CDLL(library).cs_board_layout_version())
+        except (OSError, AttributeError, ValueError):
+            return None
+    return _layout
+
+
+_layout: int | None = None
+
+
+def _publisher_dir() -> str:
+    """A private directory (mode 0700) holding a copy of the publisher and
+    nothing else, made once per process and removed at exit: what goes
+    first on a worker's path.  Never the host's site-packages, so the
+    worker imports nothing else of this installation, and the bytecode
+    its Python writes stays out of it."""
+    global _private_dir
+    with _boards_lock:
+        if _private_dir is not None and os.path.isfile(
+                os.path.join(_private_dir, _PUBLISHER + ".py")):
+            return _private_dir
+        source = importlib.resources.files("comfy_standin").joinpath(
+            "_worker_side", _PUBLISHER + ".py").read_bytes()
+        directory = tempfile.mkdtemp(prefix="comfy-standin-worker-")
+        path = os.path.join(directory, _PUBLISHER + ".py")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                     | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(source)
+        atexit.register(shutil.rmtree, directory, True)
+        _private_dir = directory
+        return directory
 
 
 def _install_boards() -> None:
@@ -367,6 +597,12 @@ def _install_boards() -> None:
             f"board was checked against ({', '.join(SUPPORTED_COMFY_ENV)}): "
             f"no boards, stand-ins use receipts only"))
         return
+    if _board_library() is None:
+        _warn_once("library", (
+            f"comfy_standin: this installation has no board library "
+            f"(comfy_standin/_lib/{_BOARD_LIBRARY}): no boards, stand-ins "
+            f"use receipts only"))
+        return
     try:
         spawn = importlib.import_module(_SPAWN_MODULE)
         worker_cls = spawn.SubprocessWorker
@@ -383,6 +619,8 @@ def _install_boards() -> None:
                     getattr(worker_cls, "call_module", None))),
                 ("pool._WORKER_PATCHERS", isinstance(
                     getattr(pool_module, "_WORKER_PATCHERS", None), dict)),
+                ("pool._WORKER_POOL", isinstance(
+                    getattr(pool_module, "_WORKER_POOL", None), dict)),
             ) if not ok
         ]
     except (ImportError, AttributeError) as exc:
@@ -409,46 +647,86 @@ def _wrap_ensure_started(original: Any) -> Any:
     def _ensure_started(self: Any) -> Any:
         previous = getattr(_spawning, "worker", None)
         _spawning.worker = self
+        _spawning.handoff = None
+        _spawning.no_board = False
+        restore = _put_publisher_on_path(self)
         try:
-            return original(self)
+            result = original(self)
+        except BaseException:
+            _close_pending_handoff()
+            raise
         finally:
+            if restore is not None:
+                self.sys_path = restore
             _spawning.worker = previous
+        handoff = getattr(_spawning, "handoff", None)
+        _spawning.handoff = None
+        if handoff is not None:  # this call spawned a process
+            _attach(self, handoff)
+        return result
 
     _ensure_started.__wrapped__ = original  # type: ignore[attr-defined]
     return _ensure_started
 
 
-def _wrap_popen(original: Any) -> Any:
-    from ..worker import ENV_VAR
+def _put_publisher_on_path(worker: Any) -> list[Any] | None:
+    """For the spawn `worker` may make now: comfy-env sends its `sys_path`
+    to the worker, which puts each entry first, in order: the private
+    directory, last, ends up first.  Returns the list to put back."""
+    current = getattr(worker, "sys_path", None)
+    if not isinstance(current, list):
+        return None
+    try:
+        directory = _publisher_dir()
+    except (OSError, ModuleNotFoundError) as exc:
+        _spawning.no_board = True
+        _warn_once("private-dir", (
+            f"comfy_standin: cannot make the publisher's directory "
+            f"({type(exc).__name__}: {exc}): no boards, stand-ins use "
+            f"receipts only"))
+        return None
+    worker.sys_path = [*current, directory]
+    return current
 
+
+def _close_pending_handoff() -> None:
+    handoff = getattr(_spawning, "handoff", None)
+    _spawning.handoff = None
+    if handoff is not None:
+        handoff.close()
+
+
+def _wrap_popen(original: Any) -> Any:
     def popen_in_own_group(cmd: Any, **kw: Any) -> Any:
         worker = getattr(_spawning, "worker", None)
-        board = _new_board(worker) if worker is not None else None
+        handoff = None
+        if worker is not None and not getattr(_spawning, "no_board", False):
+            _board_done(worker)  # a new process gets a new board
+            try:
+                handoff = Handoff()
+            except OSError as exc:
+                _warn_once("handoff", (
+                    f"comfy_standin: cannot make a board handoff socket "
+                    f"({exc}): stand-ins use receipts only"))
         env = kw.get("env")
-        if board is not None:
-            env = dict(os.environ if env is None else env)
-            env[ENV_VAR] = f"{board.fd}:{os.getpid()}"
-            kw["env"] = env
-            kw["pass_fds"] = tuple(kw.get("pass_fds", ())) + (board.fd,)
-        elif ENV_VAR in (os.environ if env is None else env):
-            env = dict(os.environ if env is None else env)
-            del env[ENV_VAR]  # never hand on a board this spawn lacks
+        base = os.environ if env is None else env
+        if handoff is not None or ENV_VAR in base:
+            env = dict(base)
+            if handoff is not None:
+                env[ENV_VAR] = handoff.spec  # this worker's environment only
+            else:
+                del env[ENV_VAR]  # never hand on a handoff not made for it
             kw["env"] = env
         try:
             proc = original(cmd, **kw)
         except BaseException:
-            if board is not None:
-                _board_done(worker)
+            if handoff is not None:
+                handoff.close()
             raise
-        if board is not None:
-            try:
-                board.expected_owner = proc.pid
-                with _boards_lock:
-                    _boards[worker] = _BoardState(board, proc.pid)
-            except Exception:
-                log.exception("comfy_standin: board not handed on "
-                              "(ignored)")
-                _board_done(worker)
+        if handoff is not None:
+            handoff.spawned_pid = proc.pid
+            _close_pending_handoff()  # a spawn that did not get that far
+            _spawning.handoff = handoff
         return proc
 
     popen_in_own_group.__wrapped__ = original  # type: ignore[attr-defined]
@@ -466,18 +744,120 @@ def _wrap_shutdown(original: Any) -> Any:
     return shutdown
 
 
-def _new_board(worker: Any) -> Any:
-    """A fresh board for the process `worker` is about to start (the old
-    process's, if any, is closed: a new process gets a new board)."""
-    _board_done(worker)
+def _generation_of(worker: Any) -> int:
+    """comfy-env's generation for the process `worker` is starting: its
+    pool record's, or, on a first spawn (inside _get_or_create_worker,
+    before the record exists), the one that call chose."""
+    pool_module = sys.modules.get(_POOL_MODULE)
+    records = getattr(pool_module, "_WORKER_POOL", None)
+    for record in list(records.values() if isinstance(records, dict)
+                       else ()):
+        try:
+            if record[0] is worker and isinstance(record[1], int):
+                return int(record[1])
+        except (TypeError, IndexError, KeyError):
+            continue
+    frame = sys._getframe(1)
     try:
-        return cs.default_pool().board_for(
-            worker, slots=BOARD_SLOTS, heartbeat_limit=HEARTBEAT_LIMIT
-        )
-    except Exception as exc:  # no memfd, no seals: receipts only
-        _warn_once("create", f"comfy_standin: no live board ({exc}); "
-                             f"stand-ins use receipts only")
-        return None
+        while frame is not None:
+            code = frame.f_code
+            if code.co_name == "_get_or_create_worker" and code.co_filename \
+                    == getattr(pool_module, "__file__", None):
+                gen = frame.f_locals.get("gen")
+                if isinstance(gen, int) and not isinstance(gen, bool) \
+                        and gen >= 0:
+                    return gen
+            frame = frame.f_back
+    finally:
+        del frame
+    gen = getattr(pool_module, "_WORKER_GENERATION", 0)
+    return gen if isinstance(gen, int) and gen >= 0 else 0
+
+
+def _attach(worker: Any, handoff: Handoff) -> None:
+    """Right after comfy-env started `worker`'s process: the worker makes
+    its board and hands it over; the host adopts it.  Never raises; on
+    any failure one log line per kind and receipts for that worker."""
+    name = getattr(worker, "name", "?")
+    try:
+        library = _board_library()
+        layout = _board_layout(library) if library else None
+        if library is None or layout is None:
+            _warn_once(
+                "library",
+                "comfy_standin: the board library of this installation "
+                "cannot be loaded: stand-ins of worker {name} use receipts "
+                "only",
+                name=name)
+            return
+        generation = _generation_of(worker)
+        try:
+            reply = worker.call_module(
+                module=_PUBLISHER, func="attach", timeout=30.0,
+                library=library, slots=BOARD_SLOTS, generation=generation,
+                layout=layout, protocol=PROTOCOL, period=SAMPLE_PERIOD,
+            )
+        except Exception as exc:
+            first = (str(exc).splitlines() or [type(exc).__name__])[0]
+            _warn_once(
+                "worker-import",
+                "comfy_standin: worker {name} could not run the board "
+                "publisher ({publisher}.attach: {error}): its stand-ins use "
+                "receipts only",
+                name=name, publisher=_PUBLISHER, error=first)
+            return
+        if not isinstance(reply, dict) or dict.get(reply, "ok") is not True:
+            reason = visible(dict.get(reply, "reason")
+                             if isinstance(reply, dict) else reply)
+            _warn_once(
+                _refusal_kind(reason),
+                "comfy_standin: worker {name} does not publish a live board "
+                "({reason}); its stand-ins use receipts only",
+                name=name, reason=reason)
+            return
+        try:
+            board, owner, strangers = handoff.collect(
+                handoff.spawned_pid,
+                lambda fd: cs.Board.adopt(
+                    fd, BOARD_SLOTS, generation=generation,
+                    heartbeat_limit=HEARTBEAT_LIMIT),
+            )
+        except HandoffRefused as exc:
+            kinds = sorted({r.kind for r in exc.refusals}) or ["none"]
+            _warn_once(
+                "handoff-" + "-".join(kinds),
+                "comfy_standin: worker {name}'s board was refused: "
+                "{error}; its stand-ins use receipts only",
+                name=name, error=str(exc))
+            return
+        for refusal in strangers:
+            _warn_once(
+                "handoff-" + refusal.kind,
+                "comfy_standin: refused a connection to worker {name}'s "
+                "board handoff ({detail})",
+                name=name, detail=refusal.detail)
+        board.expected_owner = owner
+        cs.default_pool().own_board(worker, board)
+        with _boards_lock:
+            _boards[worker] = _BoardState(board, handoff.spawned_pid, owner)
+    except Exception:
+        log.exception("comfy_standin: board handoff failed (ignored); "
+                      "stand-ins use receipts only")
+    finally:
+        handoff.close()
+
+
+def _refusal_kind(reason: Any) -> str:
+    """A fixed word for a worker's refusal (the log-once key: never the
+    worker's own text)."""
+    text = str(reason)
+    for marker, kind in (("layout", "layout"), ("protocol", "protocol"),
+                         ("shape", "worker-shape"), ("handoff", "handoff"),
+                         ("board library", "library"),
+                         ("make a board", "make")):
+        if marker in text:
+            return "worker-" + kind
+    return "worker-other"
 
 
 def _board_done(worker: Any) -> None:
@@ -492,9 +872,11 @@ def _board_done(worker: Any) -> None:
 
 def _board_off(worker: Any, state: _BoardState, patchers: dict[str, Any],
                kind: str, reason: str) -> None:
-    _warn_once(kind, f"comfy_standin: worker {getattr(worker, 'name', '?')} "
-                     f"does not publish a live board ({reason}); its "
-                     f"stand-ins use receipts only")
+    _warn_once(
+        kind,
+        "comfy_standin: worker {name} does not publish a live board "
+        "({reason}); its stand-ins use receipts only",
+        name=getattr(worker, "name", "?"), reason=reason)
     state.off = True
     for s in patchers.values():
         attached = s.board if _is_ours(s) else None
@@ -512,7 +894,8 @@ def _sync_board(env_dir: Any, worker: Any) -> None:
         return
     board = state.board
     process = getattr(worker, "_process", None)
-    if getattr(process, "pid", None) != state.pid or not worker.is_alive():
+    if getattr(process, "pid", None) != state.spawned \
+            or not worker.is_alive():
         return  # another process now: its own board, its own bindings
     if board.poll_owner():
         return  # exited: the pool's boundary marks it gone
@@ -546,12 +929,11 @@ def _sync_board(env_dir: Any, worker: Any) -> None:
         return  # another thread is in the worker: the next boundary
     try:
         process = getattr(worker, "_process", None)
-        if getattr(process, "pid", None) != state.pid \
+        if getattr(process, "pid", None) != state.spawned \
                 or not worker.is_alive():
             return
         reply = worker.call_module(
-            module=_WORKER_MODULE, func="bind", timeout=60.0,
-            bindings=pending, period=SAMPLE_PERIOD,
+            module=_PUBLISHER, func="bind", timeout=60.0, bindings=pending,
         )
     except Exception as exc:
         first = (str(exc).splitlines() or [type(exc).__name__])[0]
@@ -560,24 +942,19 @@ def _sync_board(env_dir: Any, worker: Any) -> None:
             state.off = True
             _board_done(worker)
             return
-        _board_off(worker, state, patchers, "worker-import", (
-            f"{_WORKER_MODULE}.bind failed in the worker: {first}; "
-            f"comfy-standin must be installed in the pack's environment"))
+        _board_off(worker, state, patchers, "worker-bind",
+                   f"{_PUBLISHER}.bind failed in the worker: {first}")
         return
     finally:
         if lock is not None:
             lock.release()
-    if not isinstance(reply, dict) or not reply.get("ok"):
+    if not isinstance(reply, dict) or reply.get("ok") is not True:
         reason = reply.get("reason") if isinstance(reply, dict) else reply
-        _board_off(worker, state, patchers, f"worker:{reason}", str(reason))
+        _board_off(worker, state, patchers, "worker-bind", str(reason))
         return
-    pid = reply.get("pid")
-    if isinstance(pid, int) and pid != board.expected_owner:
-        board.expected_owner = pid  # a launcher in between (pixi run)
-    if not board.attached or board.owner_pid != pid:
+    if reply.get("pid") != state.owner:
         _board_off(worker, state, patchers, "owner",
-                   "the worker opened another board than the host made")
+                   "another process answered for the worker that made "
+                   "the board")
         return
     state.sent.update({m: (b[0], b[1]) for m, b in pending.items()})
-    if board.linked:
-        board.unlink()  # the worker has it mapped: no descriptor left here

@@ -1,0 +1,301 @@
+#!/usr/bin/env python
+"""What the hostile-edge checks cost, side by side in one run.
+
+Run from the repository root (the comfy-env rows need comfy-env, the
+holder rows the test extra: tests/fakes.py and tests/mockcomfy)::
+
+    python bench/bench_edges.py            # print the table
+    python bench/bench_edges.py --write    # and rewrite our section of
+                                           # bench/RESULTS.md
+    python bench/bench_edges.py --smoke    # one tiny round, no timing use
+
+Each row times two ways of doing one job in alternating turns (the loop
+count doubles until a run takes 20 ms, then 7 rounds, each keeping its
+minimum) and prints both and their ratio:
+
+- ``PoolHolder ask``: ``release_memory`` on one idle worker that answers
+  at once, with the ask on a helper thread under the call's deadline
+  (how it runs now) against the ask on the caller's thread (how it ran
+  before the deadline: ``_ask_now`` directly).
+- ``census wrapper``: comfy-env's ``state_sync.apply_residency`` as the
+  adapter wraps it (every entry checked, then the C state sync) against
+  ``comfy_standin.apply_residency`` called directly, on a valid census of
+  8 models; and on the same census with one bad entry (the wrapper then
+  applies entry by entry).
+- ``visible()``: a 1 MiB worker string against a 1 KiB one, both cut
+  to the 200-character limit (the cut is O(limit), so about 1).
+
+and one memory row: bytes still allocated (tracemalloc) after 20 workers
+each refused the board with a 1 MiB reason, with the adapter's
+``_warn_once`` against a log-once set keyed by the reason text (what it
+was keyed by before).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS_PATH = HERE / "RESULTS.md"
+BEGIN_MARKER = "<!-- edges:begin -->"
+END_MARKER = "<!-- edges:end -->"
+HEADING = "## what the edge checks cost"
+COMMAND = "python bench/bench_edges.py --write"
+GIB = 1 << 30
+MIB = 1 << 20
+
+SMOKE = {"min_seconds": 0.0, "rounds": 1, "workers": 2, "reason": 1024}
+FULL = {"min_seconds": 0.02, "rounds": 7, "workers": 20, "reason": MIB}
+
+
+def _tests_on_path() -> None:
+    for sub in ("tests", "tests/mockcomfy"):
+        path = str(ROOT / sub)
+        if path not in sys.path:
+            sys.path.insert(0, path)
+
+
+def _loops(fn: Callable[[], object], min_seconds: float) -> int:
+    n = 1
+    while True:
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        if time.perf_counter() - start >= min_seconds or n >= 1 << 20:
+            return n
+        n *= 2
+
+
+def pair(a: Callable[[], object], b: Callable[[], object],
+         cfg: dict[str, Any]) -> tuple[float, float]:
+    """ns per call of `a` and of `b`, in alternating turns, minimum of
+    each."""
+    n = max(_loops(a, cfg["min_seconds"]), _loops(b, cfg["min_seconds"]))
+    best = [float("inf"), float("inf")]
+    for _ in range(cfg["rounds"]):
+        for i, fn in enumerate((a, b)):
+            start = time.perf_counter_ns()
+            for _ in range(n):
+                fn()
+            best[i] = min(best[i], (time.perf_counter_ns() - start) / n)
+    return best[0], best[1]
+
+
+# ---- rows ------------------------------------------------------------------
+
+
+def holder_rows(cfg: dict[str, Any]) -> list[tuple[str, str, float, str,
+                                                   float]]:
+    _tests_on_path()
+    import fakes
+    from mock_fixtures import mock_mm as mm
+
+    import comfy_standin as cs
+    from comfy_standin import holders
+
+    class Answering(fakes.FakeWorker):
+        supports_partial_release = True
+
+        def send_command_no_spawn(self, command, lock_timeout, **params):
+            return {"status": "ok", "receipt": {"freed_bytes": 1 * MIB}}
+
+    pool = cs.Pool(floor=0, process_local=False)
+    worker = Answering("w", sim=mm.Sim())
+    worker.add_model("m", 2 * GIB, resident=2 * GIB)
+    standin = cs.StandIn(worker, 1, "m", 2 * GIB, mm.CUDA0, mm.CPU,
+                         pool=pool)
+    cs.apply_residency({"m": standin}, worker.census())
+    threaded = holders.PoolHolder(pool)
+    direct = holders.PoolHolder(pool)
+    direct._ask = direct._ask_now  # type: ignore[method-assign]
+    now, before = pair(lambda: threaded.release_memory(mm.CUDA0, MIB),
+                       lambda: direct.release_memory(mm.CUDA0, MIB), cfg)
+    assert standin is not None
+    return [("PoolHolder.release_memory, one idle worker",
+             "helper thread + deadline", now, "caller's thread", before)]
+
+
+def census_rows(cfg: dict[str, Any]) -> list[tuple[str, str, float, str,
+                                                   float]]:
+    _tests_on_path()
+    import fakes  # noqa: F401 - puts the mock comfy on the path
+
+    import comfy_standin as cs
+    from comfy_standin.integrations import comfy_env as adapter
+
+    state_sync = importlib.import_module("comfy_env.state_sync")
+    adapter.install()
+    try:
+        worker = fakes.FakeWorker("w")
+        pool = cs.Pool(floor=0)
+        standins = {
+            f"m{i}": cs.StandIn(worker=worker, worker_generation=1,
+                                model_id=f"m{i}", model_size=4 * GIB,
+                                load_device="cuda:0", offload_device="cpu",
+                                pool=pool)
+            for i in range(8)
+        }
+        def census(resident: int, bad: bool) -> list[Any]:
+            out: list[Any] = [
+                {"id": mid, "seq": 1, "resident": resident}
+                for mid in standins
+            ]
+            if bad:
+                out.insert(4, {"id": ["unhashable"]})
+            return out
+
+        def alternating(censuses: list[list[Any]],
+                        apply: Callable[..., object]) -> Callable[[], None]:
+            """Applies the two censuses in turn, so every entry moves."""
+            turn = [0]
+
+            def step() -> None:
+                turn[0] ^= 1
+                apply(standins, censuses[turn[0]])
+
+            return step
+
+        rows = []
+        for bad in (False, True):
+            hostile = [census(1 * MIB, bad), census(2 * MIB, bad)]
+            valid = [census(1 * MIB, False), census(2 * MIB, False)]
+            wrapped, direct = pair(
+                alternating(hostile, state_sync.apply_residency),
+                alternating(valid, cs.apply_residency), cfg)
+            rows.append((
+                f"census of 8{', one bad entry' if bad else ''}",
+                "adapter's wrapper", wrapped,
+                "C apply_residency (valid entries)", direct))
+        return rows
+    finally:
+        adapter.uninstall()
+
+
+def visible_rows(cfg: dict[str, Any]) -> list[tuple[str, str, float, str,
+                                                    float]]:
+    from comfy_standin._text import visible
+
+    huge = "\x1b[2J" + "x" * MIB
+    small = "\x1b[2J" + "x" * 1024
+    a, b = pair(lambda: visible(huge), lambda: visible(small), cfg)
+    return [("visible(), worker text", "1 MiB string", a,
+             "1 KiB string", b)]
+
+
+def memory_row(cfg: dict[str, Any]) -> tuple[str, int, int]:
+    from comfy_standin.integrations import comfy_env as adapter
+
+    def retained(warn: Callable[[str, str], None]) -> int:
+        tracemalloc.start()
+        base = tracemalloc.get_traced_memory()[0]
+        for i in range(cfg["workers"]):
+            reason = f"{i}:" + "r" * cfg["reason"]
+            warn(f"worker:{reason}",
+                 f"comfy_standin: worker w{i} does not publish a live "
+                 f"board ({reason}); its stand-ins use receipts only")
+            del reason
+        kept = tracemalloc.get_traced_memory()[0] - base
+        tracemalloc.stop()
+        return kept
+
+    keyed_by_text: set[str] = set()
+
+    def by_text(kind: str, message: str) -> None:
+        if kind not in keyed_by_text:
+            keyed_by_text.add(kind)
+            logging.getLogger("comfy_standin").warning("%s", message)
+
+    saved = adapter._warned
+    adapter._warned = set()
+    try:
+        now = retained(adapter._warn_once)
+    finally:
+        adapter._warned = saved
+    before = retained(by_text)
+    return (f"log-once after {cfg['workers']} refusing workers, "
+            f"{cfg['reason'] // 1024} KiB reasons", now, before)
+
+
+# ---- output ----------------------------------------------------------------
+
+
+def run(cfg: dict[str, Any]) -> dict[str, Any]:
+    logger = logging.getLogger("comfy_standin")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)  # the rows log on purpose
+    try:
+        rows = holder_rows(cfg) + census_rows(cfg) + visible_rows(cfg)
+        return {"rows": rows, "memory": memory_row(cfg)}
+    finally:
+        logger.setLevel(level)
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = ["| job | this way | ns | against | ns | ratio |",
+             "|---|---|---:|---|---:|---:|"]
+    for job, a_name, a, b_name, b in results["rows"]:
+        lines.append(f"| {job} | {a_name} | {a:,.0f} | {b_name} | {b:,.0f} "
+                     f"| {a / b:.2f} |")
+    job, now, before = results["memory"]
+    lines += [
+        "",
+        "| memory | keyed by a fixed kind (now) | keyed by the reason "
+        "text | ratio |",
+        "|---|---:|---:|---:|",
+        f"| {job} | {now:,} B | {before:,} B | "
+        f"{before / max(now, 1):,.0f}x less |",
+    ]
+    return "\n".join(lines)
+
+
+def section(results: dict[str, Any]) -> str:
+    return "\n".join([
+        HEADING, "", BEGIN_MARKER,
+        f"Command: `{COMMAND}`.  What each row times: the bench's "
+        f"docstring.  The ratio is this way's cost over the other's.",
+        "",
+        table(results),
+        "",
+        "The deadline's helper thread is paid once per ask, only under "
+        "memory pressure (ComfyUI asks holders after its own models); it "
+        "bounds how long one silent worker can hold ComfyUI's thread.",
+        END_MARKER,
+    ])
+
+
+def write(text: str) -> None:
+    old = RESULTS_PATH.read_text()
+    if BEGIN_MARKER in old:
+        head, _, rest = old.partition(HEADING + "\n")
+        _, _, tail = rest.partition(END_MARKER)
+        new = head + text + tail
+    else:
+        new = old.rstrip("\n") + "\n\n" + text + "\n"
+    RESULTS_PATH.write_text(new)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--write", action="store_true",
+                        help="rewrite our section of bench/RESULTS.md")
+    parser.add_argument("--smoke", action="store_true",
+                        help="one tiny round (checks the bench runs)")
+    args = parser.parse_args(argv)
+    text = section(run(SMOKE if args.smoke else FULL))
+    print(text)
+    if args.write and not args.smoke:
+        write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,168 @@
+"""docs/cli.md's command reference, written from the argparse parser.
+
+``python -m comfy_standin._clidoc docs/cli.md`` rewrites the block
+between ``<!-- BEGIN GENERATED: cli reference -->`` and ``<!-- END
+GENERATED: cli reference -->`` (everything outside it is hand-written);
+``--check`` exits 1 when the block is not what the parser says.  The
+format is this module's own, not argparse's help layout, so it reads the
+same on every Python version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+BEGIN = "<!-- BEGIN GENERATED: cli reference -->"
+END = "<!-- END GENERATED: cli reference -->"
+PROG = "comfy-standin"
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def _arguments(action: argparse.Action) -> str:
+    if action.nargs == 0:
+        return ""
+    if action.metavar is not None:
+        name = str(action.metavar)
+    elif action.choices is not None:
+        name = "{" + ",".join(map(str, action.choices)) + "}"
+    else:
+        name = action.dest.upper()
+    return f"[{name}]" if action.nargs == "?" else name
+
+
+def _invocation(action: argparse.Action) -> str:
+    arguments = _arguments(action)
+    if not action.option_strings:
+        return arguments
+    flags = ", ".join(action.option_strings)
+    return f"{flags} {arguments}" if arguments else flags
+
+
+def _help(action: argparse.Action) -> str:
+    text = action.help or ""
+    if "%(" in text:
+        text = text % {**vars(action), "prog": PROG}
+    return _cell(text)
+
+
+def _common_dests() -> set[str]:
+    from . import __main__ as cli
+
+    return {a.dest for a in cli._common_options()._actions}
+
+
+def _visible_actions(parser: argparse.ArgumentParser,
+                     common: bool = False) -> list[Any]:
+    """The options --help lists, with (`common`) or without the ones
+    every command takes."""
+    skip = set() if common else _common_dests()
+    return [a for a in parser._actions
+            if a.help != argparse.SUPPRESS and a.dest not in skip
+            and not isinstance(a, (argparse._HelpAction,
+                                   argparse._SubParsersAction))]
+
+
+def _synopsis(name: str, parser: argparse.ArgumentParser) -> str:
+    words = [f"{PROG} {name}".strip()]
+    if name:
+        words.append("[--json] [--quiet | --verbose]")
+    for action in _visible_actions(parser):
+        if action.option_strings:
+            words.append(f"[{action.option_strings[-1]}"
+                         + (f" {_arguments(action)}]"
+                            if _arguments(action) else "]"))
+        else:
+            words.append(_arguments(action))
+    return " ".join(words)
+
+
+def _table(parser: argparse.ArgumentParser,
+           common: bool = False) -> list[str]:
+    actions = _visible_actions(parser, common)
+    if not actions:
+        return ["Only the options every command takes."]
+    rows = ["| option | meaning |", "|---|---|"]
+    for action in actions:
+        rows.append(f"| `{_invocation(action)}` | {_help(action)} |")
+    return rows
+
+
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """{name: (subparser, one-line help)} in --help order."""
+    (sub,) = [a for a in parser._actions
+              if isinstance(a, argparse._SubParsersAction)]
+    helps = {choice.dest: choice.help for choice in sub._choices_actions}
+    return {name: (subparser, helps.get(name, ""))
+            for name, subparser in sub.choices.items() if name in helps}
+
+
+def reference() -> str:
+    """The generated block, markers included."""
+    from . import __main__ as cli
+
+    parser = cli.build_parser(PROG)
+    lines = [
+        BEGIN,
+        "<!-- Written by `python -m comfy_standin._clidoc docs/cli.md` "
+        "from the parser in python/comfy_standin/__main__.py: change "
+        "them there. -->",
+        "",
+        f"`{_synopsis('', parser)} COMMAND ...`",
+        "",
+        "| command | what it does |",
+        "|---|---|",
+    ]
+    commands = subcommands(parser)
+    for name, (_, text) in commands.items():
+        lines.append(f"| [`{name}`](#{name}) | {_cell(text)} |")
+    lines += ["", *_table(parser), "",
+              "Every command also takes these:", "",
+              *_table(cli._common_options(), common=True)]
+    for name, (subparser, text) in commands.items():
+        lines += ["", f"### {name}", "", f"`{_synopsis(name, subparser)}`",
+                  "", _cell(subparser.description or text), "",
+                  *_table(subparser)]
+    lines += ["", "### Exit codes", "", "| code | meaning |", "|---|---|"]
+    lines += [f"| {code} | {_cell(meaning)} |"
+              for code, meaning in cli.EXIT_CODES]
+    lines.append(END)
+    return "\n".join(lines)
+
+
+def rewrite(text: str) -> str:
+    """`text` (docs/cli.md) with its generated block replaced."""
+    start = text.index(BEGIN)
+    end = text.index(END, start) + len(END)
+    return text[:start] + reference() + text[end:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m comfy_standin._clidoc",
+        description="Write docs/cli.md's generated command reference.")
+    parser.add_argument("path", help="docs/cli.md")
+    parser.add_argument("--check", action="store_true",
+                        help="change nothing; exit 1 if the block is stale")
+    args = parser.parse_args(argv)
+    with open(args.path, encoding="utf-8") as f:
+        text = f.read()
+    new = rewrite(text)
+    if args.check:
+        if new != text:
+            print(f"{args.path}: the cli reference is stale; run python -m "
+                  f"comfy_standin._clidoc {args.path}", file=sys.stderr)
+            return 1
+        return 0
+    if new != text:
+        with open(args.path, "w", encoding="utf-8") as f:
+            f.write(new)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""bench/bench_edges.py still runs: one tiny round of every row.  No time
+or ratio is asserted (speed lives in bench/RESULTS.md); the memory row's
+direction is, because it is a byte count, not a time."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_edges.py"
+
+
+def test_every_row_has_numbers_and_the_section_is_whole():
+    spec = importlib.util.spec_from_file_location("bench_edges", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    level = logging.getLogger("comfy_standin").level
+    results = module.run(module.SMOKE)
+    assert logging.getLogger("comfy_standin").level == level  # left as found
+    assert len(results["rows"]) == 4
+    for job, _, a, _, b in results["rows"]:
+        assert math.isfinite(a) and a > 0 and math.isfinite(b) and b > 0, job
+    _, now, before = results["memory"]
+    assert 0 <= now < before  # the reasons are not kept
+    text = module.section(results)
+    assert text.startswith(module.HEADING)
+    assert module.BEGIN_MARKER in text and text.endswith(module.END_MARKER)

@@ -1,0 +1,319 @@
+"""The live board in a comfy-env pack whose environment has another Python
+and nothing of comfy_standin, started directly or through a launcher
+(comfy-env 0.4.46's real worker, spawned by comfy-env's own code).
+
+comfy-env runs each pack in an environment of its own (a pixi environment
+under ``<root>/envs/<pack>/.pixi/envs/default``, started through ``pixi
+run``), often of another CPython minor version than ComfyUI's.  Here such
+environments are venvs of the oldest and newest other CPython this machine
+has (numpy only: comfy-env's worker imports it), in comfy-env's layout, and
+``pixi`` is a stand-in launcher that either closes every inherited
+descriptor or passes every one on (tests/comfy_env_harness.py).
+
+Also here: who can reach a board (the worker that made it, and the host
+read-only; nobody through /proc, nobody through the handoff socket), the
+synchronous publish before the worker asks the host for VRAM, and the
+board's generation from the start.
+
+A machine without another CPython minor version fails these tests with a
+message saying which to install; it never skips them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import sys
+
+import pytest
+
+import comfy_standin as cs
+from comfy_standin.integrations import comfy_env as adapter
+
+from comfy_env_harness import (
+    MiB,
+    Host,
+    fake_pixi,
+    make_pack_env,
+    other_pythons,
+    standin_of,
+    wait_for,
+)
+
+pytestmark = [
+    pytest.mark.skipif(not sys.platform.startswith("linux"),
+                       reason="boards are memfds: Linux"),
+    # comfy-env's real worker (conftest fails these when comfy-env is
+    # missing; -m "not comfy_env" leaves them out).
+    pytest.mark.comfy_env,
+]
+
+HERE = "%d.%d" % sys.version_info[:2]
+
+
+def _chosen_pythons() -> list[str]:
+    found = other_pythons()
+    if not found:
+        return ["missing"]
+    minors = sorted(found, key=lambda v: tuple(map(int, v.split("."))))
+    return sorted({minors[0], minors[-1]})
+
+
+@pytest.fixture(scope="session")
+def pack_envs(tmp_path_factory):
+    """minor version -> a comfy-env-style pack environment of that Python
+    (made once per session)."""
+    found = other_pythons()
+    root = tmp_path_factory.mktemp("comfy-env-root")
+    return found, root, {}
+
+
+def _pack_env(pack_envs, minor: str) -> pathlib.Path:
+    found, root, made = pack_envs
+    assert minor in found, (
+        f"these tests need a CPython other than {HERE} for the pack's "
+        f"environment (found none of 3.10-3.13 on PATH or under "
+        f"~/.pyenv/versions): install one, e.g. `pyenv install 3.10`")
+    if minor not in made:
+        made[minor] = make_pack_env(root, found[minor],
+                                    f"pack-{minor.replace('.', '')}")
+    return made[minor]
+
+
+@pytest.fixture
+def launch(mm, monkeypatch, tmp_path, pack_envs):
+    """launch(minor, launcher) -> a Host whose pack runs in an environment
+    of CPython `minor`, started directly, or through a launcher that closes
+    or keeps inherited descriptors."""
+    monkeypatch.setattr(mm, "processing_interrupted", lambda: False,
+                        raising=False)
+    monkeypatch.setattr(adapter, "_warned", set())
+    hosts: list[Host] = []
+
+    def start(minor: str, launcher: str = "direct") -> Host:
+        env = _pack_env(pack_envs, minor)
+        if launcher == "direct":
+            # Not under a .pixi directory: comfy-env runs its bin/python.
+            direct = tmp_path / f"direct-{minor}"
+            if not direct.exists():
+                direct.symlink_to(env, target_is_directory=True)
+            env_dir = direct
+        else:
+            import comfy_env.pixi
+
+            pixi = fake_pixi(tmp_path, close_fds=launcher == "pixi-close")
+            monkeypatch.setattr(comfy_env.pixi, "PIXI", str(pixi))
+            env_dir = env
+        host = Host(mm, tmp_path / f"pack-{len(hosts)}", env_dir)
+        hosts.append(host)
+        return host
+
+    try:
+        yield start
+    finally:
+        for host in hosts:
+            host.close()
+
+
+LAUNCHERS = ("direct", "pixi-close", "pixi-keep")
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+@pytest.mark.parametrize("minor", _chosen_pythons())
+def test_another_python_with_nothing_installed_publishes(launch, minor,
+                                                         launcher):
+    adapter.install()
+    host = launch(minor, launcher)
+    host.call("load", model_id="unet-p", nbytes=4 * MiB)
+    worker, generation = host.current()
+    (about,) = host.call("about")
+    # The pack's own Python, another minor version, without comfy_standin:
+    # the only thing of ours it imported is the publisher, from a private
+    # directory first on its path that holds nothing else.
+    assert about["version"] == [int(x) for x in minor.split(".")] \
+        and minor != HERE
+    assert not about["comfy_standin_found"]
+    assert about["private_listing"] == ["_comfy_standin_publisher.py"]
+    assert about["imported_from_private"] == ["_comfy_standin_publisher"]
+    assert not about["handoff_in_environ"]
+    assert not [t for t in about["fds"].values() if t and "csb-" in t]
+    (state,) = host.call("publisher_state")
+    assert state["library"] == adapter._board_library()
+    assert sorted(state["hooks"]) == ["bump", "load", "request_vram_budget"]
+
+    s = standin_of(host.mm, "unet-p")
+    assert type(s) is cs.StandIn
+    board, slot = s.board
+    assert board.generation == generation == s.worker_generation
+    assert board.owner_pid == board.expected_owner == about["pid"]
+    assert board.fd is None and not board.linked
+    wait_for(lambda: board.status(slot) == "valid", "the first reading")
+    assert board.read(slot)[0] == 4 * MiB
+
+    host.call("move_later", model_id="unet-p", delay=0.2)
+    calls = worker._call_counter
+    wait_for(lambda: s.loaded_size() == 0, "the move on the board")
+    assert s.receipt()[3] == "board"
+    assert worker._call_counter == calls  # no message was sent
+
+
+@pytest.mark.parametrize("minor", _chosen_pythons())
+def test_a_comfy_standin_installed_in_the_pack_is_not_used(launch, minor):
+    """A pack environment that has some comfy_standin of its own (here one
+    that would fail if anything imported it): the worker still runs the
+    host's publisher, and the board is valid."""
+    adapter.install()
+    host = launch(minor, "pixi-close")
+    site = next(pathlib.Path(host.spec[0]).glob("lib/python*/site-packages"))
+    fake = site / "comfy_standin"
+    fake.mkdir(exist_ok=True)
+    (fake / "__init__.py").write_text(
+        "raise ImportError('the pack environment's own comfy_standin "
+        "was imported')\n")
+    (site / "comfy_standin-0.0.1.dist-info").mkdir(exist_ok=True)
+    try:
+        host.call("load", model_id="m", nbytes=2 * MiB)
+        (about,) = host.call("about")
+        assert about["comfy_standin_found"]  # it is there ...
+        assert not about["comfy_standin_imported"]  # ... and unused
+        s = standin_of(host.mm, "m")
+        board, slot = s.board
+        wait_for(lambda: board.status(slot) == "valid", "the reading")
+    finally:
+        import shutil
+
+        shutil.rmtree(fake, ignore_errors=True)
+        shutil.rmtree(site / "comfy_standin-0.0.1.dist-info",
+                      ignore_errors=True)
+
+
+def test_a_layout_mismatch_is_one_line_and_receipts(launch, monkeypatch,
+                                                    caplog):
+    """The host reads another layout than the worker's library writes (as
+    after an upgrade under a running ComfyUI): the worker refuses, one log
+    line, receipts; nothing raises into the worker or the host."""
+    minor = _chosen_pythons()[0]
+    monkeypatch.setattr(adapter, "_board_layout", lambda library: 99)
+    with caplog.at_level(logging.WARNING, logger="comfy_standin"):
+        adapter.install()
+        host = launch(minor)
+        host.call("load", model_id="a", nbytes=MiB)
+        host.call("load", model_id="b", nbytes=MiB)
+    lines = [r.getMessage() for r in caplog.records
+             if "receipts only" in r.getMessage()]
+    assert len(lines) == 1 and "layout" in lines[0], lines
+    worker, _ = host.current()
+    assert worker.is_alive()
+    s = standin_of(host.mm, "a")
+    assert s.board is None
+    host.call("touch")
+    assert s.receipt()[3] == "census" and s.loaded_size() == MiB
+
+
+def test_no_process_but_the_worker_can_write_its_board(launch):
+    """Two workers, each with its board.  Worker A, knowing everything in
+    B's environment and the host's pid, tries every way in: B's and the
+    host's descriptors and mappings through /proc (even writable opens of
+    /proc/<pid>/map_files, which root may make), and B's handoff socket
+    with B's token.  Nothing works, and B's board still reads B's bytes."""
+    minor = _chosen_pythons()[0]
+    adapter.install()
+    a = launch(minor)
+    b = launch(minor)
+    a.call("load", model_id="a", nbytes=MiB)
+    b.call("load", model_id="b", nbytes=3 * MiB)
+    (about_b,) = b.call("about")
+    sb = standin_of(b.mm, "b")
+    board_b, slot_b = sb.board
+    wait_for(lambda: board_b.status(slot_b) == "valid", "B's reading")
+    # The host holds no descriptor of any board: only read-only mappings.
+    host_fds = [os.readlink(f"/proc/self/fd/{fd}")
+                for fd in os.listdir("/proc/self/fd")
+                if os.path.exists(f"/proc/self/fd/{fd}")]
+    assert not [t for t in host_fds if "csb-" in t], host_fds
+    with open("/proc/self/maps") as f:
+        mine = [line.split() for line in f if "csb-" in line]
+    assert mine and all("w" not in fields[1] for fields in mine), mine
+    (won,) = a.call("attack", victim_pid=about_b["pid"],
+                    host_pid=os.getpid())
+    assert won == [], won
+    assert board_b.status(slot_b) == "valid"
+    assert board_b.read(slot_b)[0] == 3 * MiB
+
+
+def test_the_attack_finds_a_board_that_is_not_write_sealed(launch):
+    """The control for the test above: the same attack against a board the
+    host created and still holds (the other way to begin a board, sealed
+    against resizing only) gets in, so the attack can see a way in."""
+    minor = _chosen_pythons()[0]
+    adapter.install()
+    a = launch(minor)
+    a.call("load", model_id="a", nbytes=MiB)
+    exposed = cs.Board.create(4)
+    try:
+        (won,) = a.call("attack", victim_pid=os.getpid(),
+                        host_pid=os.getpid())
+    finally:
+        exposed.close()
+    assert any(w.startswith("descriptor") for w in won), won
+    assert any(w.startswith("wrote") for w in won), won
+
+
+@pytest.mark.parametrize("minor", _chosen_pythons())
+def test_back_to_back_loads_read_right_at_the_vram_request(launch,
+                                                           monkeypatch,
+                                                           minor):
+    """In one node call the pack reloads its model (no message: comfy-env
+    bumps nothing for a reload) and then loads another through ComfyUI's
+    load_models_gpu, which comfy-env's worker shims to ask the host for
+    VRAM; the host runs ComfyUI's free_memory inside that call.  With the
+    sampler asleep (60 s), only the publisher's synchronous pass before
+    the request can make the host see the reload: it must."""
+    from comfy_env.isolation import pool as ce_pool
+
+    monkeypatch.setattr(adapter, "SAMPLE_PERIOD", 60.0)
+    seen: list[tuple[int, str]] = []
+    original = ce_pool._handle_vram_budget
+
+    def recording(request, worker_key=None):
+        s = standin_of(host.mm, "unet-r")
+        seen.append((s.loaded_size(), s.receipt()[3]))
+        return original(request, worker_key=worker_key)
+
+    monkeypatch.setattr(ce_pool, "_handle_vram_budget", recording)
+    adapter.install()
+    host = launch(minor)
+    host.call("load", model_id="unet-r", nbytes=8 * MiB)
+    host.call("offload", model_id="unet-r")
+    s = standin_of(host.mm, "unet-r")
+    assert s.loaded_size() == 0  # the census at the call's end said so
+    host.call("reload_and_request", model_id="unet-r", other_size=MiB)
+    assert seen == [(8 * MiB, "board")], seen
+    (state,) = host.call("publisher_state")
+    assert state["synced"].get("request_vram_budget") == 1
+    assert state["synced"].get("load") == 1
+
+
+def test_generation_from_the_start_and_a_new_board_per_process(launch):
+    """The board carries comfy-env's generation from the spawn on (its
+    pool record does not exist yet then), and a worker restarted by
+    comfy-env gets a new board with the new generation."""
+    minor = _chosen_pythons()[0]
+    adapter.install()
+    host = launch(minor)
+    host.call("load", model_id="g", nbytes=MiB)
+    worker, generation = host.current()
+    s = standin_of(host.mm, "g")
+    board, _ = s.board
+    assert board.generation == generation == s.worker_generation > 0
+    os.kill(worker._process.pid, 9)
+    worker._process.wait(timeout=60)
+    cs.default_pool().boundary(host.mm)
+    host.call("load", model_id="g", nbytes=MiB)
+    worker2, generation2 = host.current()
+    s2 = standin_of(host.mm, "g")
+    board2, slot2 = s2.board
+    assert generation2 > generation
+    assert board2 is not board and board2.generation == generation2
+    wait_for(lambda: board2.status(slot2) == "valid", "the new reading")
