@@ -9,6 +9,11 @@ import logging
 import math
 from pathlib import Path
 
+import pytest
+
+# The census rows run comfy-env's state_sync through the adapter.
+pytestmark = pytest.mark.comfy_env
+
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_edges.py"
 
 

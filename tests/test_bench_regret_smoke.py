@@ -33,6 +33,9 @@ from typing import Any
 
 import pytest
 
+# comfy-env 0.4.46's own code is the faithful column: every test needs it.
+pytestmark = pytest.mark.comfy_env
+
 BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
 BENCH = BENCH_DIR / "bench_regret.py"
 GiB = 1 << 30
