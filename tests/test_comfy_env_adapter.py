@@ -361,7 +361,7 @@ def test_the_board_refusal_path_logs_once_per_kind(fresh_log_once, caplog):
         for i in range(20):
             worker = Worker(f"w{i}")
             state = adapter._BoardState(types.SimpleNamespace(closed=True),
-                                        0)
+                                        0, 0)
             reason = f"{i}" + "z" * (1 << 20)
             adapter._board_off(worker, state, {}, f"worker:{reason}", reason)
     assert len(adapter._warned) == 1

@@ -41,8 +41,13 @@ from comfy_standin import pool as pool_module
 from comfy_standin._text import LOG_TEXT_LIMIT
 from comfy_standin.integrations import comfy_env as adapter
 
-state_sync = importlib.import_module("comfy_env.state_sync")
-model_patcher = importlib.import_module("comfy_env.isolation.model_patcher")
+
+
+def _state_sync() -> Any:
+    """comfy-env's state_sync module, as its callers see it (imported at
+    use: this file collects without comfy-env)."""
+    return importlib.import_module("comfy_env.state_sync")
+
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -138,6 +143,7 @@ def picture(patchers: dict[str, Any]) -> dict[str, Any]:
     return seen
 
 
+@pytest.mark.comfy_env
 @HOSTILE
 @given(census=censuses)
 def test_census_wrapper_is_the_valid_entries_alone(adapter_on, census):
@@ -147,6 +153,7 @@ def test_census_wrapper_is_the_valid_entries_alone(adapter_on, census):
     twin = patcher_set()
     live = {k: v for k, v in hostile.items() if k != "_keep"}
     lines: list[str] = []
+    state_sync = _state_sync()
     changed = state_sync.apply_residency(live, census, log=lines.append)
     assert isinstance(changed, list) and set(changed) <= set(live)
     printable_lines(lines)
@@ -168,12 +175,14 @@ def test_census_wrapper_is_the_valid_entries_alone(adapter_on, census):
     assert picture(hostile) == picture(twin)
 
 
+@pytest.mark.comfy_env
 @HOSTILE
 @given(census=censuses, resident=values, seq=values)
 def test_peak_and_echo_wrappers_never_raise(adapter_on, census, resident,
                                             seq):
     patchers = patcher_set()
     live = {k: v for k, v in patchers.items() if k != "_keep"}
+    state_sync = _state_sync()
     state_sync.apply_peak_raise(live, census)
     for mid in ("a", "old"):
         state_sync.apply_echo(live[mid], resident, seq=seq)

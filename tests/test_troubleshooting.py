@@ -27,7 +27,7 @@ C_SOURCES = ROOT / "src"
 LOGGERS = {"log", "_log", "logger"}
 LEVELS = {"info", "warning", "error", "exception", "critical"}
 #: Helpers that log the message given as their argument `index`.
-HELPERS = {"_warn_once": 1, "_note": 1}
+HELPERS = {"_warn_once": 1, "_note": 1, "_note_once": 2}
 #: A message is one of these: what a placeholder becomes.
 HOLE = "…"
 PRINTF = re.compile(r"%(?:\d+\$)?[-+ #0]*\d*(?:\.\d+)?(?:hh|h|ll|l|z|j|t)?"
@@ -74,7 +74,14 @@ def python_messages(text: str, where: str
     """(messages, calls whose message is not written at the call) of the
     Python source `text` of the file named `where`."""
     found, unreadable = [], []
-    for node in ast.walk(ast.parse(text, where)):
+    tree = ast.parse(text, where)
+    # A helper's own calls pass on their caller's message (read there).
+    inside_helpers = {
+        id(call) for function in ast.walk(tree)
+        if isinstance(function, ast.FunctionDef) and function.name in HELPERS
+        for call in ast.walk(function) if isinstance(call, ast.Call)
+    }
+    for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
             continue
         func = node.func
@@ -89,7 +96,13 @@ def python_messages(text: str, where: str
         if len(node.args) <= index:
             continue
         argument = node.args[index]
+        if id(node) in inside_helpers and isinstance(argument, ast.Name):
+            continue
         template = literal(argument)
+        if (template is not None and isinstance(func, ast.Name)
+                and func.id == "_warn_once" and node.keywords):
+            # _warn_once(kind, template, **worker_text): str.format fields
+            template = re.sub(r"\{[A-Za-z_]\w*\}", HOLE, template)
         if template is None:
             unreadable.append(f"{where}:{node.lineno}")
         elif canonical(template).strip(HOLE + " "):
