@@ -2,10 +2,12 @@
 
 Measures, side by side in one run:
 
-  reads      ns per StandIn.loaded_size() for the C stand-in
+  reads      ns per ``s.loaded_size()`` for the C stand-in
              (comfy_standin.StandIn) and the reference
              (comfy_standin._reference.StandIn), receipts only vs a board
-             attached with a valid reading newer than the receipt.
+             attached with a valid reading newer than the receipt: the
+             call as ComfyUI makes it (the attribute looked up on every
+             call), in rounds, reported as best (median, p90).
   error      a real worker process (bench/busy_worker.py) runs a call
              during which its model's residency sweeps up and down between
              0 and the model size every 0.5-2 ms, publishing each change
@@ -20,9 +22,10 @@ Measures, side by side in one run:
              stamp, taken just before the publish) to the host's first
              loaded_size() that returns it.
 
-Usage:  python bench/bench_board_view.py [--write]
+Usage:  python bench/bench_board_view.py [--write] [-n N] [--repeats R]
 --write replaces the "board vs receipts" section of bench/RESULTS.md and
-keeps every other section as it is.  About 20 s on 2 cores.
+keeps every other section as it is; the section's command line is the
+one that ran.  About 20 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -45,10 +48,13 @@ from typing import Any
 from comfy_standin._core import Board
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import benchutil  # noqa: E402
+
 RESULTS = HERE / "RESULTS.md"
 WORKER = HERE / "busy_worker.py"
 SECTION = "## board vs receipts"
-COMMAND = "python bench/bench_board_view.py --write"
+SCRIPT = "bench/bench_board_view.py"
 GIB = 1 << 30
 SIZE = 8 * GIB
 MODEL_ID = "unet-0"
@@ -74,9 +80,15 @@ def make_standin(impl, size: int = SIZE, model_id: str = MODEL_ID):
 # ---- 1. read cost -----------------------------------------------------------
 
 
-def bench_reads(n: int, repeats: int = 5) -> dict[str, Any]:
-    """ns per loaded_size() call, best of `repeats`; the cases interleave
-    so that drift of the machine falls on all of them alike."""
+def read_ns(s: Any, n: int, rounds: int) -> list[float]:
+    """ns per ``s.loaded_size()`` in each round of `n` calls, the method
+    looked up on every call as ComfyUI's ``LoadedModel`` does."""
+    return benchutil.statement_ns("s.loaded_size()", {"s": s}, n, rounds)
+
+
+def bench_reads(n: int, repeats: int = 9) -> dict[str, Any]:
+    """ns per loaded_size() call, per round; the cases take turns each
+    round so that drift of the machine falls on all of them alike."""
     impls = {k: importlib.import_module(v) for k, v in IMPLS.items()}
     host = Board.create(len(impls))
     # This process plays the worker, on its own mapping of the segment.
@@ -94,8 +106,8 @@ def bench_reads(n: int, repeats: int = 5) -> dict[str, Any]:
             worker_side.bind(slot, host.tag(slot))
             impl.apply_echo(on_board, 1 * GIB, seq=1)
             boards.append((on_board, slot))
-            cases[(name, "receipts")] = receipts.loaded_size
-            cases[(name, "board")] = on_board.loaded_size
+            cases[(name, "receipts")] = receipts
+            cases[(name, "board")] = on_board
 
         def fresh() -> None:
             # a reading newer than the receipt, and a fresh heartbeat
@@ -107,21 +119,20 @@ def bench_reads(n: int, repeats: int = 5) -> dict[str, Any]:
         def empty() -> None:
             return None
 
-        best = {key: math.inf for key in [*cases, "empty"]}
-        clock = time.perf_counter_ns
+        times: dict[Any, list[float]] = {key: [] for key in [*cases,
+                                                            "empty"]}
         for _ in range(repeats):
             fresh()
-            for key, fn in [*cases.items(), ("empty", empty)]:
-                start = clock()
-                for _ in range(n):
-                    fn()
-                best[key] = min(best[key], (clock() - start) / n)
+            for key, s in cases.items():
+                times[key] += read_ns(s, n, 1)
+            times["empty"] += benchutil.statement_ns("f()", {"f": empty},
+                                                     n, 1)
             for on_board, _ in boards:  # still read from the board
                 assert on_board.loaded_size() == 2 * GIB
-        out: dict[str, Any] = {"empty": best.pop("empty"), "n": n,
+        out: dict[str, Any] = {"empty": times.pop("empty"), "n": n,
                                "repeats": repeats}
-        for (name, case), ns in best.items():
-            out.setdefault(name, {})[case] = ns
+        for (name, case), rounds in times.items():
+            out.setdefault(name, {})[case] = rounds
         for on_board, _ in boards:
             on_board.detach_board()
     finally:
@@ -289,6 +300,7 @@ def sample_call(host: Host, duration_s: float, period_us: float, seed: int,
     samples = []
     next_t = mono()
     done = None
+    deadline = time.monotonic() + duration_s + DEADLINE
     while done is None:
         now = mono()
         while now < next_t:  # pace: a fixed rate, spinning
@@ -298,6 +310,8 @@ def sample_call(host: Host, duration_s: float, period_us: float, seed: int,
         while (line := poll()) is not None:
             if (other := host.apply(line)) is not None:
                 done = _finish(host, other)
+        if time.monotonic() > deadline:
+            raise RuntimeError("busy worker: the call did not end")
     timeline = host.worker.timeline()
     assert len(timeline) == done, (len(timeline), done)
     return timeline, samples
@@ -388,7 +402,10 @@ def poll_call(host: Host, duration_s: float, seed: int,
     seen = []
     last = on_board()
     done = None
+    deadline = time.monotonic() + duration_s + DEADLINE
     while done is None:
+        if time.monotonic() > deadline:
+            raise RuntimeError("busy worker: the call did not end")
         for _ in range(64):
             value = on_board()
             if value != last:
@@ -437,11 +454,9 @@ def machine() -> str:
         pass
     usable = (len(os.sched_getaffinity(0))
               if hasattr(os, "sched_getaffinity") else os.cpu_count())
-    load = (" (load average {:.2f} at the start of the run)".format(
-        os.getloadavg()[0]) if hasattr(os, "getloadavg") else "")
     return (f"{usable} CPUs usable (nproc), {cpu}, {platform.system()} "
             f"{platform.release()}, {platform.python_implementation()} "
-            f"{platform.python_version()}{load}")
+            f"{platform.python_version()}")
 
 
 def gb(n: float) -> str:
@@ -467,35 +482,48 @@ def ratio_text(a: float, b: float) -> str:
     return f"{a / b:,.0f}x"
 
 
-def report(reads, errors, stale, args, where: str | None = None) -> str:
+def report(reads, errors, stale, args, where: str | None = None,
+           load_before: tuple[float, ...] | None = None) -> str:
     size = errors["size"]
     r, b = errors["receipts"], errors["board"]
-    c, ref = reads["C"], reads["reference"]
+    best = {name: {case: min(rounds) for case, rounds in reads[name].items()}
+            for name in ("C", "reference")}
+    c, ref = best["C"], best["reference"]
+    spread = benchutil.spread_text
+    load = benchutil.load_text(load_before or benchutil.loadavg(),
+                               benchutil.loadavg())
     lines = [
         SECTION,
         "",
-        f"Command: `{COMMAND}`  ",
-        f"Machine: {where or machine()}.",
+        f"Command: `{benchutil.command(SCRIPT, args.argv)}`  ",
+        f"Machine: {where or machine()}; {load}.",
         "",
         "What a stand-in's `loaded_size()` costs, and how wrong it is while "
         "a worker pages, with receipts only (docs/architecture.md, inaccuracy "
         "2) and with the live board attached (docs/board.md).",
         "",
-        f"### read cost (ns per `loaded_size()`, best of "
-        f"{reads['repeats']} x {reads['n']:,})",
+        f"### read cost (ns per `s.loaded_size()`, best (median, p90) of "
+        f"{reads['repeats']} rounds x {reads['n']:,})",
+        "",
+        "The call as ComfyUI makes it: the method looked up on every call "
+        "(`s.loaded_size()`), never bound once before the loop.  Ratios "
+        "are of the best rounds.",
         "",
         "| implementation | receipts only | board attached (valid reading) "
         "| board / receipts |",
         "|---|---:|---:|---:|",
-        f"| C (`comfy_standin.StandIn`) | {c['receipts']:.0f} | "
-        f"{c['board']:.0f} | {ratio(c['board'], c['receipts']):.1f}x |",
+        f"| C (`comfy_standin.StandIn`) | "
+        f"{spread(reads['C']['receipts'])} | {spread(reads['C']['board'])} "
+        f"| {ratio(c['board'], c['receipts']):.1f}x |",
         f"| reference (`comfy_standin._reference.StandIn`) | "
-        f"{ref['receipts']:.0f} | {ref['board']:.0f} | "
+        f"{spread(reads['reference']['receipts'])} | "
+        f"{spread(reads['reference']['board'])} | "
         f"{ratio(ref['board'], ref['receipts']):.1f}x |",
         f"| reference / C | {ratio(ref['receipts'], c['receipts']):.1f}x | "
         f"{ratio(ref['board'], c['board']):.1f}x | |",
         "",
-        f"Loop overhead (empty Python call) {reads['empty']:.0f} ns, "
+        f"Loop overhead (an empty Python call `f()`) "
+        f"{spread(reads['empty'])} ns, "
         "included in every figure.  With a board (layout 2), a read takes "
         "the slot's tag from the host's own table, checks the host's "
         "worker-gone flag, the owner word and the heartbeat (coarse clock), "
@@ -578,10 +606,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true")
     parser.add_argument("-n", type=int, default=100_000,
-                        help="loaded_size() calls per timing")
-    parser.add_argument("--repeats", type=int, default=5,
-                        help="read-cost rounds; the best counts (more "
-                        "rounds on a busy machine)")
+                        help="loaded_size() calls per round")
+    parser.add_argument("--repeats", type=int, default=9,
+                        help="read-cost rounds (best, median and p90 "
+                        "reported)")
     parser.add_argument("--duration", type=float, default=6.0,
                         help="seconds of the sampled call")
     parser.add_argument("--period-us", type=float, default=200.0)
@@ -590,8 +618,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stale-duration", type=float, default=3.0)
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
 
     where = machine()  # before the run loads the machine
+    load_before = benchutil.loadavg()
     reads = bench_reads(args.n, args.repeats)
     steps = (args.step_min_us, args.step_max_us)
     with Host() as host:
@@ -600,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
         errors = summarize_errors(timeline, samples, host.size)
         stale = staleness(*poll_call(host, args.stale_duration,
                                      args.seed + 1, steps))
-    text = report(reads, errors, stale, args, where)
+    text = report(reads, errors, stale, args, where, load_before)
     print(text)
     if args.write:
         write_section(text)

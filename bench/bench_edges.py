@@ -10,8 +10,9 @@ holder rows the test extra: tests/fakes.py and tests/mockcomfy)::
     python bench/bench_edges.py --smoke    # one tiny round, no timing use
 
 Each row times two ways of doing one job in alternating turns (the loop
-count doubles until a run takes 20 ms, then 7 rounds, each keeping its
-minimum) and prints both and their ratio:
+count doubles until a run takes 20 ms, then 7 rounds) and prints both,
+best (median, p90) of the rounds, and the ratio of the bests; the section
+gives the machine's load before and after and the command that ran:
 
 - ``PoolHolder ask``: ``release_memory`` on one idle worker that answers
   at once, with the ask on a helper thread under the call's deadline
@@ -45,11 +46,14 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+import benchutil  # noqa: E402
+
 RESULTS_PATH = HERE / "RESULTS.md"
 BEGIN_MARKER = "<!-- edges:begin -->"
 END_MARKER = "<!-- edges:end -->"
 HEADING = "## what the edge checks cost"
-COMMAND = "python bench/bench_edges.py --write"
+SCRIPT = "bench/bench_edges.py"
 GIB = 1 << 30
 MIB = 1 << 20
 
@@ -76,25 +80,25 @@ def _loops(fn: Callable[[], object], min_seconds: float) -> int:
 
 
 def pair(a: Callable[[], object], b: Callable[[], object],
-         cfg: dict[str, Any]) -> tuple[float, float]:
-    """ns per call of `a` and of `b`, in alternating turns, minimum of
-    each."""
+         cfg: dict[str, Any]) -> tuple[list[float], list[float]]:
+    """ns per call of `a` and of `b` in each round, in alternating
+    turns."""
     n = max(_loops(a, cfg["min_seconds"]), _loops(b, cfg["min_seconds"]))
-    best = [float("inf"), float("inf")]
+    rounds: tuple[list[float], list[float]] = ([], [])
     for _ in range(cfg["rounds"]):
         for i, fn in enumerate((a, b)):
             start = time.perf_counter_ns()
             for _ in range(n):
                 fn()
-            best[i] = min(best[i], (time.perf_counter_ns() - start) / n)
-    return best[0], best[1]
+            rounds[i].append((time.perf_counter_ns() - start) / n)
+    return rounds
 
 
 # ---- rows ------------------------------------------------------------------
 
 
-def holder_rows(cfg: dict[str, Any]) -> list[tuple[str, str, float, str,
-                                                   float]]:
+def holder_rows(cfg: dict[str, Any]) -> list[tuple[str, str, list[float], str,
+                                                   list[float]]]:
     _tests_on_path()
     import fakes
     from mock_fixtures import mock_mm as mm
@@ -124,8 +128,8 @@ def holder_rows(cfg: dict[str, Any]) -> list[tuple[str, str, float, str,
              "helper thread + deadline", now, "caller's thread", before)]
 
 
-def census_rows(cfg: dict[str, Any]) -> list[tuple[str, str, float, str,
-                                                   float]]:
+def census_rows(cfg: dict[str, Any]) -> list[tuple[str, str, list[float], str,
+                                                   list[float]]]:
     _tests_on_path()
     import fakes  # noqa: F401 - puts the mock comfy on the path
 
@@ -180,8 +184,8 @@ def census_rows(cfg: dict[str, Any]) -> list[tuple[str, str, float, str,
         adapter.uninstall()
 
 
-def visible_rows(cfg: dict[str, Any]) -> list[tuple[str, str, float, str,
-                                                    float]]:
+def visible_rows(cfg: dict[str, Any]) -> list[tuple[str, str, list[float], str,
+                                                    list[float]]]:
     from comfy_standin._text import visible
 
     huge = "\x1b[2J" + "x" * MIB
@@ -240,11 +244,13 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def table(results: dict[str, Any]) -> str:
-    lines = ["| job | this way | ns | against | ns | ratio |",
+    lines = ["| job | this way | ns, best (median, p90) | against | ns, "
+             "best (median, p90) | ratio of the bests |",
              "|---|---|---:|---|---:|---:|"]
     for job, a_name, a, b_name, b in results["rows"]:
-        lines.append(f"| {job} | {a_name} | {a:,.0f} | {b_name} | {b:,.0f} "
-                     f"| {a / b:.2f} |")
+        lines.append(f"| {job} | {a_name} | {benchutil.spread_text(a)} | "
+                     f"{b_name} | {benchutil.spread_text(b)} "
+                     f"| {min(a) / min(b):.2f} |")
     job, now, before = results["memory"]
     lines += [
         "",
@@ -257,11 +263,18 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def section(results: dict[str, Any]) -> str:
+def section(results: dict[str, Any], argv: list[str] | None = None,
+            load_before: tuple[float, ...] | None = None) -> str:
+    command = benchutil.command(SCRIPT, ["--write"] if argv is None
+                                else argv)
+    load = benchutil.load_text(load_before or benchutil.loadavg(),
+                               benchutil.loadavg())
+    rounds = len(results["rows"][0][2]) if results["rows"] else 0
     return "\n".join([
         HEADING, "", BEGIN_MARKER,
-        f"Command: `{COMMAND}`.  What each row times: the bench's "
-        f"docstring.  The ratio is this way's cost over the other's.",
+        f"Command: `{command}` ({rounds} rounds; {load}).  What each row "
+        "times: the bench's docstring.  The ratio is this way's cost over "
+        "the other's, of the best rounds.",
         "",
         table(results),
         "",
@@ -289,8 +302,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="rewrite our section of bench/RESULTS.md")
     parser.add_argument("--smoke", action="store_true",
                         help="one tiny round (checks the bench runs)")
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-    text = section(run(SMOKE if args.smoke else FULL))
+    load_before = benchutil.loadavg()
+    text = section(run(SMOKE if args.smoke else FULL), argv, load_before)
     print(text)
     if args.write and not args.smoke:
         write(text)

@@ -18,6 +18,11 @@ the larger of the two (issue budget: 250 bytes per stand-in).
     python bench/bench_memory.py            # print the table
     python bench/bench_memory.py --write    # and update RESULTS.md
     python bench/bench_memory.py -n 20000   # fewer stand-ins
+    python bench/bench_memory.py --rounds 5 # more fresh interpreters each
+
+Each figure is measured in ``--rounds`` fresh interpreters (default 3);
+the table gives the best (lowest) with the median and p90 of the rounds,
+and the section the machine's load before and after.
 
 Two layouts: MODELS_PER_WORKER stand-ins per worker (what bench_standin.py
 builds: each worker's books and the pool's entry for it are shared by 8),
@@ -40,6 +45,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_standin as bs  # noqa: E402
+import benchutil  # noqa: E402
 
 METHODS = ("tracemalloc", "rss")
 BUDGET = 250  # bytes per stand-in, issue 11
@@ -104,42 +110,50 @@ def child(impl_name: str, method: str, n: int, per: int) -> float:
 
 
 def measure(
-    n: int, per: int
-) -> tuple[dict[str, dict[str, float]], str | None]:
+    n: int, per: int, rounds: int = 3
+) -> tuple[dict[str, dict[str, list[float]]], str | None]:
+    """{impl: {method: [bytes per stand-in, one per round]}}, plus
+    "max": the larger of the two methods in each round.  The
+    implementations and methods take turns within each round."""
     impls, missing = bs.load_impls()
-    out: dict[str, dict[str, float]] = {}
-    for impl in impls:
-        for method in METHODS:
-            cmd = [
-                sys.executable,
-                str(Path(__file__).resolve()),
-                "--child",
-                impl.name,
-                method,
-                str(n),
-                str(per),
-            ]
-            done = subprocess.run(
-                cmd, capture_output=True, text=True, timeout=600, check=False
-            )
-            if done.returncode != 0:
-                raise RuntimeError(
-                    f"child {impl.name}/{method} failed:\n{done.stderr}"
+    out: dict[str, dict[str, list[float]]] = {
+        impl.name: {m: [] for m in (*METHODS, "max")} for impl in impls}
+    for _ in range(rounds):
+        for impl in impls:
+            for method in METHODS:
+                cmd = [
+                    sys.executable,
+                    str(Path(__file__).resolve()),
+                    "--child",
+                    impl.name,
+                    method,
+                    str(n),
+                    str(per),
+                ]
+                done = subprocess.run(
+                    cmd, capture_output=True, text=True, timeout=600,
+                    check=False,
                 )
-            value = json.loads(done.stdout.strip().splitlines()[-1])
-            out.setdefault(impl.name, {})[method] = value
-        out[impl.name]["max"] = max(out[impl.name][m] for m in METHODS)
+                if done.returncode != 0:
+                    raise RuntimeError(
+                        f"child {impl.name}/{method} failed:\n{done.stderr}"
+                    )
+                value = json.loads(done.stdout.strip().splitlines()[-1])
+                out[impl.name][method].append(value)
+            out[impl.name]["max"].append(
+                max(out[impl.name][m][-1] for m in METHODS))
     return out, missing
 
 
 def format_table(
-    results: dict[str, dict[str, float]], n: int, per: int
+    results: dict[str, dict[str, list[float]]], n: int, per: int
 ) -> str:
     names = list(results)
     layout = "all on one worker" if per >= n else f"{per} per worker"
+    rounds = len(next(iter(results.values()))["max"])
     lines = [
         f"Bytes per stand-in over {n:,} stand-ins, {layout} "
-        "(model ids not counted):",
+        f"(model ids not counted), best (median, p90) of {rounds} rounds:",
         "",
         "| bytes per stand-in | " + " | ".join(names) + " |",
         "|---|" + "---:|" * len(names),
@@ -148,18 +162,22 @@ def format_table(
         label = {"max": "**larger of the two**", "rss": "RSS delta"}.get(
             row, row
         )
-        cells = " | ".join(f"{results[name][row]:.0f}" for name in names)
+        cells = " | ".join(benchutil.spread_text(results[name][row])
+                           for name in names)
         lines.append(f"| {label} | {cells} |")
     return "\n".join(lines)
 
 
-def format_section(tables: list[str], missing: str | None, cmd: str) -> str:
+def format_section(tables: list[str], missing: str | None, cmd: str,
+                   load: str = "") -> str:
     lines = [
         BEGIN_MARKER,
         "",
         f"`{cmd}` on CPython {sys.version.split()[0]}, "
-        f"{os.uname().machine}: each figure from a fresh interpreter per "
-        "implementation and method (bench/bench_memory.py's docstring). "
+        f"{os.uname().machine}{'; ' + load if load else ''}: each figure "
+        "from a fresh interpreter per "
+        "implementation, method and round (bench/bench_memory.py's "
+        "docstring). "
         f"The figure that counts is the larger of the two; budget "
         f"{BUDGET} B (issue 11). C counts its ledger record (RSS only: "
         "tracemalloc is blind to the core's malloc).",
@@ -190,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-n", type=int, default=100_000)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--write", action="store_true")
     parser.add_argument(
         "--child", nargs=4, metavar=("IMPL", "METHOD", "N", "PER")
@@ -201,15 +220,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     tables = []
     missing = None
+    load_before = benchutil.loadavg()
     for per in (bs.MODELS_PER_WORKER, args.n):
-        results, missing = measure(args.n, per)
+        results, missing = measure(args.n, per, args.rounds)
         tables.append(format_table(results, args.n, per))
         print(tables[-1], "\n")
+    load = benchutil.load_text(load_before, benchutil.loadavg())
+    print(load)
     if missing:
         print(f"comfy-env absent: {missing}")
     if args.write:
-        cmd = " ".join(["python bench/bench_memory.py", *argv])
-        write_section(RESULTS_PATH, format_section(tables, missing, cmd))
+        cmd = benchutil.command("bench/bench_memory.py", argv)
+        write_section(RESULTS_PATH,
+                      format_section(tables, missing, cmd, load))
         print(f"wrote {RESULTS_PATH}")
     return 0
 

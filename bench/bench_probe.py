@@ -32,6 +32,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+import benchutil  # noqa: E402
 
 SCRIPT = """\
 devices 2
@@ -121,13 +123,14 @@ def noop():
     pass
 
 
-def calls_per_second(function, seconds: float = 0.4, repeats: int = 5):
-    """Best of `repeats` runs of about `seconds` each."""
+def seconds_per_call(function, seconds: float = 0.4,
+                     repeats: int = 9) -> list[float]:
+    """Seconds per call in each of `repeats` rounds of about `seconds`."""
     timer = timeit.Timer(function)
     number, _ = timer.autorange()
     number = max(1, int(number * seconds / 0.2))
-    best = min(timer.repeat(repeat=repeats, number=number)) / number
-    return 1.0 / best
+    return [t / number for t in timer.repeat(repeat=repeats,
+                                                number=number)]
 
 
 def write_results(section: str) -> Path:
@@ -148,7 +151,10 @@ def main(argv=None) -> int:
                         help="use the machine's NVML and libcuda")
     parser.add_argument("--write", action="store_true",
                         help="update the 'probe' section of bench/RESULTS.md")
+    parser.add_argument("--rounds", type=int, default=9)
+    argv = sys.argv[1:] if argv is None else argv
     arguments = parser.parse_args(argv)
+    load_before = benchutil.loadavg()
 
     with tempfile.TemporaryDirectory() as tmp:
         if arguments.real:
@@ -167,35 +173,39 @@ def main(argv=None) -> int:
         ctypes_probe = make_ctypes_probe(nvml_path)
         ctypes_probe()
 
-        probe_rate = calls_per_second(_core.probe)
-        ctypes_rate = calls_per_second(ctypes_probe)
-        noop_rate = calls_per_second(noop)
+        rounds = arguments.rounds
+        probe_times = seconds_per_call(_core.probe, repeats=rounds)
+        ctypes_times = seconds_per_call(ctypes_probe, repeats=rounds)
+        noop_times = seconds_per_call(noop, repeats=rounds)
         inside = sorted(_core.probe()["elapsed_ns"] for _ in range(1000))
         median_inside = inside[len(inside) // 2]
 
     rows = [
-        "| call | calls/s | time per call | time / probe() time |",
+        "| call | calls/s (best round) | us per call: best (median, p90) "
+        "| time / probe() time (best) |",
         "|---|---:|---:|---:|",
     ]
-    for label, rate in (
-        ("`probe()`", probe_rate),
-        ("ctypes NVML path", ctypes_rate),
-        ("no-op Python call", noop_rate),
+    probe_best = min(probe_times)
+    for label, times in (
+        ("`probe()`", probe_times),
+        ("ctypes NVML path", ctypes_times),
+        ("no-op Python call", noop_times),
     ):
         rows.append(
-            f"| {label} | {rate:,.0f} | {1e6 / rate:.3f} us "
-            f"| {probe_rate / rate:.4g} |"
+            f"| {label} | {1 / min(times):,.0f} | "
+            f"{benchutil.spread_text([t * 1e6 for t in times], '{:.3f}')} "
+            f"| {min(times) / probe_best:.4g} |"
         )
     table = "\n".join(rows)
-    command = "python bench/bench_probe.py" + (" --real" if arguments.real
-                                               else "")
+    command = benchutil.command("bench/bench_probe.py", argv)
+    load = benchutil.load_text(load_before, benchutil.loadavg())
     section = textwrap.dedent(
         f"""\
         ## probe
 
         `{command}` on {platform.python_implementation()}
         {platform.python_version()}, {platform.machine()}
-        ({libraries}).
+        ({libraries}); {rounds} rounds each, {load}.
 
         TABLE
 

@@ -417,6 +417,62 @@ board_seal(int fd, int seals)
 }
 #endif
 
+/* The host's new segment for `board` (its length set): a memfd sealed
+ * against resizing before anyone else can have it, or elsewhere a named
+ * segment.  Returns the descriptor, or -1 with *status (and errno). */
+static int
+board_host_segment(cs_board *board, cs_board_status *status)
+{
+    *status = CS_BOARD_ERR_SYSTEM;
+#if BOARD_MEMFD
+    int fd = board_new_memfd(board, status);
+    if (fd >= 0 && !board_seal(fd, BOARD_SEALS)) {
+        int saved = errno;
+        close(fd);
+        errno = saved;
+        *status = CS_BOARD_ERR_SEALS;
+        return -1;
+    }
+    return fd;
+#else
+    /* The name path: 96 random bits, and O_EXCL turns the rare collision
+     * (or a squatter) into a retry rather than a shared segment.  A
+     * worker holding a descriptor of a named segment can ftruncate it
+     * (no seals here), and a host read of the lost pages would raise
+     * SIGBUS: the price of the only shared memory these systems have. */
+    int fd = -1;
+    for (int attempt = 0; attempt < 16 && fd < 0; attempt++) {
+        if (board_random_name(board->name, "/csb") != 0) {
+            return -1;
+        }
+        fd = shm_open(board->name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC,
+                      S_IRUSR | S_IWUSR);
+        if (fd < 0 && errno != EEXIST) {
+            return -1;
+        }
+    }
+    if (fd < 0) {
+        return -1;
+    }
+    *status = board_remember_name(board->name);
+    if (*status != CS_BOARD_OK) {
+        (void)shm_unlink(board->name);
+        close(fd);
+        return -1;
+    }
+    *status = CS_BOARD_ERR_SYSTEM;
+    atomic_store_explicit(&board->linked, true, memory_order_relaxed);
+    if (fchmod(fd, S_IRUSR | S_IWUSR) != 0 ||
+        ftruncate(fd, (off_t)board->length) != 0) {
+        int saved = errno;
+        close(fd);
+        errno = saved;
+        return -1;
+    }
+    return fd;
+#endif
+}
+
 cs_board_status
 cs_board_create(uint32_t slots, uint64_t generation,
                 uint64_t heartbeat_limit_ns, cs_board **out, int *os_error)
@@ -449,47 +505,10 @@ cs_board_create(uint32_t slots, uint64_t generation,
         status = CS_BOARD_ERR_NOMEM;
         goto error;
     }
-#if BOARD_MEMFD
-    /* Sealed against resizing before anyone else can have it. */
-    fd = board_new_memfd(board, &status);
+    fd = board_host_segment(board, &status);
     if (fd < 0) {
         goto error;
     }
-    if (!board_seal(fd, BOARD_SEALS)) {
-        status = CS_BOARD_ERR_SEALS;
-        goto error;
-    }
-#else
-    /* The name path: 96 random bits, and O_EXCL turns the rare collision
-     * (or a squatter) into a retry rather than a shared segment.  A
-     * worker holding a descriptor of a named segment can ftruncate it
-     * (no seals here), and a host read of the lost pages would raise
-     * SIGBUS: the price of the only shared memory these systems have. */
-    for (int attempt = 0; attempt < 16 && fd < 0; attempt++) {
-        if (board_random_name(board->name, "/csb") != 0) {
-            goto error;
-        }
-        fd = shm_open(board->name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC,
-                      S_IRUSR | S_IWUSR);
-        if (fd < 0 && errno != EEXIST) {
-            goto error;
-        }
-    }
-    if (fd < 0) {
-        goto error;
-    }
-    status = board_remember_name(board->name);
-    if (status != CS_BOARD_OK) {
-        (void)shm_unlink(board->name);
-        goto error;
-    }
-    status = CS_BOARD_ERR_SYSTEM;
-    atomic_store_explicit(&board->linked, true, memory_order_relaxed);
-    if (fchmod(fd, S_IRUSR | S_IWUSR) != 0 ||
-        ftruncate(fd, (off_t)board->length) != 0) {
-        goto error;
-    }
-#endif
     struct stat st;
     if (fstat(fd, &st) != 0) {
         goto error;

@@ -272,6 +272,32 @@ cs_board_find(const cs_board *board, const char *id, size_t id_len,
 
 /* ---- host: reads ----------------------------------------------------- */
 
+/* One consistent snapshot of a slot through its seqlock: a bounded
+ * number of attempts, never a wait.  False: it never held still (torn). */
+static bool
+board_snapshot(board_slot *entry, uint64_t *tag, uint64_t *value,
+               uint64_t *stamp)
+{
+    for (int attempt = 0; attempt < CS_BOARD_READ_RETRIES; attempt++) {
+        uint64_t before = atomic_load_explicit(&entry->seq,
+                                               memory_order_acquire);
+        if (before & 1) {
+            board_cpu_relax();
+            continue;
+        }
+        *tag = atomic_load_explicit(&entry->tag, memory_order_relaxed);
+        *value = atomic_load_explicit(&entry->loaded, memory_order_relaxed);
+        *stamp = atomic_load_explicit(&entry->updated, memory_order_relaxed);
+        atomic_thread_fence(memory_order_acquire);
+        if (atomic_load_explicit(&entry->seq, memory_order_relaxed) ==
+            before) {
+            return true;
+        }
+        board_cpu_relax();
+    }
+    return false;
+}
+
 cs_board_reading
 cs_board_read_slot_status(const cs_board *board, uint32_t slot,
                           uint64_t tag, uint64_t size, uint64_t *loaded,
@@ -317,51 +343,33 @@ cs_board_read_slot_status(const cs_board *board, uint32_t slot,
         now - beat > board->heartbeat_limit) {
         return CS_BOARD_STALE;
     }
-    board_slot *entry = board_slot_at(board, slot);
-    for (int attempt = 0; attempt < CS_BOARD_READ_RETRIES; attempt++) {
-        uint64_t before = atomic_load_explicit(&entry->seq,
-                                               memory_order_acquire);
-        if (before & 1) {
-            board_cpu_relax();
-            continue;
-        }
-        uint64_t got_tag = atomic_load_explicit(&entry->tag,
-                                                memory_order_relaxed);
-        uint64_t value = atomic_load_explicit(&entry->loaded,
-                                              memory_order_relaxed);
-        uint64_t stamp = atomic_load_explicit(&entry->updated,
-                                              memory_order_relaxed);
-        atomic_thread_fence(memory_order_acquire);
-        if (atomic_load_explicit(&entry->seq, memory_order_relaxed) !=
-            before) {
-            board_cpu_relax();
-            continue;
-        }
-        if (got_tag != want) {
-            /* 0: the worker has not published under any tag yet. */
-            return got_tag == 0 ? CS_BOARD_NO_READING
-                                : CS_BOARD_TAG_MISMATCH;
-        }
-        if (stamp == 0) {
-            return CS_BOARD_NO_READING;
-        }
-        /* Untrusted values: the caller's size bounds the reading, and a
-         * stamp from the future cannot claim to be newer than now.  The
-         * coarse clock lags the precise one by about a tick, so a stamp
-         * within a tick past it is taken as is (a fresh publish: at worst
-         * a tick early), and one further (a forged one, or a tick that
-         * came late) is checked against the precise clock. */
-        if (stamp > now + board->clock_tick) {
-            uint64_t precise = board_now_ns();
-            if (stamp > precise) {
-                stamp = precise;
-            }
-        }
-        *loaded = value < size ? value : size;
-        *updated_ns = stamp;
-        return CS_BOARD_VALID;
+    uint64_t got_tag, value, stamp;
+    if (!board_snapshot(board_slot_at(board, slot), &got_tag, &value,
+                        &stamp)) {
+        return CS_BOARD_TORN;
     }
-    return CS_BOARD_TORN;
+    if (got_tag != want) {
+        /* 0: the worker has not published under any tag yet. */
+        return got_tag == 0 ? CS_BOARD_NO_READING : CS_BOARD_TAG_MISMATCH;
+    }
+    if (stamp == 0) {
+        return CS_BOARD_NO_READING;
+    }
+    /* Untrusted values: the caller's size bounds the reading, and a stamp
+     * from the future cannot claim to be newer than now.  The coarse
+     * clock lags the precise one by about a tick, so a stamp within a
+     * tick past it is taken as is (a fresh publish: at worst a tick
+     * early), and one further (a forged one, or a tick that came late) is
+     * checked against the precise clock. */
+    if (stamp > now + board->clock_tick) {
+        uint64_t precise = board_now_ns();
+        if (stamp > precise) {
+            stamp = precise;
+        }
+    }
+    *loaded = value < size ? value : size;
+    *updated_ns = stamp;
+    return CS_BOARD_VALID;
 }
 
 bool

@@ -38,11 +38,58 @@ def finite(x) -> bool:
 
 
 def test_reads_produce_numbers(bench):
-    reads = bench.bench_reads(50, repeats=1)
-    assert finite(reads["empty"])
+    reads = bench.bench_reads(50, repeats=2)
+    assert len(reads["empty"]) == 2 and all(map(finite, reads["empty"]))
     for name in ("C", "reference"):
-        assert finite(reads[name]["receipts"]) and reads[name]["receipts"] > 0
-        assert finite(reads[name]["board"]) and reads[name]["board"] > 0
+        for case in ("receipts", "board"):
+            rounds = reads[name][case]
+            assert len(rounds) == 2, (name, case)
+            assert all(finite(t) and t > 0 for t in rounds), (name, case)
+
+
+class CountingStandIn:
+    """Counts every lookup of its loaded_size attribute."""
+
+    lookups = 0
+
+    def __getattribute__(self, name):
+        if name == "loaded_size":
+            type(self).lookups += 1
+        return object.__getattribute__(self, name)
+
+    def loaded_size(self):
+        return 0
+
+
+def test_reads_look_the_method_up_on_every_call(bench):
+    # ComfyUI calls s.loaded_size(): a bound method made once before the
+    # loop would leave the attribute lookup out of the figure
+    s = CountingStandIn()
+    rounds = bench.read_ns(s, 100, 3)
+    assert len(rounds) == 3
+    assert CountingStandIn.lookups == 300
+
+
+def test_header_and_command_are_what_was_run(bench):
+    reads = {"empty": [20.0, 21.0], "n": 1234, "repeats": 2,
+             "C": {"receipts": [25.0, 26.0], "board": [30.0, 31.0]},
+             "reference": {"receipts": [250.0, 260.0],
+                           "board": [600.0, 610.0]}}
+    errors = {"size": bench.SIZE, "samples": 10, "changes": 5,
+              "receipts": {"mean": 5.0, "p95": 6.0, "max": 7.0,
+                           "exact": 0.1},
+              "board": {"mean": 1.0, "p95": 0.0, "max": 2.0, "exact": 0.9}}
+    stale = {"changes": 5, "missed": 1, "median_us": 1.0, "p90_us": 2.0,
+             "p99_us": 3.0, "max_us": 4.0}
+    args = argparse.Namespace(
+        duration=0.02, step_min_us=500, step_max_us=2000, period_us=500,
+        stale_duration=0.02, n=1234, repeats=2,
+        argv=["-n", "1234", "--repeats", "2"])
+    text = bench.report(reads, errors, stale, args, "a machine",
+                        (0.5, 0.5, 0.5))
+    assert "best (median, p90) of 2 rounds x 1,234" in text
+    assert "`python bench/bench_board_view.py -n 1234 --repeats 2`" in text
+    assert "load average 0.50, 0.50, 0.50 before" in text
 
 
 def test_scripted_call_board_error_not_above_receipt(bench):
@@ -72,9 +119,9 @@ def test_busy_call_and_staleness_produce_numbers(bench):
     assert stale["changes"] >= 0 and stale["missed"] >= 0
     args = argparse.Namespace(
         duration=0.02, step_min_us=500, step_max_us=2000, period_us=500,
-        stale_duration=0.02)
+        stale_duration=0.02, argv=[])
     reads = bench.bench_reads(10, repeats=1)
-    text = bench.report(reads, errors, stale, args)
+    text = bench.report(reads, errors, stale, args, None, (0.0, 0.0, 0.0))
     assert text.startswith(bench.SECTION)
 
 

@@ -9,6 +9,11 @@ import logging
 import math
 from pathlib import Path
 
+import pytest
+
+# The census rows run comfy-env's state_sync through the adapter.
+pytestmark = pytest.mark.comfy_env
+
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_edges.py"
 
 
@@ -21,9 +26,14 @@ def test_every_row_has_numbers_and_the_section_is_whole():
     assert logging.getLogger("comfy_standin").level == level  # left as found
     assert len(results["rows"]) == 4
     for job, _, a, _, b in results["rows"]:
-        assert math.isfinite(a) and a > 0 and math.isfinite(b) and b > 0, job
+        assert len(a) == len(b) == module.SMOKE["rounds"], job
+        for t in (*a, *b):
+            assert math.isfinite(t) and t > 0, job
     _, now, before = results["memory"]
     assert 0 <= now < before  # the reasons are not kept
-    text = module.section(results)
+    text = module.section(results, ["--smoke"], (0.5, 0.5, 0.5))
     assert text.startswith(module.HEADING)
+    assert "`python bench/bench_edges.py --smoke`" in text
+    assert "load average 0.50, 0.50, 0.50 before" in text
+    assert "best (median, p90)" in text
     assert module.BEGIN_MARKER in text and text.endswith(module.END_MARKER)

@@ -100,10 +100,15 @@ def test_the_test_core_recipe_is_the_one_ci_runs():
     assert '-m "not comfy_env"' in CI and "[test-core]" in CI
 
 
-def test_places_kept_for_other_results():
-    assert "<!-- regret paragraph -->" in README
+def test_the_results_are_in_the_user_part():
+    """The live page's screenshot and the regret outcome (what the board
+    changes, measured) are told before the developer's part."""
     assert "](docs/img/vram-page.png)" in README
-    assert README.index("<!-- regret paragraph -->") < README.index(
+    outcome = section(README, "Does the live board change what ComfyUI "
+                              "evicts?")
+    assert "bench/bench_regret.py" in outcome
+    assert "[docs/regret.md](docs/regret.md)" in outcome
+    assert README.index("## Does the live board change") < README.index(
         "## Develop and test")
 
 

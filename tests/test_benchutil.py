@@ -1,0 +1,56 @@
+"""bench/benchutil.py: what every bench reports the same way."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+PATH = Path(__file__).resolve().parents[1] / "bench" / "benchutil.py"
+
+
+@pytest.fixture(scope="module")
+def benchutil():
+    spec = importlib.util.spec_from_file_location("benchutil", PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_spread_is_best_median_and_nearest_rank_p90(benchutil):
+    rounds = [5.0, 1.0, 4.0, 2.0, 3.0, 9.0, 8.0, 7.0, 6.0, 10.0]
+    assert benchutil.pct(rounds, 0.9) == 9.0
+    assert benchutil.pct(rounds, 0.5) == 5.0
+    assert benchutil.pct([3.0], 0.99) == 3.0
+    assert benchutil.spread(rounds) == (1.0, 5.5, 9.0)
+    assert benchutil.spread_text([1.0, 2.0, 30.0], "{:.1f}") == \
+        "1.0 (2.0, 30.0)"
+
+
+def test_statement_is_timed_as_written(benchutil):
+    class Counter:
+        lookups = 0
+
+        def __getattribute__(self, name):
+            if name == "method":
+                type(self).lookups += 1
+            return object.__getattribute__(self, name)
+
+        def method(self):
+            return None
+
+    rounds = benchutil.statement_ns("s.method()", {"s": Counter()}, 50, 3)
+    assert len(rounds) == 3 and all(t > 0 for t in rounds)
+    assert Counter.lookups == 150
+
+
+def test_command_and_load(benchutil):
+    assert benchutil.command("bench/x.py", ["--write", "-n", "5"]) == \
+        "python bench/x.py --write -n 5"
+    assert benchutil.command("bench/x.py", ["a b"]) == \
+        "python bench/x.py 'a b'"
+    text = benchutil.load_text((1.0, 2.0, 3.0), (4.0, 5.0, 6.0))
+    assert text.startswith("load average 1.00, 2.00, 3.00 before, "
+                           "4.00, 5.00, 6.00 after on ")
+    assert len(benchutil.loadavg()) == 3
