@@ -13,10 +13,11 @@ Columns (who answers ``loaded_size()`` for a worker model):
 - ``comfy-env``: comfy-env 0.4.46's own ``SubprocessModelPatcher`` and
   ``state_sync`` (receipts: command echoes, the census at the end of every
   node call, registration);
-- ``today``: comfy_standin's stand-in as shipped (the same receipts, our
-  pool's node boundary, which lists again a stand-in it still holds; a
-  detach reply writes 0);
-- ``receipts``: today's, with the lead's change: a ``moved: False``
+- ``before``: comfy_standin's stand-in before docs/semantics.md's
+  "Which word wins" (the same receipts, our pool's node boundary, which
+  lists again a stand-in it still holds; a detach reply writes 0 whatever
+  its ``moved`` says);
+- ``receipts``: comfy_standin's stand-in as shipped: a ``moved: False``
   detach reply writes nothing;
 - ``receipts+``: receipts, plus the frame's census applied to the
   stand-ins created from that frame at comfy-env's node boundary;
@@ -269,7 +270,7 @@ def summarize(rows: list[dict[str, dict]]) -> dict[str, dict[str, Any]]:
 
 PAIRS = (("boards", "receipts"), ("receipts+", "receipts"),
          ("relist", "receipts"), ("relist+boards", "relist"),
-         ("receipts", "today"), ("today", "comfy-env"),
+         ("receipts", "before"), ("before", "comfy-env"),
          ("oracle", "receipts"))
 
 

@@ -61,7 +61,7 @@ Modelled here (small, cited):
   and ``partial_release`` (``memory_manager.py``).  A paged (comfy-aimdo)
   model faults its pages in while it computes and drops them under
   pressure, with no message.
-- Our stand-in as it will be after the lead's change (receipts; a board
+- Our stand-in as shipped (receipts; a board
   reading when valid and measured after the receipt; a detach reply with
   ``moved: False`` writes nothing), its pool's node boundary
   (``comfy_standin.pool.Pool.boundary``: a registered stand-in ComfyUI
@@ -139,14 +139,15 @@ NUM_STREAMS = 2
 #: ComfyUI does not list is listed again (not only the ones the pool
 #: still holds): a model ComfyUI evicted once and its worker loaded again
 #: can be evicted again.  "relist+boards" is relist with boards.
-#: "today" is comfy_standin's stand-in as shipped before the lead's
-#: change: a detach reply writes 0 whatever its "moved" says.
-COLUMNS = ("comfy-env", "today", "receipts", "receipts+", "relist",
+#: "before" is comfy_standin's stand-in before docs/semantics.md's "Which
+#: word wins": a detach reply writes 0 whatever its "moved" says.
+#: "receipts" is the stand-in as shipped.
+COLUMNS = ("comfy-env", "before", "receipts", "receipts+", "relist",
            "boards", "relist+boards", "oracle")
 #: column -> (loaded_size view, census at registration, relist every,
 #: a moved: False detach writes 0)
 COLUMN_RULES = {
-    "today": ("receipts", False, False, True),
+    "before": ("receipts", False, False, True),
     "receipts": ("receipts", False, False, False),
     "receipts+": ("receipts", True, False, False),
     "relist": ("receipts", True, True, False),
@@ -835,7 +836,8 @@ class OurStandIn:
 
     Its eviction paths act on that same figure: nothing resident, no
     command.  A detach reply with ``moved: False`` writes nothing (column
-    ``today``: it writes 0, as the shipped type does)."""
+    ``before``: it writes 0, as the type did before docs/semantics.md's
+    "Which word wins")."""
 
     def __init__(self, run: Run, worker: SimWorker, worker_generation: int,
                  model_id: str, model_size: int, load_device: Any,

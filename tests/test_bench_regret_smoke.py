@@ -287,8 +287,9 @@ class ScriptedWorker:
 
 def test_the_bench_stand_in_decides_as_the_shipped_c_type(
         bench: Any, ce: Any) -> None:
-    """Column "today" models comfy_standin.StandIn: the same replies give
-    the same figures, the same commands and the same returns."""
+    """Column "receipts" models comfy_standin.StandIn as shipped: the same
+    replies give the same figures, the same commands and the same
+    returns."""
     import comfy_standin as cs
 
     sim = bench.sim
@@ -301,7 +302,7 @@ def test_the_bench_stand_in_decides_as_the_shipped_c_type(
         {"status": "ok", "freed": 1 * GiB, "resident": 0},
     ]
     workload = bench.workloads.scenario_pack_thread()
-    with sim.Run(workload, "today", ce) as run:
+    with sim.Run(workload, "receipts", ce) as run:
         ours_worker = ScriptedWorker(replies)
         ours = sim.OurStandIn(run, ours_worker, 1, "m", size, "cuda:0",
                               "cpu")

@@ -53,7 +53,9 @@ def files() -> list[Path]:
              "--others", "--exclude-standard"],
             capture_output=True, check=True,
         ).stdout.decode()
-        names = [n for n in out.split("\0") if n]
+        # A path once, even mid-merge (an unmerged file is listed once
+        # per stage).
+        names = sorted({n for n in out.split("\0") if n})
     except (OSError, subprocess.CalledProcessError):
         # Not a git checkout (an unpacked sdist): walk, skipping what a
         # build or a virtual environment leaves.
