@@ -29,6 +29,7 @@ import os
 import pathlib
 import sys
 import textwrap
+import time
 import types
 
 import pytest
@@ -110,6 +111,23 @@ PACK = textwrap.dedent('''
 
         def touch(self):
             return ("ok",)
+
+        def load_partly(self, model_id, resident):
+            """A real torch module kept on the CPU whose ComfyUI patcher
+            holds `resident` bytes on the card (a low-VRAM partial load:
+            the first parameter stays on the CPU).  Needs torch."""
+            import comfy.model_management as mm
+            import comfy_worker
+            import torch
+
+            module = torch.nn.Linear(1024, 1024, bias=False)  # 4 MiB
+            patcher = types.SimpleNamespace(
+                model=module, loaded_size=lambda: resident)
+            _KEEP[model_id] = (module, patcher)
+            mm.current_loaded_models.append(
+                types.SimpleNamespace(model=patcher))
+            comfy_worker.register_model(model_id, module, kind="unet")
+            return (model_id,)
 
         def drop(self, model_id):
             _KEEP.pop(model_id, None)
@@ -327,3 +345,40 @@ def test_real_worker_unload_and_detach_echoes(host):
     mm.unload_all_models()
     host.call("touch")
     assert u.loaded_size() == 0 and d.loaded_size() == 0
+
+
+@pytest.mark.torch_worker
+def test_a_detach_that_moved_nothing_keeps_the_bytes(host):
+    """comfy-env's worker answers model_to_device with moved False when
+    the module's first parameter is already on the offload device, even
+    though its patcher still holds bytes on the card (a partial load):
+    nothing was freed, so the stand-in must not write 0, and the board
+    (read from the worker's own census) must agree with it."""
+    assert HAVE_TORCH, (
+        "the torch_worker tests need torch in this environment: "
+        "pip install torch==2.13.0 (CPU wheel)"
+    )
+    mm = host.mm
+    host.call("load_partly", model_id="p", resident=2 * MiB)
+    host.call("touch")  # the census of the call's end: 2 MiB
+    worker, _ = host.pool._WORKER_POOL[host.key]
+    host.workers.append(worker._process.pid)
+    s = standin_of(mm, "p")
+    assert s.model_size() == 4 * MiB
+    assert s.receipt()[0] == 2 * MiB
+    board, slot = s.board
+    deadline = time.monotonic() + 30
+    while board.status(slot) != "valid":
+        assert time.monotonic() < deadline, board.status(slot)
+        time.sleep(0.01)
+    assert board.read(slot)[0] == 2 * MiB
+    s.detach()
+    # the worker moved nothing: the receipt keeps its bytes, the eviction
+    # counts as refused (ComfyUI is told nothing was freed; the pool lists
+    # the model again at the next boundary), and the board still says so
+    assert s.receipt()[0] == 2 * MiB and s.receipt()[3] != "detach echo"
+    assert s.eviction_deferred
+    assert s.loaded_size() == 2 * MiB
+    assert board.read(slot)[0] == 2 * MiB
+    status = cs.default_pool().charge_details()[worker]
+    assert status["sum_loaded"] >= 2 * MiB
