@@ -8,8 +8,10 @@ allocation the C layer makes, and this mode makes every one of them do.
 
 ``--stress=threads`` switches threads as often as CPython allows
 (``sys.setswitchinterval(1e-6)``) while two other threads mutate a pool of
-each implementation for the whole session, and the collections their
-garbage causes run finalizers that mutate it too.
+each implementation for the whole session; a collection at every
+allocation here too (``COMFY_STANDIN_STRESS_THRESHOLD`` sets another), each
+one letting another thread run and running a finalizer that mutates the
+pools, so switches land inside the C layer's allocations.
 
 ``--stress=gc,threads`` does both.  In either mode a *churn* works on pools
 of its own (the tests' pools and workers are never touched, so their
@@ -103,6 +105,22 @@ class Holder:
 _real_collect = gc.collect
 
 
+#: The thread of each collection under way (gc.callbacks' start and stop; list
+#: operations are atomic under the GIL, `+= 1` is not).  Between its start
+#: and its stop a collection clears weak references, runs finalizers (whose
+#: Python lets other threads run) and only then frees the garbage: a check
+#: that reads rosters and charges meanwhile sees a stand-in half gone.
+_COLLECTING: list[int] = []
+
+
+def _count_collection(phase: str, info: dict[str, int]) -> None:
+    me = threading.get_ident()
+    if phase == "start":
+        _COLLECTING.append(me)
+    elif me in _COLLECTING:
+        _COLLECTING.remove(me)
+
+
 def _switch_in_collection(phase: str, info: dict[str, int]) -> None:
     """At the start of every collection: let another thread run (a sleep
     releases the GIL), as a finalizer's Python would."""
@@ -130,7 +148,9 @@ class Churn:
         self.quiet = 0  # finalizers do nothing while > 0 (a settle runs)
         self.arming = False  # the chain's link leaves the next (burst())
         self.fired = 0
-        self.target = (0, 0)
+        # The running step's (pool, worker), per thread: a finalizer runs
+        # on the thread whose allocation collected, and acts on its step.
+        self.local = threading.local()
         # (pool, worker) -> [forgets started, forgets ended]
         self.forgets: dict[tuple[int, int], list[int]] = {}
         self.forgetting = threading.RLock()
@@ -149,9 +169,9 @@ class Churn:
         """A (pool, worker) for a step; the finalizers that run inside the
         step mostly act on the same one (as a model's finalizer touches
         its own worker's stand-ins)."""
-        self.target = (self.rng.randrange(len(self.pools)),
-                       self.rng.randrange(len(self.workers)))
-        return self.target
+        self.local.target = (self.rng.randrange(len(self.pools)),
+                             self.rng.randrange(len(self.workers)))
+        return self.local.target
 
     def make(self, p: int, w: int, check: bool = False) -> None:
         """Makes a stand-in; with `check`, it must then be on its worker's
@@ -225,7 +245,7 @@ class Churn:
         try:
             roll = self.rng.random() * (1.0 if chained else 3.0)
             if self.quiet == 0 and roll < 0.9:
-                target = self.target
+                target = getattr(self.local, "target", (0, 0))
                 if self.rng.random() < 0.1:
                     target = (self.rng.randrange(len(self.pools)),
                               self.rng.randrange(len(self.workers)))
@@ -263,9 +283,7 @@ class Churn:
         another, or on none, breaks it.  Read with the collector off and
         no churn step running (in gc mode between steps; in threads mode
         with the threads paused), so nothing changes between the reads."""
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
+        with self.quiesced():
             for p, pool in enumerate(self.pools):
                 details = pool.charge_details()
                 listed = pool.standins()
@@ -277,6 +295,28 @@ class Churn:
                             f"{figures['models']} models but lists "
                             f"{len(members)} stand-ins: a stand-in is "
                             f"listed apart from the books that charge it")
+
+    @contextlib.contextmanager
+    def quiesced(self) -> Iterator[None]:
+        """The collector off, and no collection under way on another
+        thread (one that started before stays under way with the collector
+        off: its finalizers let this thread run)."""
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            deadline = time.monotonic() + 30
+            me = threading.get_ident()
+
+            def others() -> bool:
+                return any(ident != me for ident in list(_COLLECTING))
+
+            while others() and time.monotonic() < deadline:
+                time.sleep(0.0005)
+            if others():
+                self.errors.append(
+                    "a collection on another thread did not end within "
+                    "30 s (a hang?)")
+            yield
         finally:
             if collecting:
                 gc.enable()
@@ -337,13 +377,15 @@ class Churn:
     def burst(self, steps: int) -> None:
         """`steps` random steps with the finalizer chain armed: in gc mode
         every allocation in them collects and runs a finalizer."""
-        self.arming = True
+        was, self.arming = self.arming, True
         self.arm()
         try:
             for _ in range(steps):
                 self.guarded(self.rng.choice(self.MAKER + self.KEEPER))
         finally:
-            self.arming = False  # the last link dies without a successor
+            # The last link dies without a successor (unless the threads
+            # keep the chain armed).
+            self.arming = was
         self.check_listing()
 
     def guarded(self, kind: str) -> None:
@@ -366,8 +408,14 @@ class Churn:
         """Two threads, each making, dropping, forgetting, marking gone and
         reading the same workers' rosters; and a switch in every
         collection, where the C layer runs Python inside an allocation."""
+        gc.callbacks.append(_count_collection)
         gc.callbacks.append(_switch_in_collection)
         gc.collect = self.collect
+        # The finalizer chain stays armed for the session: every collection
+        # (every few allocations, pytest_configure) runs a finalizer that
+        # acts on the rosters, whichever thread it interrupted.
+        self.arming = True
+        self.arm()
         for n in range(2):
             rng = random.Random(self.rng.random())
             thread = threading.Thread(
@@ -422,26 +470,28 @@ class Churn:
         thread's own call collects at once: it cannot wait for itself)."""
         if threading.current_thread() in self.threads:
             return _real_collect(*args)
-        with self.pause():
+        with self.pause(), self.quiesced():
             return _real_collect(*args)
 
     def checkpoint(self) -> None:
         """Threads mode, after each test: with the threads paused, the
         listing check and a settle (every worker forgotten, nothing
         charged)."""
-        with self.pause():
+        with self.pause(), self.quiesced():
             self.check_listing()
             self.settle()
 
     def stop_threads(self) -> None:
+        self.arming = False
         self.stop.set()
         self.resumed.set()
         for thread in self.threads:
             thread.join(60)
             if thread.is_alive():
                 self.errors.append(f"{thread.name} did not stop (a hang?)")
-        if _switch_in_collection in gc.callbacks:
-            gc.callbacks.remove(_switch_in_collection)
+        for callback in (_switch_in_collection, _count_collection):
+            if callback in gc.callbacks:
+                gc.callbacks.remove(callback)
         gc.collect = _real_collect
 
     def take_errors(self) -> list[str]:
@@ -474,6 +524,12 @@ def pytest_configure(config: pytest.Config) -> None:
     if "gc" in ACTIVE:
         _saved["threshold"] = gc.get_threshold()
         gc.set_threshold(1, 1, 1)
+    if "threads" in ACTIVE and "gc" not in ACTIVE:
+        # A collection every few allocations: each one lets another thread
+        # run (_switch_in_collection), so a switch lands inside the C
+        # layer's allocations too, not only between bytecodes.
+        _saved["threshold"] = gc.get_threshold()
+        gc.set_threshold(int(os.environ.get(ENV + "_THRESHOLD", "1")), 1, 1)
     if "threads" in ACTIVE:
         _saved["switch"] = sys.getswitchinterval()
         sys.setswitchinterval(1e-6)
