@@ -907,13 +907,7 @@ def scenario_cleared_module_state_standin(impl: Any) -> None:
         "clone_base_uuid": lambda: fresh.clone_base_uuid,
         "attach_board": lambda: fresh.attach_board(None),
     }
-    for what, call in raising.items():
-        try:
-            call()
-        except RuntimeError as exc:
-            assert "cleared" in str(exc), (what, exc)
-        else:
-            raise AssertionError(f"{what} answered after m_clear")
+    _each_refuses_as_cleared(raising)
     for s in (made, fresh):
         assert s.partially_unload("cpu", 100) == 0
         s.detach()
@@ -922,6 +916,17 @@ def scenario_cleared_module_state_standin(impl: Any) -> None:
         s.receipt()
         repr(s)
     assert made.model is model and made.clone_base_uuid is sentinel
+
+
+def _each_refuses_as_cleared(calls: dict[str, Any]) -> None:
+    """Each call raises RuntimeError saying the module state was cleared."""
+    for what, call in calls.items():
+        try:
+            call()
+        except RuntimeError as exc:
+            assert "cleared" in str(exc), (what, exc)
+        else:
+            raise AssertionError(f"{what} answered after m_clear")
 
 
 def scenario_cleared_module_state(impl: Any) -> None:
@@ -943,13 +948,7 @@ def scenario_cleared_module_state(impl: Any) -> None:
         "apply_residency": lambda: copy.apply_residency({}, []),
         "apply_echo": lambda: copy.apply_echo(object(), 1),
     }
-    for what, call in calls.items():
-        try:
-            call()
-        except RuntimeError as exc:
-            assert "cleared" in str(exc), (what, exc)
-        else:
-            raise AssertionError(f"{what} answered after m_clear")
+    _each_refuses_as_cleared(calls)
 
 
 @pytest.mark.parametrize(
