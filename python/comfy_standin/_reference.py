@@ -148,6 +148,18 @@ def _echo_seq(field: str, value: object) -> int | None:
     return number
 
 
+def _live(weak: Any) -> list[Any]:
+    """The live objects of a WeakValueDictionary or a WeakSet, read as
+    _snapshot() reads a dict: one list of its weak references, made in one
+    C-level step, then dereferenced.  Iterating the weak container itself
+    runs Python between entries (its generator), where CPython 3.12+ may
+    run a collection whose finalizer adds an entry: "changed size during
+    iteration"."""
+    data = weak.data
+    refs = list(data.values()) if isinstance(data, dict) else list(data)
+    return [obj for obj in (ref() for ref in refs) if obj is not None]
+
+
 def _snapshot(table: dict[Any, Any]) -> list[Any]:
     """The values of `table` as a new list, whatever a collection does to
     the table meanwhile.  ``list(d.values())`` allocates the list and the
@@ -489,7 +501,7 @@ class WorkerBooks:
         return self._table.get(_exact_str(model_id))
 
     def _bump_locked(self, generation: int) -> None:
-        for record in list(self._table.values()):
+        for record in _live(self._table):
             seq = record._receipt[1]
             record._write_locked(0, seq, "worker gone", 0)
         self._table.clear()
@@ -515,7 +527,7 @@ class WorkerBooks:
             if not self._alive:
                 return
             self._alive = False
-            for record in [*self._table.values(), *self._orphans]:
+            for record in [*_live(self._table), *_live(self._orphans)]:
                 record._write_locked(0, None, "worker gone", 0)
             self._orphans = weakref.WeakSet()
             self._clear_locked()
@@ -614,7 +626,7 @@ class WorkerBooks:
                     "alive": False,
                     "held_from_reading": False,
                 }
-            records = list(self._table.values())
+            records = _live(self._table)
             sum_sizes = _saturate(sum(r.size for r in records))
             sum_loaded = _saturate(
                 sum(figures.get(id(r), r._receipt[0]) for r in records)
@@ -660,7 +672,7 @@ class WorkerBooks:
     def _forgotten(self) -> None:
         with self._lock:
             if self._alive:
-                self._orphans.update(self._table.values())
+                self._orphans.update(_live(self._table))
             self._table.clear()
             self._ledger = None
 
