@@ -132,7 +132,10 @@ else:
 print(rounds, len(links))
 """)
     rounds, collections = map(int, out.split())
-    assert rounds >= 2 and collections > 100
+    # Over a hundred collections ran inside the reads (on 3.12+, where a
+    # collection runs at the next bytecode boundary, the reference's
+    # Python may drain the reserve within the first round's reads).
+    assert rounds >= 1 and collections > 100
 
 
 @pytest.mark.parametrize("impl_name", ["c", "reference"])
