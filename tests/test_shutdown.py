@@ -19,6 +19,9 @@ import textwrap
 
 import pytest
 
+# Each case runs comfy-env 0.4.46's own patcher in a fresh interpreter.
+pytestmark = pytest.mark.comfy_env
+
 PRELUDE = """
 import gc, sys, types, weakref
 mode = sys.argv[1]
