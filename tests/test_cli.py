@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -442,6 +443,39 @@ def test_sigterm_cleans_up_and_exits_143(delay):
             "python -m comfy_standin: terminated; cleaned up"], err
     assert left == set()
     assert marked_processes(tag) == []
+
+
+@pytest.mark.parametrize("gone", ["handoff", "stdout"])
+def test_a_demo_worker_whose_host_is_gone_exits_quietly(gone):
+    """The demo ends its workers when interrupted; one still sending its
+    board, or its greeting, meets a closed socket or pipe: it exits 1 with
+    nothing on stderr (which is the interrupted host's terminal), not with
+    a BrokenPipeError traceback."""
+    host_end, worker_end = socket.socketpair(socket.AF_UNIX,
+                                             socket.SOCK_SEQPACKET)
+    read_end, write_end = os.pipe()
+    if gone == "handoff":
+        host_end.close()
+    else:
+        os.close(read_end)
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "comfy_standin._demo_worker",
+             f"socket:{worker_end.fileno()}"],
+            stdin=subprocess.PIPE, stdout=write_end, stderr=subprocess.PIPE,
+            pass_fds=(worker_end.fileno(),),
+        )
+    finally:
+        worker_end.close()
+        os.close(write_end)
+    try:
+        _, err = process.communicate(timeout=TIMEOUT)
+    finally:
+        if gone == "handoff":
+            os.close(read_end)
+        else:
+            host_end.close()
+    assert (process.returncode, err.decode()) == (1, "")
 
 
 @pytest.mark.parametrize("delay", [0.0, 0.02, 0.05])

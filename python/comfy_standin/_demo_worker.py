@@ -207,9 +207,21 @@ def _make_and_send(handoff_fd: int) -> Any:
 
 
 def main() -> int:
+    try:
+        return _serve(sys.argv[1])
+    except ConnectionError:  # BrokenPipeError and the like
+        # The host went away (interrupted, it ends its workers): nobody
+        # is left to answer, and a traceback would land on the host's
+        # terminal.  Nothing more goes to the broken pipe at exit either.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 1
+
+
+def _serve(source: str) -> int:
     from comfy_standin._core import Board
 
-    source = sys.argv[1]
     if source.startswith("socket:"):  # Linux
         board = _make_and_send(int(source.partition(":")[2]))
     elif source.isdigit():  # a board the host created, inherited
