@@ -42,6 +42,9 @@ class ScriptedServer:
     def __init__(self, reply: Steps | None = None) -> None:
         self.reply: Steps = reply or [(0.0, response(b"{}"))]
         self.requests: list[bytes] = []
+        #: Per connection the client closed before the script ended: how
+        #: many of the script's steps had been sent.
+        self.hung_up_after: list[int] = []
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.settimeout(0.2)
         self.port = self._listener.getsockname()[1]
@@ -74,11 +77,17 @@ class ScriptedServer:
                         return
                     head += chunk
                 self.requests.append(head)
+                sent = 0
                 for pause, data in steps:
                     if pause and self._stop.wait(pause):
                         return
                     if data:
-                        conn.sendall(data)
+                        try:
+                            conn.sendall(data)
+                        except OSError:  # the client gave up
+                            self.hung_up_after.append(sent)
+                            return
+                    sent += 1
                 conn.shutdown(socket.SHUT_WR)
             except OSError:
                 return  # the client gave up: its business

@@ -77,6 +77,26 @@ def test_the_check_command_says_when_stale(tmp_path):
     assert _clidoc.main(["--check", str(stale)]) == 0
 
 
+def test_the_rewrite_never_writes_through_a_link(tmp_path):
+    """The page is written to a fresh file and renamed over the path: a
+    link planted at the path (or at a predictable temporary name) is
+    replaced, never written through."""
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not yours\n")
+    source = tmp_path / "real.md"
+    source.write_text(f"intro\n{_clidoc.BEGIN}\nold\n{_clidoc.END}\nend\n")
+    page = tmp_path / "cli.md"
+    page.symlink_to(source)
+    (tmp_path / ".cli.md.tmp").symlink_to(outside)
+    assert _clidoc.main([str(page)]) == 0
+    assert not page.is_symlink()
+    assert _clidoc.BEGIN in page.read_text()
+    assert "old" in source.read_text()  # the link's target is untouched
+    assert outside.read_text() == "not yours\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".cli.md.tmp", "cli.md", "outside.txt", "real.md"]
+
+
 def test_every_command_is_documented_and_in_help():
     documented = set(doc_sections()) - {"", "*", "Exit"}
     _, top = help_options()

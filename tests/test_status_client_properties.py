@@ -203,6 +203,8 @@ def test_any_reply_is_an_answer_or_one_line(server, reply):
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
+    # The documented deadline (--timeout), a contract rather than a speed:
+    # a client without one stays as long as a slow reply lasts (minutes).
     assert elapsed < TIMEOUT + SLACK, elapsed
     assert peak < 12 * _status.MAX_BODY, peak
     assert "Traceback" not in err and "internal error" not in err, err

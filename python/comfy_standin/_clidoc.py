@@ -11,6 +11,9 @@ same on every Python version.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import secrets
 import sys
 from typing import Any
 
@@ -159,9 +162,27 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         return 0
     if new != text:
-        with open(args.path, "w", encoding="utf-8") as f:
-            f.write(new)
+        _replace(args.path, new)
     return 0
+
+
+def _replace(path: str, text: str) -> None:
+    """Writes `text` to a fresh file beside `path` (created, never opened
+    through a link someone planted), then renames it over `path`: a link
+    at `path` is replaced, not written through."""
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{os.path.basename(path)}."
+                               f"{secrets.token_hex(8)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                 | os.O_CLOEXEC, 0o644)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 if __name__ == "__main__":
