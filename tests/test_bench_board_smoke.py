@@ -12,13 +12,14 @@ No timing is asserted.  What is:
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from benchload import load_bench
 
 # The board is POSIX shared memory; its Windows path is not written yet
 # (docs/board.md), so on Windows these tests cannot run.
@@ -27,15 +28,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
-BENCH = BENCH_DIR / "bench_board.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_board", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("bench_board")
 
 
 def test_a_worker_that_exits_early_does_not_hang_the_bench():

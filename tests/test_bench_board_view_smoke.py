@@ -9,12 +9,12 @@ pipe and on the board itself."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import sys
-from pathlib import Path
 
 import pytest
+
+from benchload import load_bench
 
 # The board is POSIX shared memory; its Windows path is not written yet
 # (docs/board.md), so on Windows these tests cannot run.
@@ -22,15 +22,11 @@ pytestmark = pytest.mark.skipif(
     sys.platform == "win32", reason="the board is POSIX shared memory"
 )
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_board_view.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_board_view", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("bench_board_view")
 
 
 def finite(x) -> bool:

@@ -4,23 +4,20 @@ direction is, because it is a byte count, not a time."""
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import math
-from pathlib import Path
 
 import pytest
+
+from benchload import load_bench
 
 # The census rows run comfy-env's state_sync through the adapter.
 pytestmark = pytest.mark.comfy_env
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_edges.py"
 
 
 def test_every_row_has_numbers_and_the_section_is_whole():
-    spec = importlib.util.spec_from_file_location("bench_edges", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_bench("bench_edges")
     level = logging.getLogger("comfy_standin").level
     results = module.run(module.SMOKE)
     assert logging.getLogger("comfy_standin").level == level  # left as found

@@ -24,35 +24,29 @@ missing or other version fails, it is never skipped.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+
+from benchload import load_bench
 
 # comfy-env 0.4.46's own code is the faithful column: every test needs it.
 pytestmark = pytest.mark.comfy_env
 
 BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
-BENCH = BENCH_DIR / "bench_regret.py"
 GiB = 1 << 30
 
 
 @pytest.fixture(scope="module")
 def bench() -> Any:
-    assert BENCH.exists(), f"{BENCH} is missing"
     before = set(sys.modules)
-    spec = importlib.util.spec_from_file_location("bench_regret", BENCH)
-    assert spec is not None and spec.loader is not None
-    module: ModuleType = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
+    module = load_bench("bench_regret", register=True)
     yield module
     for name in set(sys.modules) - before:
-        if name in (spec.name, "regret_sim", "regret_workloads") or \
+        if name in ("bench_regret", "regret_sim", "regret_workloads") or \
                 name == "comfy_env" or name.startswith("comfy_env."):
             del sys.modules[name]
     if str(BENCH_DIR) in sys.path:

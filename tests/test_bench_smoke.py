@@ -11,10 +11,11 @@ import importlib.util
 import math
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+
+from benchload import load_bench
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_standin.py"
 
@@ -27,18 +28,13 @@ def _is_comfy_module(name: str) -> bool:
 
 @pytest.fixture(scope="module")
 def bench() -> Any:
-    assert BENCH.exists(), f"{BENCH} is missing"
     before = set(sys.modules)
-    spec = importlib.util.spec_from_file_location("bench_standin", BENCH)
-    assert spec is not None and spec.loader is not None
-    module: ModuleType = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
+    module = load_bench("bench_standin", register=True)
     yield module
     # The bench imports comfy-env (when installed) over a stub comfy; leave
     # no module behind that another test might take for the real one.
     for name in set(sys.modules) - before:
-        if name == spec.name or _is_comfy_module(name):
+        if name == "bench_standin" or _is_comfy_module(name):
             del sys.modules[name]
 
 

@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-PATH = Path(__file__).resolve().parents[1] / "bench" / "benchutil.py"
+from benchload import load_bench
 
 
 @pytest.fixture(scope="module")
 def benchutil():
-    spec = importlib.util.spec_from_file_location("benchutil", PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("benchutil")
 
 
 def test_spread_is_best_median_and_nearest_rank_p90(benchutil):
