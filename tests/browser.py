@@ -71,6 +71,22 @@ class LoopThread:
         self.loop.close()
 
 
+def add_routes_as_comfyui(app: Any, routes: Any) -> None:
+    """What ComfyUI's ``PromptServer.add_routes`` (server.py) does with
+    ``PromptServer.instance.routes`` once every custom node has loaded:
+    each ``web.RouteDef`` is added again under ``/api`` by calling
+    ``RouteTableDef.route(method, "/api" + path)`` and passing the handler
+    and the route's keywords to the decorator it returns (which takes the
+    handler only), then both tables go onto the app."""
+    api_routes = web.RouteTableDef()
+    for route in routes:
+        if isinstance(route, web.RouteDef):
+            api_routes.route(route.method, "/api" + route.path)(
+                route.handler, **route.kwargs)
+    app.add_routes(api_routes)
+    app.add_routes(routes)
+
+
 class ComfyServer:
     """An aiohttp server on 127.0.0.1 whose routes are a RouteTableDef
     that the node entry's ``register_with_comfyui()`` filled, as ComfyUI's
@@ -98,7 +114,7 @@ class ComfyServer:
 
     async def _start(self) -> None:
         app = web.Application()
-        app.add_routes(self.routes)
+        add_routes_as_comfyui(app, self.routes)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)

@@ -16,6 +16,8 @@ import sys
 import types
 
 import pytest
+from aiohttp import web
+from browser import add_routes_as_comfyui
 
 from comfy_standin import __main__ as cli
 from comfy_standin import _node, _server_route
@@ -111,19 +113,6 @@ def test_uninstall_keeps_files_it_did_not_write(comfyui):
     assert sorted(os.listdir(entry(comfyui))) == ["notes.txt"]
 
 
-class _Routes:
-    def __init__(self):
-        self.added = []
-
-    def get(self, path, **kwargs):
-        def add(handler):
-            assert kwargs == {"allow_head": False}  # GET only
-            self.added.append(("GET", path, handler))
-            return handler
-
-        return add
-
-
 def load_like_comfyui(folder):
     """ComfyUI's custom-node import: a spec from the folder's __init__."""
     name = os.path.basename(folder)
@@ -147,7 +136,7 @@ def test_the_entry_switches_on_and_adds_the_route(comfyui, mm,
 
     import comfy_standin as cs
 
-    routes = _Routes()
+    routes = web.RouteTableDef()  # PromptServer.instance.routes
     server = types.ModuleType("server")
     server.PromptServer = types.SimpleNamespace(
         instance=types.SimpleNamespace(routes=routes))
@@ -160,12 +149,19 @@ def test_the_entry_switches_on_and_adds_the_route(comfyui, mm,
         assert module.NODE_CLASS_MAPPINGS == {}
         assert adapter.installed()
         assert model_patcher.SubprocessModelPatcher is cs.StandIn
-        assert routes.added == [
-            ("GET", "/comfy_standin/status", _server_route.handle),
-            ("GET", "/comfy_standin/", _server_route.handle_page),
+        added = [(r.method, r.path, r.handler, r.kwargs) for r in routes]
+        assert added == [
+            ("GET", "/comfy_standin/status", _server_route.handle, {}),
+            ("GET", "/comfy_standin/", _server_route.handle_page, {}),
         ]
         load_like_comfyui(entry(comfyui))  # a second load adds nothing
-        assert len(routes.added) == 2
+        assert len(list(routes)) == 2
+        # What ComfyUI's PromptServer.add_routes then does with them.
+        app = web.Application()
+        add_routes_as_comfyui(app, routes)
+        paths = sorted({r.resource.canonical for r in app.router.routes()})
+        assert paths == ["/api/comfy_standin/", "/api/comfy_standin/status",
+                         "/comfy_standin/", "/comfy_standin/status"]
     finally:
         adapter.uninstall()
     assert model_patcher.SubprocessModelPatcher is not cs.StandIn

@@ -155,10 +155,16 @@ def test_the_status_route_runs_in_aiohttp():
         assert device["total"] == 24 * GiB
         assert device["free"] == picture.mm.get_free_memory(
             picture.mm.CUDA0)
-        # Only GET: no HEAD, no POST, nothing else under the prefix.
-        for method in ("HEAD", "POST", "PUT", "DELETE"):
+        # Read-only: GET (and the HEAD aiohttp serves for a GET route, as
+        # for ComfyUI's own), nothing else, nothing else under the prefix;
+        # ComfyUI's /api copy answers the same.
+        assert get(server.url + _server_route.ROUTE, "HEAD")[0] == 200
+        for method in ("POST", "PUT", "DELETE"):
             assert get(server.url + _server_route.ROUTE, method)[0] == 405
         assert get(server.url + "/comfy_standin/other")[0] == 404
+        code, _, api_body = get(server.url + "/api" + _server_route.ROUTE)
+        assert code == 200 and json.loads(api_body)["pid"] == data["pid"]
+        assert get(server.url + "/api" + _server_route.PAGE_ROUTE)[0] == 200
 
 
 def test_the_eviction_order_is_free_memorys():

@@ -334,9 +334,14 @@ async def handle_page(request: Any) -> Any:
 
 def add_routes(routes: Any) -> None:
     """Both routes on an aiohttp RouteTableDef (ComfyUI's
-    ``PromptServer.instance.routes``), GET only."""
-    routes.get(ROUTE, allow_head=False)(handle)
-    routes.get(PAGE_ROUTE, allow_head=False)(handle_page)
+    ``PromptServer.instance.routes``), as ComfyUI registers its own: no
+    keywords.  ComfyUI's ``PromptServer.add_routes`` re-adds every route
+    under ``/api`` through ``RouteTableDef.route(method, path)(handler,
+    **route.kwargs)``, whose decorator takes the handler alone, so any
+    keyword here would stop ComfyUI at start.  aiohttp serves HEAD for a
+    GET route, as for ComfyUI's own."""
+    routes.get(ROUTE)(handle)
+    routes.get(PAGE_ROUTE)(handle_page)
 
 
 def register_with_comfyui() -> bool:
