@@ -430,18 +430,20 @@ def scenario_idle_release() -> dict:
 
 
 def scenario_allocator_cache() -> dict:
-    """Worker A's call leaves 3 GiB of activations in its allocator cache
-    (reserved, not allocated) and its model offloaded.  No stand-in
-    describes a cache: receipts and boards both read 0, send nothing,
-    and ComfyUI evicts its own models; only comfy-env's idle ask reaches
-    the cache, after the pass.  A tie, every column alike."""
+    """Worker A's pack unloads its upscaler itself, then computes 3 GiB of
+    activations with no model, which its allocator keeps cached
+    (reserved, not allocated) after the call.  No stand-in describes a
+    cache, and A's reads 0: ComfyUI's next load evicts its own models,
+    and comfy-env's pressure hook, which fires from a stand-in with bytes
+    to give, stays silent.  Rule 4's reclaim asks idle A for what is still
+    missing after the pass: its cache comes back."""
     world = _world(8, [("unet", 4.78), ("clip", 1.52), ("vae", 0.16)], [
         ("A", [("upscale", 0.5, "legacy", True)], True),
     ])
     return _finish(world, "allocator cache", [
         {"ev": "prompt", "id": "p0"},
-        _call("A", _load("upscale"), _compute(2.0, 3.0, ["upscale"]),
-              {"offload": "upscale"}),
+        _call("A", _load("upscale"), _compute(0.5, 0.2, ["upscale"]),
+              {"offload": "upscale"}, _compute(2.0, 3.0)),
         _host(["unet", "clip"], 1.5, 3.0),
         {"ev": "end"},
     ])
