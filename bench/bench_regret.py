@@ -162,12 +162,23 @@ def workload_summary(result: Any, bandwidth: float) -> dict[str, float]:
         "reload_bytes": costs.reload_bytes,
         "reload_s": costs.reload_bytes / bandwidth,
         "ooms": len(costs.ooms),
+        "oom_kinds": collections.Counter(oom_kind(o) for o in costs.ooms),
         "stall_busy": costs.stall_busy,
         "stall_hung": costs.stall_hung,
         "stall_prompt": costs.stall_prompt,
         "stall_other": costs.stall_other,
         "causes": causes,
     }
+
+
+def oom_kind(oom: str) -> str:
+    """What did not fit (Run.oom's text: "T s WHO: WHAT")."""
+    who, _, what = oom.partition(" ")[2].partition(": ")
+    if who == "host":
+        return "ComfyUI's activations"
+    if what.startswith("activations"):
+        return "a worker's activations"
+    return "a pack's own .to(cuda) (no budget request)"
 
 
 def measure_random(ce: sim.ComfyEnv, cards: tuple[int, ...], n: int,
@@ -278,6 +289,8 @@ def summarize(rows: list[dict[str, dict]]) -> dict[str, dict[str, Any]]:
                           collections.Counter()),
             "unlisted_why": sum((w["unlisted_why"] for w in per),
                                 collections.Counter()),
+            "oom_kinds": sum((w["oom_kinds"] for w in per),
+                             collections.Counter()),
         }
     return out
 
@@ -471,6 +484,20 @@ def causes_text(summaries: dict[int, dict]) -> str:
             continue
         top = ", ".join(f"{why} {n}" for why, n in total.most_common(6))
         lines.append(f"- {column} ({sum(total.values())}): {top}")
+    return "\n".join(lines)
+
+
+def oom_text(summaries: dict[int, dict],
+             columns: tuple[str, ...] = (BASE, SHIPPED, "all")) -> str:
+    """What did not fit, per workload."""
+    lines = []
+    for card, summary in summaries.items():
+        for column in columns:
+            s = summary[column]
+            n = max(1, s["workloads"])
+            kinds = ", ".join(f"{kind} {count / n:.2f}" for kind, count in
+                              sorted(s["oom_kinds"].items()))
+            lines.append(f"- {card} GiB, {column}: {kinds or 'none'}")
     return "\n".join(lines)
 
 
@@ -806,6 +833,10 @@ def format_section(scenarios, summaries, random_rows, traces, timings,
         "",
         goals_table(goals(random_rows)),
         "",
+        "What did not fit (out-of-memory events per workload, by kind):",
+        "",
+        oom_text(summaries),
+        "",
         "Why the unlisted bytes were out of reach (workers with a board; "
         "GiB per pass that needed room, the five largest causes):",
         "",
@@ -917,6 +948,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{card} GiB card\n" + random_table(card, summary))
     print("\n" + paired_table(random_rows))
     print("\n" + goals_table(goals(random_rows)))
+    print("\n" + oom_text(summaries))
     print("\n" + unlisted_text(summaries))
     print("\n" + causes_text(summaries))
     print("\n" + trace_text(traces))

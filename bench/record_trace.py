@@ -312,7 +312,7 @@ def _beside(after: float, models: list[str], act_gib: float) -> dict:
 
 
 #: The recorded worlds (a name: its card, ComfyUI's models, the workers,
-#: the script), each written to bench/traces/NAME.jsonl.
+#: the script), each written to its own file in bench/traces/.
 #:
 #: two_workers: a 12 GiB card, ComfyUI's SDXL models, worker A with a
 #: legacy DiT, a refiner it loads in the same call (a budget request while

@@ -2032,9 +2032,12 @@ class Run:
                 break
             if w._calls_in_flight:
                 continue  # a worker in a call serves no release
-            reply = w.send_command_no_spawn(
-                "partial_release", lock_timeout=0.0,
-                size=min(unlisted, want - got))
+            try:
+                reply = w.send_command_no_spawn(
+                    "partial_release", lock_timeout=0.0,
+                    size=min(unlisted, want - got))
+            except Exception:  # noqa: BLE001 - an ask is best effort
+                continue  # a hung worker: comfy-env killed it
             if not isinstance(reply, dict):
                 continue
             freed = int((reply.get("receipt") or {}).get("freed_bytes", 0))

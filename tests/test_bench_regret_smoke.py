@@ -358,6 +358,9 @@ def test_statistics_and_tables(bench: Any, ce: Any) -> None:
     assert "| 24 GiB | all - boards |" in paired
     assert bench.causes_text(summaries).startswith("- comfy-env")
     assert "- 8 GiB, all: " in bench.unlisted_text(summaries)
+    assert "- 24 GiB, comfy-env: " in bench.oom_text(summaries)
+    assert bench.oom_kind("3.0s host: activations 1 GiB") == \
+        "ComfyUI's activations"
 
 
 def _rows(n: int, **columns: dict[str, float]) -> list[dict[str, dict]]:
@@ -371,7 +374,8 @@ def _rows(n: int, **columns: dict[str, float]) -> list[dict[str, dict]]:
              "ooms", "stall_busy", "stall_hung", "stall_prompt",
              "stall_other"), 0)
         out.update(passes=2, causes=collections.Counter(),
-                   unlisted_why=collections.Counter())
+                   unlisted_why=collections.Counter(),
+                   oom_kinds=collections.Counter())
         out.update(figures)
         return out
 
