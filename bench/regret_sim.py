@@ -66,10 +66,20 @@ Modelled here (small, cited):
   ``moved: False`` writes nothing), its pool's node boundary
   (``comfy_standin.pool.Pool.boundary``: a registered stand-in ComfyUI
   dropped while its figure says bytes are still there is listed again),
-  and the worker-side board publisher (every ``SAMPLE_PERIOD`` on a
-  thread, and synchronously before ``request_vram_budget``, after the
+  and the worker-side board publisher as bench/bench_board_view.py
+  measured it (a sampler thread from the first binding: each pass waits
+  for the GIL while a call runs, reaches the host after the measured
+  read lag, and the next starts ``SAMPLE_PERIOD`` after it ended; and
+  synchronously at a binding, before ``request_vram_budget``, after the
   shim's real ``load_models_gpu`` and at every ``_bump_seq``), each
   publish stamped with the time its measurement began.
+- The package's rules for what ComfyUI can reach (``Rules``), each a
+  column of its own: listed again, census at creation, a publish before
+  each model command's reply, unlisted bytes reclaimed from idle
+  workers, never waiting on a worker in a call on another thread.
+- A command from another thread to a worker in a call waits on its lock
+  until the call is due to end (at most ``LOCK_WAIT``), then runs at
+  once: the simulation does not hold the other thread's call back.
 
 Truth lives on the card (``mm.sim.card()``): per process, per owner
 (a model's weights, the allocator cache, activations, the CUDA context).
