@@ -1,34 +1,38 @@
-"""Where the board changes ComfyUI's decisions: eviction regret.
+"""What ComfyUI's eviction reaches and what users feel: eviction regret,
+out-of-memory events, reloads, waits on busy workers, unlisted bytes.
 
 ComfyUI's ``free_memory`` sorts its candidates by ``-model_offloaded_memory()``
 (size minus ``loaded_size()``) and evicts from the front.  For a model a
 comfy-env worker holds, ``loaded_size()`` is whatever the host's stand-in
-believes.  This bench measures, on comfy-env 0.4.46's own host code and a
-model of its workers (bench/regret_sim.py says what is real and what is
-modelled, function by function), how often that belief changes what
-ComfyUI evicts, by how much, and what it costs a user.
+believes, and only a listed stand-in is a candidate at all.  This bench
+measures, on comfy-env 0.4.46's own host code and a model of its workers
+(bench/regret_sim.py says what is real and what is modelled, function by
+function), what each of the package's rules changes for a user.
 
-Columns (who answers ``loaded_size()`` for a worker model):
+Columns (bench/regret_sim.py ``COLUMN_RULES``; who answers
+``loaded_size()`` and which rules the host follows):
 
 - ``comfy-env``: comfy-env 0.4.46's own ``SubprocessModelPatcher`` and
   ``state_sync`` (receipts: command echoes, the census at the end of every
   node call, registration);
-- ``before``: comfy_standin's stand-in before docs/semantics.md's
-  "Which word wins" (the same receipts, our pool's node boundary, which
-  lists again a stand-in it still holds; a detach reply writes 0 whatever
-  its ``moved`` says);
-- ``receipts``: comfy_standin's stand-in as shipped: a ``moved: False``
-  detach reply writes nothing;
-- ``receipts+``: receipts, plus the frame's census applied to the
-  stand-ins created from that frame at comfy-env's node boundary;
-- ``relist``: receipts+, plus every live stand-in whose receipt says its
-  model is on the card listed again at each node boundary (a model
-  ComfyUI evicted once and its worker loaded again);
-- ``boards``: receipts, plus the worker's live board (a reading measured
-  after the receipt wins), published every 50 ms and synchronously at the
-  worker's budget request, after its real load, at every ``_bump_seq``;
-- ``relist+boards``: relist with boards;
-- ``oracle``: stand-ins that read the truth (our pool's listing).
+- ``receipts``: comfy_standin's stand-in as shipped, no board;
+- ``boards``: the shipped stand-in with the worker's live board, modelled
+  as bench/bench_board_view.py measured it (each sampler pass waits for
+  the GIL while a call runs, reaches the host after the measured read
+  lag, and the next starts a period after it ended, so passes fall behind;
+  changes between passes are missed; a sampler held off the GIL past the
+  heartbeat limit reads as stale), published synchronously at the
+  worker's budget request, after its real load, at every ``_bump_seq`` and
+  at each binding;
+- ``relist``, ``census``, ``publish``, ``unlisted``, ``no-wait``: ``boards``
+  plus one rule of issue 25 each (listed again at every boundary and
+  before a worker's budget request; a frame's census applied to the
+  stand-ins it creates; a publish before every model command's reply;
+  unlisted bytes reclaimed from idle workers after a free_memory left the
+  card short; an eviction command to a worker in a call on another thread
+  deferred at once);
+- ``all``: every rule;
+- ``oracle``: stand-ins that read the truth (the harness's check).
 
 Per free_memory pass that has to evict, the **oracle** is free_memory's own
 rule on the same candidates (same tie-breaks), fed the true resident bytes,
@@ -36,18 +40,21 @@ with each command's effect as the worker would have it and the same
 changes happening meanwhile.  A pass **regrets** when it took bytes off the
 card beyond what the oracle took (``excess``), left unfreed bytes the
 oracle freed (``short``), or evicted a model the oracle left (``wrong``).
-Costs users feel are per workload, each column's own trajectory: bytes
-that came back over the bus (reload seconds at the card class's stated
-bandwidth, bench/regret_workloads.py ``BANDWIDTH``), out-of-memory events
-(a load or activations that did not fit), and seconds threads waited on a
-worker that could not answer (a busy lock: 30 s; a hung worker: 60 s,
-then comfy-env kills it).
+Costs users feel are per workload, each column's own trajectory:
+out-of-memory events (a load or activations that did not fit), bytes that
+came back over the bus (reload seconds at the card class's stated
+bandwidth, bench/regret_workloads.py ``BANDWIDTH``), seconds ComfyUI's
+threads waited on a busy worker's lock (until its call ends, at most
+comfy-env's 30 s per command), seconds waited on a hung worker (60 s,
+then comfy-env kills it), and the bytes on the card no entry reaches at
+the start of a pass that needed room (**unlisted**; the goal counts
+workers that publish a board).
 
 Workloads: hand-written scenarios (each row says what happens),
 ``--workloads`` seeded random workloads per card class (8, 12, 24, 80 GiB),
 and the recorded traces in bench/traces/ (bench/record_trace.py).  95%
 confidence intervals are percentile bootstraps over workloads (passes of
-one workload are not independent).
+one workload are not independent); paired differences are per workload.
 
     python bench/bench_regret.py            # print the tables
     python bench/bench_regret.py --write    # and RESULTS.md + the PNGs
@@ -149,13 +156,29 @@ def workload_summary(result: Any, bandwidth: float) -> dict[str, float]:
         "short": sum(p.short for p in passes),
         "wrong": sum(len(p.wrong) for p in passes),
         "unlisted": sum(p.unlisted for p in passes),
+        "unlisted_board": sum(p.unlisted_board for p in passes),
+        "unlisted_why": sum((p.unlisted_why for p in passes),
+                            collections.Counter()),
         "reload_bytes": costs.reload_bytes,
         "reload_s": costs.reload_bytes / bandwidth,
         "ooms": len(costs.ooms),
+        "oom_kinds": collections.Counter(oom_kind(o) for o in costs.ooms),
+        "stall_busy": costs.stall_busy,
+        "stall_hung": costs.stall_hung,
         "stall_prompt": costs.stall_prompt,
         "stall_other": costs.stall_other,
         "causes": causes,
     }
+
+
+def oom_kind(oom: str) -> str:
+    """What did not fit (Run.oom's text: "T s WHO: WHAT")."""
+    who, _, what = oom.partition(" ")[2].partition(": ")
+    if who == "host":
+        return "ComfyUI's activations"
+    if what.startswith("activations"):
+        return "a worker's activations"
+    return "a pack's own .to(cuda) (no budget request)"
 
 
 def measure_random(ce: sim.ComfyEnv, cards: tuple[int, ...], n: int,
@@ -252,41 +275,50 @@ def summarize(rows: list[dict[str, dict]]) -> dict[str, dict[str, Any]]:
             "short": sum(w["short"] for w in per),
             "wrong": sum(w["wrong"] for w in per),
             "excess": sum(w["excess"] for w in per),
-            "unlisted_per_pass": (sum(w["unlisted"] for w in per) / GiB
-                                  / max(1, sum(passes))),
+            "unlisted": bootstrap([w["unlisted"] / GiB for w in per],
+                                  passes),
+            "unlisted_board": bootstrap(
+                [w["unlisted_board"] / GiB for w in per], passes),
             "reload_s": bootstrap([w["reload_s"] for w in per]),
             "reload_gib": statistics.fmean(
                 [w["reload_bytes"] / GiB for w in per]),
             "ooms": bootstrap([w["ooms"] for w in per]),
-            "stall": bootstrap([w["stall_prompt"] + w["stall_other"]
-                                for w in per]),
-            "stall_prompt": statistics.fmean(
-                [w["stall_prompt"] for w in per]),
+            "stall_busy": bootstrap([w["stall_busy"] for w in per]),
+            "stall_hung": statistics.fmean([w["stall_hung"] for w in per]),
             "causes": sum((w["causes"] for w in per),
                           collections.Counter()),
+            "unlisted_why": sum((w["unlisted_why"] for w in per),
+                                collections.Counter()),
+            "oom_kinds": sum((w["oom_kinds"] for w in per),
+                             collections.Counter()),
         }
     return out
 
 
-PAIRS = (("boards", "receipts"), ("receipts+", "receipts"),
-         ("relist", "receipts"), ("relist+boards", "relist"),
-         ("receipts", "before"), ("before", "comfy-env"),
-         ("oracle", "receipts"))
+#: The columns each is compared with, per workload: comfy-env's own, and
+#: (for each rule) the shipped stand-in with its board.
+BASE = "comfy-env"
+SHIPPED = "boards"
+RULE_COLUMNS = ("relist", "census", "publish", "unlisted", "no-wait", "all")
+PAIRS = tuple([(c, BASE) for c in COLUMNS if c not in (BASE, "oracle")]
+              + [(c, SHIPPED) for c in RULE_COLUMNS])
+PAIRED_KEYS = (("ooms", 1.0), ("reload_s", 1.0), ("stall_busy", 1.0),
+               ("unlisted_board", 1 / GiB), ("regret", 1 / GiB))
 
 
 def paired(rows: list[dict[str, dict]], a: str, b: str
            ) -> dict[str, Any]:
-    """Per workload, column a minus column b."""
+    """Per workload, column a minus column b (unlisted and regret: per
+    pass that needed room, over the workloads with such passes in both)."""
     out = {}
-    for key, scale in (("regret", 1 / GiB), ("reload_s", 1.0),
-                       ("ooms", 1.0), ("stall", 1.0)):
+    for key, scale in PAIRED_KEYS:
         diffs = []
         for r in rows:
-            if key == "stall":
-                va = r[a]["stall_prompt"] + r[a]["stall_other"]
-                vb = r[b]["stall_prompt"] + r[b]["stall_other"]
-            else:
-                va, vb = r[a][key], r[b][key]
+            va, vb = r[a][key], r[b][key]
+            if key in ("unlisted_board", "regret"):
+                if not r[a]["passes"] or not r[b]["passes"]:
+                    continue
+                va, vb = va / r[a]["passes"], vb / r[b]["passes"]
             diffs.append((va - vb) * scale)
         est = bootstrap(diffs)
         out[key] = {
@@ -295,6 +327,65 @@ def paired(rows: list[dict[str, dict]], a: str, b: str
             "worse": sum(d > 0 for d in diffs),
         }
     return out
+
+
+#: Issue 25's goals for column ``all`` against comfy-env's, per card class
+#: (GiB): OOMs fewer by at least this much per workload, the interval
+#: excluding 0 (None: fewer, not worse).
+OOM_GOAL = {8: 0.4, 12: 0.0, 24: 0.0, 80: None}
+STALL_GOAL = 0.0
+UNLISTED_GOAL = 0.1
+RELOAD_GOAL = 0.3
+
+
+def goals(random_rows: dict[int, list], column: str = "all"
+          ) -> list[dict[str, Any]]:
+    """Each goal, per card class: the figure, its interval and met or
+    missed (by how much)."""
+    out = []
+    for card, rows in random_rows.items():
+        d = paired(rows, column, BASE)
+        s = summarize(rows)[column]
+        ooms = d["ooms"]["ci"]
+        need = OOM_GOAL.get(card)
+        if need is None:
+            met = ooms[0] <= 0
+            want = "not worse"
+        elif need > 0:
+            met = ooms[0] <= -need and ooms[2] < 0
+            want = f"<= -{need} (interval below 0)"
+        else:
+            met = ooms[0] < 0
+            want = "fewer"
+        out.append({"card": card, "goal": "OOMs per workload, all - "
+                    "comfy-env", "want": want, "ci": ooms, "met": met,
+                    "by": ooms[0] + (need or 0)})
+        stall = s["stall_busy"]
+        out.append({"card": card, "goal": "stalled s on busy workers per "
+                    "workload", "want": "0", "ci": stall,
+                    "met": stall[0] <= STALL_GOAL, "by": stall[0]})
+        unl = s["unlisted_board"]
+        out.append({"card": card, "goal": "unlisted GiB per pass that "
+                    "needed room (workers with a board)",
+                    "want": f"<= {UNLISTED_GOAL}", "ci": unl,
+                    "met": unl[0] <= UNLISTED_GOAL,
+                    "by": unl[0] - UNLISTED_GOAL})
+        rel = d["reload_s"]["ci"]
+        out.append({"card": card, "goal": "reload s per workload, all - "
+                    "comfy-env", "want": f"<= +{RELOAD_GOAL}", "ci": rel,
+                    "met": rel[0] <= RELOAD_GOAL,
+                    "by": rel[0] - RELOAD_GOAL})
+    return out
+
+
+def goals_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| card | goal | wanted | measured [95% CI] | |",
+             "|---:|---|---|---|---|"]
+    for g in rows:
+        verdict = "met" if g["met"] else f"missed by {abs(g['by']):.3f}"
+        lines.append(f"| {g['card']} GiB | {g['goal']} | {g['want']} | "
+                     f"{ci(g['ci'], '{:.3f}')} | {verdict} |")
+    return "\n".join(lines)
 
 
 # ---- report -----------------------------------------------------------------
@@ -311,17 +402,16 @@ def ci(t: tuple[float, float, float], fmt: str = "{:.3f}") -> str:
 
 def run_row(result: Any, bandwidth: float) -> str:
     w = workload_summary(result, bandwidth)
+    n = max(1, w["passes"])
     return (f"{w['passes']} | {w['regrets']} | {w['regret'] / GiB:.2f} | "
-            f"{w['wrong']} | {w['short']} | "
-            f"{w['unlisted'] / GiB / max(1, w['passes']):.2f} | "
-            f"{w['reload_s']:.2f} | {w['ooms']} | "
-            f"{w['stall_prompt'] + w['stall_other']:.0f}")
+            f"{w['unlisted'] / GiB / n:.2f} | {w['reload_s']:.2f} | "
+            f"{w['ooms']} | {w['stall_busy']:.1f} | {w['stall_hung']:.0f}")
 
 
 RUN_HEAD = ("| workload | column | passes | regretting passes | regret GiB | "
-            "wrong | short | unlisted GiB/pass | reload s | OOMs | "
-            "stalled s |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:"
-            "|---:|")
+            "unlisted GiB/pass | reload s | OOMs | stalled on busy s | "
+            "stalled on hung s |\n"
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
 def bandwidth_of(wl: dict) -> float:
@@ -340,42 +430,43 @@ def scenario_table(scenarios: list[tuple]) -> str:
 
 def random_table(card: int, summary: dict[str, dict]) -> str:
     lines = [
-        "| column | passes | regretting passes | regret GiB per pass "
-        "[95% CI] | wrong | short | unlisted GiB per pass | reload s per "
-        "workload [95% CI] | OOMs per workload [95% CI] | stalled s per "
-        "workload [95% CI] |",
-        "|---|---:|---:|---|---:|---:|---:|---|---|---|",
+        "| column | OOMs per workload | reload s per workload | stalled s "
+        "on busy workers per workload | unlisted GiB per pass (workers "
+        "with a board) | unlisted GiB per pass (all) | stalled s on hung "
+        "workers | passes | regretting passes | regret GiB per pass |",
+        "|---|---|---|---|---|---|---:|---:|---:|---|",
     ]
     for column in COLUMNS:
         s = summary[column]
         share = 100 * s["regrets"] / max(1, s["passes"])
         lines.append(
-            f"| {column} | {s['passes']:,} | {s['regrets']} "
-            f"({share:.1f} %) | {ci(s['regret_per_pass'])} | {s['wrong']} "
-            f"| {s['short']} | {s['unlisted_per_pass']:.2f} | "
-            f"{ci(s['reload_s'], '{:.2f}')} | {ci(s['ooms'], '{:.2f}')} | "
-            f"{ci(s['stall'], '{:.1f}')} |")
+            f"| {column} | {ci(s['ooms'], '{:.2f}')} | "
+            f"{ci(s['reload_s'], '{:.2f}')} | "
+            f"{ci(s['stall_busy'], '{:.1f}')} | "
+            f"{ci(s['unlisted_board'], '{:.2f}')} | "
+            f"{ci(s['unlisted'], '{:.2f}')} | {s['stall_hung']:.1f} | "
+            f"{s['passes']:,} | {s['regrets']} ({share:.1f} %) | "
+            f"{ci(s['regret_per_pass'])} |")
     return "\n".join(lines)
 
 
 def paired_table(random_rows: dict[int, list]) -> str:
     lines = [
-        "| card | a - b | regret GiB per workload [95% CI] (a better / "
-        "worse) | reload s [95% CI] (better / worse) | OOMs [95% CI] | "
-        "stalled s [95% CI] (better / worse) |",
-        "|---:|---|---|---|---|---|",
+        "| card | a - b | OOMs [95% CI] (a better / worse) | reload s "
+        "| stalled s on busy workers | unlisted GiB per pass (board) | "
+        "regret GiB per pass |",
+        "|---:|---|---|---|---|---|---|",
     ]
     for card, rows in random_rows.items():
         for a, b in PAIRS:
             d = paired(rows, a, b)
-            lines.append(
-                f"| {card} GiB | {a} - {b} | {ci(d['regret']['ci'])} "
-                f"({d['regret']['better']} / {d['regret']['worse']}) | "
-                f"{ci(d['reload_s']['ci'], '{:.2f}')} "
-                f"({d['reload_s']['better']} / {d['reload_s']['worse']}) | "
-                f"{ci(d['ooms']['ci'], '{:.2f}')} | "
-                f"{ci(d['stall']['ci'], '{:.1f}')} "
-                f"({d['stall']['better']} / {d['stall']['worse']}) |")
+            cells = []
+            for key, _ in PAIRED_KEYS:
+                fmt = "{:.2f}" if key != "regret" else "{:.3f}"
+                cells.append(f"{ci(d[key]['ci'], fmt)} "
+                             f"({d[key]['better']} / {d[key]['worse']})")
+            lines.append(f"| {card} GiB | {a} - {b} | "
+                         + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -393,6 +484,35 @@ def causes_text(summaries: dict[int, dict]) -> str:
             continue
         top = ", ".join(f"{why} {n}" for why, n in total.most_common(6))
         lines.append(f"- {column} ({sum(total.values())}): {top}")
+    return "\n".join(lines)
+
+
+def oom_text(summaries: dict[int, dict],
+             columns: tuple[str, ...] = (BASE, SHIPPED, "all")) -> str:
+    """What did not fit, per workload."""
+    lines = []
+    for card, summary in summaries.items():
+        for column in columns:
+            s = summary[column]
+            n = max(1, s["workloads"])
+            kinds = ", ".join(f"{kind} {count / n:.2f}" for kind, count in
+                              sorted(s["oom_kinds"].items()))
+            lines.append(f"- {card} GiB, {column}: {kinds or 'none'}")
+    return "\n".join(lines)
+
+
+def unlisted_text(summaries: dict[int, dict],
+                  columns: tuple[str, ...] = (BASE, SHIPPED, "all")) -> str:
+    """Why the bytes no entry reached were out of reach (workers with a
+    board), GiB per pass that needed room."""
+    lines = []
+    for card, summary in summaries.items():
+        for column in columns:
+            s = summary[column]
+            n = max(1, s["passes"])
+            top = ", ".join(f"{why} {b / GiB / n:.2f}"
+                            for why, b in s["unlisted_why"].most_common(5))
+            lines.append(f"- {card} GiB, {column}: {top or 'none'}")
     return "\n".join(lines)
 
 
@@ -642,12 +762,12 @@ def plot(summaries: dict[int, dict], timings) -> str | None:
     plt.close(fig)
 
     cards = list(summaries)
-    fig, axes = plt.subplots(1, 4, figsize=(15, 4.2), dpi=80)
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4.6), dpi=80)
     width = 0.8 / len(COLUMNS)
-    panels = (("regret_per_pass", "regret GiB per pass"),
+    panels = (("ooms", "OOMs per workload"),
               ("reload_s", "reload s per workload"),
-              ("ooms", "OOMs per workload"),
-              ("stall", "stalled s per workload"))
+              ("stall_busy", "stalled s on busy workers per workload"),
+              ("unlisted_board", "unlisted GiB per pass (board)"))
     for ax, (key, title) in zip(axes, panels, strict=True):
         for j, column in enumerate(COLUMNS):
             xs = [i + (j - (len(COLUMNS) - 1) / 2) * width
@@ -708,12 +828,28 @@ def format_section(scenarios, summaries, random_rows, traces, timings,
                     for c, b in workloads.BANDWIDTH.items()) + ".",
         "",
     ]
+    lines += [
+        "### Issue 25's goals: column `all` against `comfy-env`, same run",
+        "",
+        goals_table(goals(random_rows)),
+        "",
+        "What did not fit (out-of-memory events per workload, by kind):",
+        "",
+        oom_text(summaries),
+        "",
+        "Why the unlisted bytes were out of reach (workers with a board; "
+        "GiB per pass that needed room, the five largest causes):",
+        "",
+        unlisted_text(summaries),
+        "",
+    ]
     for card, summary in summaries.items():
         lines += [f"**{card} GiB card**", "", random_table(card, summary), ""]
     lines += [
         "Paired, per workload (a minus b; negative: a is better; in "
         "brackets the 95% CI; then how many workloads a was better / "
-        "worse in):",
+        "worse in; unlisted and regret per pass that needed room, over "
+        "the workloads with such passes in both):",
         "",
         paired_table(random_rows),
         "",
@@ -724,7 +860,8 @@ def format_section(scenarios, summaries, random_rows, traces, timings,
         "",
         causes_text(summaries),
         "",
-        "### Recorded traces (comfy-env's real worker, replayed)",
+        "### Recorded traces (comfy-env's real workers, replayed in every "
+        "column)",
         "",
         trace_text(traces),
         "",
@@ -810,6 +947,9 @@ def main(argv: list[str] | None = None) -> int:
     for card, summary in summaries.items():
         print(f"\n{card} GiB card\n" + random_table(card, summary))
     print("\n" + paired_table(random_rows))
+    print("\n" + goals_table(goals(random_rows)))
+    print("\n" + oom_text(summaries))
+    print("\n" + unlisted_text(summaries))
     print("\n" + causes_text(summaries))
     print("\n" + trace_text(traces))
     print("\n" + pass_table(timings))

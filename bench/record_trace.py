@@ -26,9 +26,11 @@ comfy-env column must evict the same models in the same passes as the
 real run (bench/bench_regret.py ``replay_check``).
 
     pip install torch==2.13.0          # the CPU wheel, this venv only
-    python bench/record_trace.py       # writes bench/traces/two_workers.jsonl
+    python bench/record_trace.py       # bench/traces/two_workers.jsonl and
+                                       # bench/traces/busy_worker.jsonl
 
-Takes about 15 s (two worker processes start with torch).
+Takes about 100 s (two worker processes start with torch; the last call
+outlasts two of comfy-env's 30 s lock timeouts).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import stat
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -59,7 +62,7 @@ import trace_card  # noqa: E402
 MiB = 1 << 20
 GiB = 1 << 30
 CONTEXT = 300 * MiB
-DEFAULT_OUT = HERE / "traces" / "two_workers.jsonl"
+TRACES = HERE / "traces"
 
 # The pack every worker runs: patchers and modules that hold bytes on the
 # shared card, and one node whose call plays a list of steps.
@@ -287,24 +290,12 @@ def _host(name: str, gib: float) -> dict:
             "granularity": max(16 * MiB, size // 64 // MiB * MiB)}
 
 
-#: The recorded workload: a 12 GiB card, ComfyUI's SDXL models, worker A
-#: with a legacy DiT, a refiner it loads in the same call (a budget
-#: request while the DiT moved since its last census) and a plain
-#: segmenter its pack moves itself, worker B with an LLM whose first
-#: parameter leaves the card first.
-CARD_GIB = 12
-HOSTS = [_host("unet", 4.78), _host("clip", 1.52), _host("vae", 0.16)]
-WORKERS = [
-    {"name": "A", "models": [_spec("dit", 4.93, "legacy", True),
-                             _spec("seg", 1.25, "plain", True),
-                             _spec("refiner", 2.33, "legacy", True)]},
-    {"name": "B", "models": [_spec("llm", 7.0, "legacy", False)]},
-]
-
-
-def _call(worker: str, *steps: dict) -> dict:
-    return {"ev": "call", "worker": worker, "steps": list(steps),
-            "empty_cache": False}
+def _call(worker: str, *steps: dict, during: list | None = None) -> dict:
+    ev = {"ev": "call", "worker": worker, "steps": list(steps),
+          "empty_cache": False}
+    if during:
+        ev["during"] = during
+    return ev
 
 
 def _hostev(models: list[str], act_gib: float, duration: float) -> dict:
@@ -313,29 +304,94 @@ def _hostev(models: list[str], act_gib: float, duration: float) -> dict:
             "duration": duration}
 
 
-SCRIPT = [
-    {"ev": "prompt", "id": "p0"},
-    _hostev(["unet", "clip"], 1.0, 0.5),
-    _call("A", {"load": ["dit"], "memory_required": _b(0.5)},
-          {"compute": 0.3, "act": 0, "use": ["dit"]}),
-    _call("A", {"to": "seg", "device": "cuda"},
-          {"compute": 0.2, "act": 0, "use": ["seg"]},
-          {"to": "seg", "device": "cpu"}),
-    _call("B", {"load": ["llm"], "memory_required": _b(1.0)},
-          {"compute": 0.5, "act": 0, "use": ["llm"]}),
-    _hostev(["unet"], 2.0, 0.5),
-    {"ev": "prompt", "id": "p1"},
-    _call("A", {"load": ["dit"], "memory_required": _b(0.5)},
-          {"compute": 0.3, "act": 0, "use": ["dit"]},
-          {"load": ["refiner"], "memory_required": _b(0.5)},
-          {"compute": 0.3, "act": 0, "use": ["refiner"]},
-          {"to": "seg", "device": "cuda"},
-          {"compute": 0.2, "act": 0, "use": ["seg"]}),
-    _hostev(["unet", "clip"], 2.0, 0.5),
-    _call("B", {"load": ["llm"], "memory_required": _b(1.0)},
-          {"compute": 0.5, "act": 0, "use": ["llm"]}),
-    _hostev(["unet", "clip", "vae"], 2.5, 0.5),
-]
+def _beside(after: float, models: list[str], act_gib: float) -> dict:
+    """ComfyUI's load_models_gpu on another thread (a web route, a second
+    prompt thread), `after` seconds into the call it is listed with."""
+    return {"ev": "host", "thread": "route", "after": after,
+            "models": models, "memory_required": _b(act_gib)}
+
+
+#: The recorded worlds (a name: its card, ComfyUI's models, the workers,
+#: the script), each written to its own file in bench/traces/.
+#:
+#: two_workers: a 12 GiB card, ComfyUI's SDXL models, worker A with a
+#: legacy DiT, a refiner it loads in the same call (a budget request while
+#: the DiT moved since its last census) and a plain segmenter its pack
+#: moves itself, worker B with an LLM whose first parameter leaves the
+#: card first.  p0 loads everything once; its last host load evicts A's
+#: DiT.  p1 calls B first, so A's reload of the DiT lands two node calls
+#: after the eviction (comfy-env's boundary skips known ids: nothing lists
+#: it again), then ComfyUI's next loads need room.
+#:
+#: busy_worker: a 12 GiB card, ComfyUI's SDXL models, a ControlNet and an
+#: IP-Adapter,
+#: worker C with a tagger its own load keeps partly on the CPU (room for
+#: its activations).  ComfyUI loads the ControlNet, later the IP-Adapter,
+#: on another thread while C is in a call: first one that outlasts the
+#: load by about 3 s (a
+#: command to C waits for C's lock until the call ends), then one longer
+#: than two of comfy-env's lock timeouts (each command waits 30 s and
+#: fails).
+WORLDS = {
+    "two_workers": {
+        "card": 12,
+        "hosts": [_host("unet", 4.78), _host("clip", 1.52),
+                  _host("vae", 0.16)],
+        "workers": [
+            {"name": "A", "models": [_spec("dit", 4.93, "legacy", True),
+                                     _spec("seg", 1.25, "plain", True),
+                                     _spec("refiner", 2.33, "legacy",
+                                           True)]},
+            {"name": "B", "models": [_spec("llm", 7.0, "legacy", False)]},
+        ],
+        "script": [
+            {"ev": "prompt", "id": "p0"},
+            _hostev(["unet", "clip"], 1.0, 0.5),
+            _call("A", {"load": ["dit"], "memory_required": _b(0.5)},
+                  {"compute": 0.3, "act": 0, "use": ["dit"]}),
+            _call("A", {"to": "seg", "device": "cuda"},
+                  {"compute": 0.2, "act": 0, "use": ["seg"]},
+                  {"to": "seg", "device": "cpu"}),
+            _call("B", {"load": ["llm"], "memory_required": _b(1.0)},
+                  {"compute": 0.5, "act": 0, "use": ["llm"]}),
+            _hostev(["unet"], 2.0, 0.5),
+            {"ev": "prompt", "id": "p1"},
+            _call("B", {"compute": 0.2, "act": 0, "use": []}),
+            _call("A", {"load": ["dit"], "memory_required": _b(0.5)},
+                  {"compute": 0.3, "act": 0, "use": ["dit"]},
+                  {"load": ["refiner"], "memory_required": _b(0.5)},
+                  {"compute": 0.3, "act": 0, "use": ["refiner"]},
+                  {"to": "seg", "device": "cuda"},
+                  {"compute": 0.2, "act": 0, "use": ["seg"]}),
+            _hostev(["unet", "clip"], 2.0, 0.5),
+            _call("B", {"load": ["llm"], "memory_required": _b(1.0)},
+                  {"compute": 0.5, "act": 0, "use": ["llm"]}),
+            _hostev(["unet", "clip", "vae"], 2.5, 0.5),
+        ],
+    },
+    "busy_worker": {
+        "card": 12,
+        "hosts": [_host("unet", 4.78), _host("clip", 1.52),
+                  _host("vae", 0.16), _host("cnet", 1.25),
+                  _host("ipa", 0.69)],
+        "workers": [
+            {"name": "C", "models": [_spec("tagger", 2.33, "legacy",
+                                           True)]},
+        ],
+        "script": [
+            {"ev": "prompt", "id": "p0"},
+            _hostev(["unet", "clip"], 1.0, 0.5),
+            _call("C", {"load": ["tagger"], "memory_required": _b(3.0)},
+                  {"compute": 0.3, "act": 0, "use": ["tagger"]}),
+            _call("C", {"compute": 4.0, "act": 0, "use": ["tagger"]},
+                  during=[_beside(1.0, ["cnet"], 4.0)]),
+            _hostev(["unet", "clip"], 1.0, 0.5),
+            _call("C", {"load": ["tagger"], "memory_required": _b(3.0)},
+                  {"compute": 66.0, "act": 0, "use": ["tagger"]},
+                  during=[_beside(1.0, ["ipa"], 4.0)]),
+        ],
+    },
+}
 
 
 def _env_dir(root: Path, name: str) -> Path:
@@ -350,17 +406,20 @@ def _env_dir(root: Path, name: str) -> Path:
 
 
 class Recorder:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, name: str) -> None:
         from comfy_env.isolation import metadata
         from comfy_env.isolation import pool as ce_pool
         import comfy_env.state_sync as state_sync
 
         self.metadata, self.pool, self.sync = metadata, ce_pool, state_sync
         self.root = root
+        self.name = name
+        world = WORLDS[name]
+        self.world = world
         self.t0 = time.monotonic()
         self.obs: list[dict] = []
         self.events: list[dict] = []
-        card = CARD_GIB * GiB
+        card = world["card"] * GiB
         mm.reset(total=card)
         mm.processing_interrupted = lambda: False
         shared_path = root / "card"
@@ -369,13 +428,13 @@ class Recorder:
         self.card = mm.sim.card()
         self.hosts = {h["name"]: mm.HostModel(h["name"], h["size"],
                                               granularity=h["granularity"])
-                      for h in HOSTS}
+                      for h in world["hosts"]}
         pack = root / "pack"
         pack.mkdir()
         (pack / "tracepack.py").write_text(PACK)
         self.logs = {}
         self.specs = {}
-        for w in WORKERS:
+        for w in world["workers"]:
             log = root / f"truth-{w['name']}.jsonl"
             log.touch()
             self.logs[w["name"]] = log
@@ -410,7 +469,7 @@ class Recorder:
             return f"host/{p.name}"
         key = next(k for k, v in self.pool._WORKER_POOL.items()
                    if v.worker is p._worker)
-        worker = next(w["name"] for w in WORKERS
+        worker = next(w["name"] for w in self.world["workers"]
                       if str(self.specs[w["name"]][0]) == key)
         return f"{worker}/{p._model_id.rsplit('_', 1)[0]}"
 
@@ -459,9 +518,19 @@ class Recorder:
 
     # -- playing the script ---------------------------------------------------
 
+    def beside(self, ev: dict) -> None:
+        """A host load on this (another) thread; the event gets the time it
+        really started."""
+        ev = {k: v for k, v in ev.items() if k != "after"}
+        ev["t"] = self.now()
+        self.events.append(ev)
+        mm.load_models_gpu([self.hosts[n] for n in ev["models"]],
+                           memory_required=ev["memory_required"])
+
     def play(self) -> None:
-        for ev in SCRIPT:
+        for ev in self.world["script"]:
             ev = dict(ev)
+            during = ev.pop("during", [])
             ev["t"] = self.now()
             self.events.append(ev)
             if ev["ev"] == "prompt":
@@ -473,14 +542,23 @@ class Recorder:
                 time.sleep(ev["duration"])
                 self.card.release("act")
                 mm.soft_empty_cache()
-            else:
+                continue
+            threads = [threading.Timer(d["after"], self.beside, (d,))
+                       for d in during]
+            for thread in threads:
+                thread.start()
+            try:
                 self.metadata._call_in_worker(
                     worker_spec=self.specs[ev["worker"]],
                     module_name="tracepack", class_name="TraceNode",
                     method_name="run", self_state=None,
                     kwargs={"steps": ev["steps"]},
                     node_name=f"TraceNode.run ({ev['worker']})")
+            finally:
+                for thread in threads:
+                    thread.join()
         self.events.append({"ev": "end", "t": self.now()})
+        self.events.sort(key=lambda e: e["t"])
 
     def close(self) -> None:
         self.pool._shutdown_all_workers()
@@ -499,12 +577,12 @@ class Recorder:
                 truth.append({"ev": "obs:truth", **e})
         header = {
             "format": "comfy-standin-trace/1",
-            "name": "two workers (recorded)",
-            "card": CARD_GIB * GiB,
-            "hosts": HOSTS,
+            "name": f"{self.name} (recorded)",
+            "card": self.world["card"] * GiB,
+            "hosts": self.world["hosts"],
             "workers": [{"name": w["name"], "publishes": True,
                          "torch_cuda": False, "models": w["models"]}
-                        for w in WORKERS],
+                        for w in self.world["workers"]],
             "num_streams": 0,
             "source": (f"comfy-env {comfy_env.__version__} real workers, "
                        f"torch {torch.__version__}, recorded "
@@ -515,9 +593,32 @@ class Recorder:
         return [header, *self.events, *obs]
 
 
+def record(name: str, out: Path) -> None:
+    root = Path(tempfile.mkdtemp(prefix="record_trace."))
+    try:
+        recorder = Recorder(root, name)
+        try:
+            recorder.play()
+        finally:
+            recorder.close()
+        lines = recorder.lines()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(line, sort_keys=True) + "\n"
+                           for line in lines))
+    os.replace(tmp, out)
+    passes = sum(1 for e in lines if e.get("ev") == "obs:pass")
+    print(f"wrote {out}: {len(lines)} lines, {passes} passes that evicted")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("worlds", nargs="*", choices=[[], *WORLDS],
+                        help="which to record (default: all)")
+    parser.add_argument("--out", type=Path, default=TRACES,
+                        help="the directory the traces go to")
     args = parser.parse_args(argv)
     try:
         import torch  # noqa: F401
@@ -526,24 +627,8 @@ def main(argv: list[str] | None = None) -> int:
               "worker's handlers import it): pip install torch==2.13.0",
               file=sys.stderr)
         return 2
-    root = Path(tempfile.mkdtemp(prefix="record_trace."))
-    try:
-        recorder = Recorder(root)
-        try:
-            recorder.play()
-        finally:
-            recorder.close()
-        lines = recorder.lines()
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(line, sort_keys=True) + "\n"
-                           for line in lines))
-    os.replace(tmp, args.out)
-    passes = sum(1 for e in lines if e.get("ev") == "obs:pass")
-    print(f"wrote {args.out}: {len(lines)} lines, {passes} passes that "
-          f"evicted")
+    for name in args.worlds or WORLDS:
+        record(name, args.out / f"{name}.jsonl")
     return 0
 
 

@@ -66,10 +66,20 @@ Modelled here (small, cited):
   ``moved: False`` writes nothing), its pool's node boundary
   (``comfy_standin.pool.Pool.boundary``: a registered stand-in ComfyUI
   dropped while its figure says bytes are still there is listed again),
-  and the worker-side board publisher (every ``SAMPLE_PERIOD`` on a
-  thread, and synchronously before ``request_vram_budget``, after the
+  and the worker-side board publisher as bench/bench_board_view.py
+  measured it (a sampler thread from the first binding: each pass waits
+  for the GIL while a call runs, reaches the host after the measured
+  read lag, and the next starts ``SAMPLE_PERIOD`` after it ended; and
+  synchronously at a binding, before ``request_vram_budget``, after the
   shim's real ``load_models_gpu`` and at every ``_bump_seq``), each
   publish stamped with the time its measurement began.
+- The package's rules for what ComfyUI can reach (``Rules``), each a
+  column of its own: listed again, census at creation, a publish before
+  each model command's reply, unlisted bytes reclaimed from idle
+  workers, never waiting on a worker in a call on another thread.
+- A command from another thread to a worker in a call waits on its lock
+  until the call is due to end (at most ``LOCK_WAIT``), then runs at
+  once: the simulation does not hold the other thread's call back.
 
 Truth lives on the card (``mm.sim.card()``): per process, per owner
 (a model's weights, the allocator cache, activations, the CUDA context).
@@ -83,11 +93,13 @@ ComfyUI still lists.
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
 import importlib
 import importlib.metadata
 import logging
 import math
+import random
 import sys
 import threading
 import weakref
@@ -122,6 +134,10 @@ REPLY_TIMEOUT = 60.0
 #: (comfy_standin.integrations.comfy_env.SAMPLE_PERIOD / HEARTBEAT_LIMIT).
 SAMPLE_PERIOD = 0.05
 HEARTBEAT_LIMIT = 5.0
+#: The commands that move one model's bytes (rule 3 publishes before
+#: their replies).
+MODEL_COMMANDS = ("model_partial_unload", "model_partial_load",
+                  "model_to_device")
 #: comfy-aimdo pages weights in 32 MiB pages; its default headroom.
 PAGE = 32 * MiB
 PAGER_HEADROOM = 256 * MiB
@@ -130,31 +146,81 @@ IDLE_SWEEP = 10.0
 #: NUM_STREAMS a worker reports with its budget request (NVIDIA default).
 NUM_STREAMS = 2
 
-#: The columns: who answers loaded_size() for a worker model.
-#: "receipts+" is receipts plus one change at comfy-env's node boundary
-#: (an adapter can make it): the frame's census is applied to the
-#: stand-ins created from that same frame, instead of a size guessed from
-#: the device.  "relist" is receipts+ plus, at every node boundary, every
-#: live stand-in whose figure says its model is on the card and that
-#: ComfyUI does not list is listed again (not only the ones the pool
-#: still holds): a model ComfyUI evicted once and its worker loaded again
-#: can be evicted again.  "relist+boards" is relist with boards.
-#: "before" is comfy_standin's stand-in before docs/semantics.md's "Which
-#: word wins": a detach reply writes 0 whatever its "moved" says.
-#: "receipts" is the stand-in as shipped.
-COLUMNS = ("comfy-env", "before", "receipts", "receipts+", "relist",
-           "boards", "relist+boards", "oracle")
-#: column -> (loaded_size view, census at registration, relist every,
-#: a moved: False detach writes 0)
+#: What the board's measurement costs, as bench/bench_board_view.py
+#: measured it (bench/RESULTS.md, "board vs receipts": a host polling a
+#: real worker's board): from a publish to the host's first read of it,
+#: median 8.4 us, p90 34.7 us, p99 1.5 ms, max 5.7 ms.  The sampler's
+#: asynchronous passes reach the host after such a lag; a synchronous
+#: publish is followed by a message, so it is there when the host reads.
+READ_LAG = ((0.0, 0.0), (0.5, 8.4e-6), (0.9, 34.7e-6), (0.99, 1.5364e-3),
+            (1.0, 5.7081e-3))
+#: One sampler pass: comfy-env's census over the worker's models, then a
+#: publish per slot (assumed: a census walks a few patchers in Python).
+PASS_COST = 0.0005
+#: sys.getswitchinterval(): while the worker's main thread runs Python (a
+#: node's call), the sampler thread waits up to this long for the GIL
+#: before each pass.  The sampler waits SAMPLE_PERIOD after a pass ends,
+#: so its passes fall behind the period; a pack that holds the GIL for
+#: longer is a "lag" event of the workload.
+SWITCH_INTERVAL = 0.005
+
+
+@dataclass(frozen=True)
+class Rules:
+    """What one column's host does.  ``view`` answers loaded_size() for a
+    worker model: ``comfy-env`` (its own patcher), ``receipts`` (ours, no
+    board), ``boards`` (ours, a board reading measured after the receipt
+    wins, where the worker publishes one), ``oracle`` (the truth).  Each
+    further flag is one of the package's rules for issue 25 (its point):
+
+    - ``relist`` (1): at every node boundary and before every
+      ``_handle_vram_budget``, every stand-in whose model is on the card by
+      its newest word is listed, once; an entry whose model is off the
+      card goes; a stand-in is let go only when its worker reports the
+      model gone or dies;
+    - ``census`` (2): a frame's census applies to the stand-ins that frame
+      creates;
+    - ``publish`` (3): the worker publishes its board synchronously before
+      every model command's reply (shipped: only at ``_bump_seq``, which a
+      plain module's move does not reach);
+    - ``unlisted`` (4): when ComfyUI's free_memory leaves the card short,
+      idle workers holding bytes none of their models accounts for (the
+      held figure of their last frame less what their stand-ins answer),
+      most first, are asked for what is still missing
+      (``partial_release`` through ``send_command_no_spawn`` with no lock
+      wait: a busy worker is skipped); only the bytes a receipt says came
+      back count;
+    - ``nowait`` (5): an eviction command to a worker in a call on another
+      thread is deferred at once: nothing freed, the stand-in listed again.
+    """
+
+    view: str
+    census: bool = False
+    relist: bool = False
+    publish: bool = False
+    unlisted: bool = False
+    nowait: bool = False
+    #: a moved: False detach writes 0 (comfy-env's rule)
+    moved_false_zero: bool = False
+
+
+#: The columns, in the tables' order.  Each of relist .. no-wait is the
+#: shipped stand-in with its board (column ``boards``) plus one rule;
+#: ``all`` has every rule.
 COLUMN_RULES = {
-    "before": ("receipts", False, False, True),
-    "receipts": ("receipts", False, False, False),
-    "receipts+": ("receipts", True, False, False),
-    "relist": ("receipts", True, True, False),
-    "boards": ("boards", False, False, False),
-    "relist+boards": ("boards", True, True, False),
-    "oracle": ("oracle", False, False, False),
+    "comfy-env": Rules("comfy-env", moved_false_zero=True),
+    "receipts": Rules("receipts"),
+    "boards": Rules("boards"),
+    "relist": Rules("boards", relist=True),
+    "census": Rules("boards", census=True),
+    "publish": Rules("boards", publish=True),
+    "unlisted": Rules("boards", unlisted=True),
+    "no-wait": Rules("boards", nowait=True),
+    "all": Rules("boards", census=True, relist=True, publish=True,
+                 unlisted=True, nowait=True),
+    "oracle": Rules("oracle"),
 }
+COLUMNS = tuple(COLUMN_RULES)
 
 
 class SimError(RuntimeError):
@@ -280,6 +346,10 @@ class SimWorker:
         self._last_new_models: list[dict] = []
         self._last_held_bytes: int | None = None
         self._pin_release_deferred = None
+        #: the held figure of the worker's last frame, and the bytes rule
+        #: 4's reclaim took since
+        self.held_report = 0
+        self.reclaimed = 0
         self.supports_full_release = True
         self.supports_partial_release = True
         self.supports_release_pins = True
@@ -305,8 +375,19 @@ class SimWorker:
         self.hangs: list[tuple[float, float, bool]] = []
         # -- the board (worker side) --
         self.publishes = publishes
-        self.sampler_start = run.clock.now
         self.blocked: list[tuple[float, float]] = []  # sampler not running
+        #: the sampler's passes (stamp, visible to the host, end), newest
+        #: last; the thread starts at the first binding
+        self.sampler: collections.deque = collections.deque()
+        self.next_pass = math.inf
+        self.rng = random.Random(
+            f"{run.workload.get('name', '')}:{name}:{generation}")
+        #: this process's node calls, (start, end): the sampler waits for
+        #: the GIL inside them
+        self.calls: list[list[float]] = []
+        #: when the call in flight is due to end (its computes), for the
+        #: lock wait of a command from another thread
+        self.call_end = -math.inf
         self.bound: dict[str, tuple[int, float]] = {}  # mid -> (tag, since)
         self.sync: dict[str, tuple[int, float]] = {}  # mid -> (value, stamp)
         self.sync_heartbeat = -math.inf
@@ -342,13 +423,22 @@ class SimWorker:
             raise RuntimeError(f"{self.name}: worker process is dead")
         thread = run.thread
         if self.call_owner is not None and self.call_owner != thread:
-            run.stall(lock_wait, f"{method} to {self.name} (busy)")
-            raise RuntimeError(
-                f"{self.name}: timed out after {lock_wait}s waiting for the "
-                f"worker lock to send '{method}'"
-            )
+            # the lock is free when the call ends: the command waits for
+            # that, or `lock_wait` and fails (it then runs at once here:
+            # the simulation does not hold the other thread's call back)
+            left = self.call_end - run.clock.now
+            if left >= lock_wait:
+                run.stall(lock_wait, f"{method} to {self.name} (busy)",
+                          "busy")
+                raise RuntimeError(
+                    f"{self.name}: timed out after {lock_wait}s waiting for "
+                    f"the worker lock to send '{method}'"
+                )
+            run.stall(max(0.0, left), f"{method} to {self.name} (busy)",
+                      "busy")
         if self.hung(run.clock.now) is not None:
-            run.stall(REPLY_TIMEOUT, f"{method} to {self.name} (hung)")
+            run.stall(REPLY_TIMEOUT, f"{method} to {self.name} (hung)",
+                      "hung")
             self.kill()  # _send_request: timeout -> _kill_tree()
             raise TimeoutError(
                 f"{self.name}: {method} timed out after {REPLY_TIMEOUT}s"
@@ -358,6 +448,8 @@ class SimWorker:
     def send_command(self, method: str, **params: Any) -> dict:
         self._reach(method, LOCK_WAIT)
         reply = self.handle(method, params)
+        if self.run.rules.publish and method in MODEL_COMMANDS:
+            self.publish_sync()  # rule 3: before the reply is sent
         self.harvest(reply)
         if reply.get("status") == "error":
             raise RuntimeError(
@@ -370,7 +462,8 @@ class SimWorker:
         if not self.alive:
             return "dead"
         if self.call_owner is not None and self.call_owner != self.run.thread:
-            self.run.stall(lock_timeout, f"{method} to {self.name} (busy)")
+            self.run.stall(lock_timeout, f"{method} to {self.name} (busy)",
+                           "ask")
             return "busy"
         return self.send_command(method, **params)
 
@@ -382,6 +475,10 @@ class SimWorker:
             self._last_new_models.extend(new)
         report = frame.get("_vram_report")
         if report is not None:
+            if "held" in report:
+                # the adapter keeps each frame's held figure (rule 4)
+                self.held_report = int(report["held"])
+                self.reclaimed = 0
             self._last_vram_report = self.run.ce.state_sync.merge_vram_report(
                 self._last_vram_report, report
             )
@@ -708,19 +805,21 @@ class SimWorker:
             values.append(value)
 
     def bind(self, mid: str) -> int | None:
-        """The host's binding of `mid` to a slot (a call_module at the
-        boundary; no _bump_seq, so no synchronous publish: the first
-        reading of `mid` is the sampler's next pass).  None when the
-        worker publishes nothing."""
+        """The host's binding of `mid` to a slot (the adapter sends a
+        boundary's bindings in one call_module; the publisher's ``bind``
+        then publishes synchronously and starts its sampler thread).
+        None when the worker publishes nothing."""
         if not self.publishes or not self.alive:
             return None
-        self.run.advance(RTT)  # the binding's call_module
         tag = len(self.bound) + 1
         self.bound[mid] = (tag, self.run.clock.now)
+        if self.next_pass == math.inf:
+            self.next_pass = self.run.clock.now
         return tag
 
     def publish_sync(self) -> None:
-        """A synchronous publish on the worker's main thread."""
+        """A synchronous publish on the worker's main thread: a message
+        follows it, so the host reads it at once."""
         if not self.publishes or not self.alive or not self.bound:
             return
         now = self.run.clock.now
@@ -730,29 +829,52 @@ class SimWorker:
                 self.sync[mid] = (self.census_value(m), now)
         self.sync_heartbeat = now
 
-    def last_pass(self, now: float) -> float | None:
-        """Start of the background sampler's last pass at or before `now`
-        (None: none yet).  Passes run every SAMPLE_PERIOD from the
-        sampler's start, never inside a blocked window, and resume at its
-        end."""
-        anchor = self.sampler_start
-        last = None
-        for a, b in sorted(self.blocked):
-            if b <= anchor:
-                continue
-            a = max(a, anchor)
-            if now < a:
+    def in_call(self, t: float) -> bool:
+        for a, b in reversed(self.calls):
+            if a <= t < b:
+                return True
+            if b <= t:
+                return False
+        return False
+
+    def _read_lag(self) -> float:
+        u = self.rng.random()
+        for (p0, v0), (p1, v1) in zip(READ_LAG, READ_LAG[1:], strict=False):
+            if u <= p1:
+                return v0 + (v1 - v0) * (u - p0) / (p1 - p0)
+        return READ_LAG[-1][1]
+
+    def _sample_until(self, now: float) -> None:
+        """The sampler thread's passes up to `now`: each waits for the GIL
+        while a call runs, takes PASS_COST, reaches the host after a read
+        lag drawn from READ_LAG, and the next starts SAMPLE_PERIOD after
+        it ended; none starts inside a blocked window.  Passes more than a
+        second before `now` are stepped over at the nominal period (only
+        the newest decide a reading)."""
+        t = self.next_pass
+        passes = self.sampler
+        while t <= now:
+            for a, b in self.blocked:
+                if a <= t < b:
+                    t = b
+            if t > now:
                 break
-            if a > anchor:  # the last pass strictly before a
-                last = anchor + (math.ceil((a - anchor) / SAMPLE_PERIOD)
-                                 - 1) * SAMPLE_PERIOD
-            if now < b:
-                return last
-            anchor = b
-        if now < anchor:
-            return last
-        return anchor + math.floor((now - anchor) / SAMPLE_PERIOD) \
-            * SAMPLE_PERIOD
+            limit = now - 1.0
+            if t < limit:
+                starts = [a for a, _ in self.blocked if t < a <= limit]
+                target = min(starts) if starts else limit
+                step = SAMPLE_PERIOD + PASS_COST
+                t += max(1, math.floor((target - t) / step)) * step
+                continue
+            wait = (self.rng.uniform(0.0, SWITCH_INTERVAL)
+                    if self.in_call(t) else 0.0)
+            stamp = t + wait
+            end = stamp + PASS_COST
+            passes.append((stamp, end + self._read_lag(), end))
+            t = end + SAMPLE_PERIOD
+        self.next_pass = t
+        while len(passes) > 64:
+            passes.popleft()
 
     def value_at(self, mid: str, t: float) -> int:
         times, values = self.history.get(mid, ([], []))
@@ -770,16 +892,22 @@ class SimWorker:
         if binding is None or binding[0] != tag:
             return None
         since = binding[1]
+        self._sample_until(now)
+        last = None
+        for stamp, visible, end in reversed(self.sampler):
+            if visible <= now:
+                last = (stamp, end)
+                break
         best: tuple[int, float] | None = None
-        t_pass = self.last_pass(now)
-        if t_pass is not None and t_pass >= since:
-            best = (self.value_at(mid, t_pass), t_pass)
-        heartbeat = max(t_pass if t_pass is not None else -math.inf,
+        if last is not None and last[0] >= since:
+            best = (self.value_at(mid, last[0]), last[0])
+        heartbeat = max(last[1] if last is not None else -math.inf,
                         self.sync_heartbeat)
         if now - heartbeat > HEARTBEAT_LIMIT:
             return None
         synced = self.sync.get(mid)
-        if synced is not None and (best is None or synced[1] > best[1]):
+        if synced is not None and synced[1] >= since and (
+                best is None or synced[1] > best[1]):
             best = synced
         return best
 
@@ -981,6 +1109,10 @@ class OurStandIn:
         if not self._alive():
             self._gone_path()
             return before
+        if self._run.cannot_take(self._worker):
+            self.eviction_deferred = True
+            self._pressure(want, 0)
+            return 0
         try:
             reply = self._worker.send_command(
                 "model_partial_unload", model_id=self._model_id,
@@ -1009,6 +1141,9 @@ class OurStandIn:
             return self.model
         if not self._alive():
             self._gone_path()
+            return self.model
+        if self._run.cannot_take(self._worker):
+            self.eviction_deferred = True
             return self.model
         try:
             reply = self._worker.send_command(
@@ -1119,9 +1254,20 @@ class PassResult:
     oracle_free_after: int
     candidates: list[Candidate]
     stalled: float = 0.0
-    #: true resident weight bytes of worker models no entry lists: bytes
-    #: this pass could not evict, whoever read what
+    #: bytes on the card that the pass cannot reach at its start, whoever
+    #: read what: weights of worker models no entry lists and the workers'
+    #: allocator caches, less (rule 4) what the reclaim after it reaches:
+    #: of an idle worker, its cache and its own list's models, up to the
+    #: worker's measured unlisted figure (not a module a pack moved
+    #: itself)
     unlisted: int = 0
+    #: the same, of workers that publish a board
+    unlisted_board: int = 0
+    #: unlisted_board's bytes by why no entry reached them
+    unlisted_why: collections.Counter = field(
+        default_factory=collections.Counter)
+    #: bytes rule 4's reclaim got back after the pass
+    reclaimed: int = 0
 
     @property
     def excess(self) -> int:
@@ -1163,6 +1309,11 @@ class Costs:
     ooms: list[str] = field(default_factory=list)
     stall_prompt: float = 0.0
     stall_other: float = 0.0
+    #: eviction commands waiting on a worker in a call on another thread,
+    #: on ComfyUI's threads (the prompt's, a route's)
+    stall_busy: float = 0.0
+    #: commands waiting on a hung worker's reply
+    stall_hung: float = 0.0
     stalls: list[str] = field(default_factory=list)
 
 
@@ -1187,10 +1338,9 @@ class Run:
         self.workload = workload
         self.column = column
         self.ce = ce
-        # OurStandIn's loaded_size view and the boundary's extra rules
-        (self.view, self.census_at_registration, self.relist_every,
-         self.moved_false_zero) = COLUMN_RULES.get(
-            column, ("comfy-env", False, False, True))
+        self.rules = COLUMN_RULES[column]
+        self.view = self.rules.view
+        self.moved_false_zero = self.rules.moved_false_zero
         self.clock = Clock()
         self.thread = "prompt"
         self.prompt_id: str | None = None
@@ -1274,6 +1424,14 @@ class Run:
             self._patch(sync, "apply_peak_raise", lambda p, c: None)
             self._patch(pool, "_insert_loaded_model",
                         self.our_pool.register)
+            if self.rules.relist:
+                budget = pool._handle_vram_budget
+
+                def handle_vram_budget(*args: Any, **kwargs: Any) -> Any:
+                    run.list_again()  # rule 1: before its free_memory
+                    return budget(*args, **kwargs)
+
+                self._patch(pool, "_handle_vram_budget", handle_vram_budget)
         self._stack.callback(self._clear_pool)
         self._spawn_all()
 
@@ -1301,7 +1459,8 @@ class Run:
                 spec["name"], int(spec["size"]),
                 granularity=int(spec.get("granularity", 64 * MiB)))
         for ev in self.workload["events"]:
-            if ev["ev"] in ("route", "background", "kill"):
+            if ev["ev"] in ("route", "background", "kill") or (
+                    ev["ev"] == "host" and ev.get("thread")):
                 self._schedule(ev["t"], ev)
 
     def _spawn(self, name: str) -> SimWorker:
@@ -1354,7 +1513,14 @@ class Run:
         if self.thread == "prompt":
             self.clock.now += seconds
 
-    def stall(self, seconds: float, why: str) -> None:
+    def stall(self, seconds: float, why: str, kind: str = "call") -> None:
+        """The current thread waits `seconds` on a worker: ``busy`` (an
+        eviction command on a worker's lock), ``hung`` (a reply that never
+        comes), ``ask`` (comfy-env's idle ask), ``call`` (a node call)."""
+        if kind == "busy" and self.thread in ("prompt", "route"):
+            self.costs.stall_busy += seconds
+        elif kind == "hung":
+            self.costs.stall_hung += seconds
         if self.thread == "prompt":
             self.costs.stall_prompt += seconds
             self.clock.now += seconds
@@ -1483,10 +1649,9 @@ class Run:
                       if e.model is not None and e.device == device
                       and e not in keep_loaded]
             infos = {id(p): (*run.entry_key(p), run.why(p)) for p in listed}
-            workers_before = {
-                name: w for name, w in run.workers.items()
-            }
             states = {w.name: _clone_state(w) for w in run.workers.values()}
+            reach = {w.name: run.unlisted_of(w) for w in run.workers.values()
+                     if run.rules.unlisted and not w._calls_in_flight}
             run.in_pass, run.pass_steps, run.pass_stall = True, [], 0.0
             t0 = run.clock.now
             del mm.free_memory_log[:]
@@ -1496,10 +1661,16 @@ class Run:
             finally:
                 run.in_pass = False
             record = mm.free_memory_log[-1]
+            judged = None
             if memory_required > free0 and record["candidates"]:
-                run.passes.append(run._judge(
-                    record, memory_required, free0, start, infos, states,
-                    workers_before, t0))
+                judged = run._judge(record, memory_required, free0, start,
+                                    infos, states, reach, t0)
+                run.passes.append(judged)
+            short = memory_required - run.card.free()
+            if run.rules.unlisted and short > 0:
+                got = run.reclaim(short)
+                if judged is not None:
+                    judged.reclaimed = got
             for log_list in (mm.free_memory_log, mm.unload_log, mm.pins_log,
                              mm.load_log, mm.pin_requests):
                 del log_list[:]
@@ -1509,7 +1680,7 @@ class Run:
         return free_memory
 
     def _judge(self, record: dict, required: float, free0: int, start: dict,
-               infos: dict, states: dict, workers: dict, t0: float
+               infos: dict, states: dict, reach: dict[str, int], t0: float
                ) -> PassResult:
         end = self._snapshot()
         candidates = []
@@ -1536,16 +1707,65 @@ class Run:
         oracle_evicted, oracle_free = _oracle(
             self, record, candidates, by_key, required, start, states)
         listed_keys = {info[0] for info in infos.values()}
-        unlisted = sum(
-            n for (proc, owner), n in start.items()
-            if owner.startswith("w:")
-            and _weight_key(proc, owner) not in listed_keys)
+        unlisted = unlisted_board = 0
+        why: collections.Counter = collections.Counter()
+        for name, worker in self.workers.items():
+            if not worker.alive:
+                continue
+            budget = reach.get(name, 0)
+            for n, reason, releasable in self._unreached(
+                    worker, start, listed_keys):
+                if releasable:  # rule 4's reclaim, up to its figure
+                    cut = min(n, budget)
+                    budget -= cut
+                    n -= cut
+                if n <= 0:
+                    continue
+                unlisted += n
+                if worker.publishes:
+                    unlisted_board += n
+                    why[reason] += n
         return PassResult(
             time=t0, thread=self.thread, required=required,
             free_before=free0, free_after=self.card.free(),
             evicted=evicted, oracle_evicted=oracle_evicted,
             oracle_free_after=oracle_free, candidates=candidates,
-            stalled=self.pass_stall, unlisted=unlisted)
+            stalled=self.pass_stall, unlisted=unlisted,
+            unlisted_board=unlisted_board, unlisted_why=why)
+
+    def _unreached(self, worker: SimWorker, start: dict,
+                   listed_keys: set[str]) -> Iterator[tuple[int, str, bool]]:
+        """(bytes, why, a release command reaches them) for each of the
+        worker's allocations at a pass start that no entry lists."""
+        mid_call = worker.call_owner is not None
+        patchers = self.ce.pool._WORKER_PATCHERS.get(worker.key, {})
+        for (proc, owner), n in start.items():
+            if proc != worker.name or n <= 0:
+                continue
+            if owner == "cache":
+                yield n, ("allocator cache, worker in a call" if mid_call
+                          else "allocator cache"), True
+                continue
+            if not owner.startswith("w:") or \
+                    _weight_key(proc, owner) in listed_keys:
+                continue
+            m = worker.models[owner[2:]]
+            releasable = m.name in worker.own_list
+            p = patchers.get(m.mid) if m.mid is not None else None
+            if m.mid is None:
+                reason = "never registered"
+            elif p is None:
+                reason = ("registered in the call in flight: no stand-in "
+                          "until its boundary" if mid_call else
+                          "registered by a pack's thread or a route: no "
+                          "stand-in until the worker's next boundary")
+            elif p.loaded_size() > 0:
+                reason = "dropped, its figure above 0: not listed again yet"
+            else:
+                reason = "dropped, its figure 0"
+            if not releasable:
+                reason += " (a module the pack moves itself)"
+            yield n, reason, releasable
 
     # -- timed events (other threads, residency that moves by itself) ---------
 
@@ -1608,6 +1828,13 @@ class Run:
             worker = self.workers.get(ev["worker"])
             if worker is not None:
                 worker.kill()
+        elif what == "host":
+            # ComfyUI's load_models_gpu on another thread (a web route, a
+            # second prompt thread); it computes nothing here
+            with self.on_thread(ev["thread"]):
+                mm.load_models_gpu(
+                    [self.hosts[n] for n in ev["models"]],
+                    memory_required=int(ev.get("memory_required", 0)))
         else:
             raise SimError(f"unknown timed event {ev!r}")
 
@@ -1616,7 +1843,8 @@ class Run:
     def play(self) -> RunResult:
         for ev in self.workload["events"]:
             what = ev["ev"]
-            if what in ("route", "background", "kill", "lag", "hang"):
+            if what in ("route", "background", "kill", "lag", "hang") or (
+                    what == "host" and ev.get("thread")):
                 continue
             self.wait_until(float(ev["t"]))
             if what == "prompt":
@@ -1709,6 +1937,10 @@ class Run:
         pool, sync = self.ce.pool, self.ce.state_sync
         worker.begin_call()
         worker.call_owner = self.thread
+        worker.call_end = self.clock.now + RTT + sum(
+            float(step.get("compute", 0.0)) for step in ev["steps"])
+        window = [self.clock.now, math.inf]
+        worker.calls.append(window)
         worker.new_models_this_call.clear()
         try:
             self.advance(RTT)
@@ -1722,6 +1954,7 @@ class Run:
                 worker.harvest(worker.frame())
         finally:
             worker.call_owner = None
+            window[1] = self.clock.now
             if not route:
                 self.boundary(worker)
             else:
@@ -1741,26 +1974,87 @@ class Run:
         pool._register_new_patchers(worker.key, worker, worker.generation)
         if self.our_pool is None:
             return
-        if self.census_at_registration and report.get("residency"):
+        if self.rules.census and report.get("residency"):
             created = {
                 mid: p for mid, p in
                 pool._WORKER_PATCHERS.get(worker.key, {}).items()
                 if id(p) not in before}
             self._our_census(created, report["residency"])
         if self.view == "boards":
+            bound = False
             for p in pool._WORKER_PATCHERS.get(worker.key, {}).values():
                 if isinstance(p, OurStandIn) and p._tag is None \
                         and p._worker is worker:
                     p._tag = worker.bind(p._model_id)
-        if self.relist_every:
-            listed = {id(e.model) for e in mm.current_loaded_models}
-            for patchers in list(pool._WORKER_PATCHERS.values()):
-                for p in list(patchers.values()):
-                    if (isinstance(p, OurStandIn) and id(p) not in listed
-                            and not p._gone and p._worker.is_alive()
-                            and p.loaded_size() > 0):
-                        self.our_pool.register(p)
+                    bound = bound or p._tag is not None
+            if bound:  # one call_module; the publisher publishes at once
+                self.advance(RTT)
+                worker.publish_sync()
         self.our_pool.boundary()
+        self.list_again()
+
+    def cannot_take(self, worker: SimWorker) -> bool:
+        """Rule 5: the worker is in a call on another thread (a command
+        would wait on its lock)."""
+        if not self.rules.nowait:
+            return False
+        owner = worker.call_owner
+        return worker.alive and owner is not None and owner != self.thread
+
+    def list_again(self) -> None:
+        """Rule 1, at a node boundary and before a budget request's
+        free_memory: every live stand-in whose model is on the card by its
+        newest word that ComfyUI does not list is listed, once."""
+        if not self.rules.relist:
+            return
+        listed = {id(e.model) for e in mm.current_loaded_models}
+        for patchers in list(self.ce.pool._WORKER_PATCHERS.values()):
+            for p in list(patchers.values()):
+                if (isinstance(p, OurStandIn) and id(p) not in listed
+                        and not p._gone and p._alive()
+                        and p.loaded_size() > 0):
+                    self.our_pool.register(p)
+                    p.eviction_deferred = False
+                    listed.add(id(p))
+
+    def unlisted_of(self, worker: SimWorker) -> int:
+        """Rule 4's figure: the held bytes of the worker's last frame less
+        what its stand-ins answer."""
+        if not worker.alive:
+            return 0
+        held = worker.held_report
+        answered = sum(p.loaded_size() for p in self.ce.pool._WORKER_PATCHERS
+                       .get(worker.key, {}).values()
+                       if isinstance(p, OurStandIn) and p._worker is worker)
+        return max(0, held - answered - worker.reclaimed)
+
+    def reclaim(self, shortfall: float) -> int:
+        """Rule 4, after a free_memory that left the card `shortfall`
+        bytes short: idle workers with unlisted bytes, most first, each
+        asked for what is still missing; a busy one answers "busy" at once.
+        Returns the bytes the receipts say came back."""
+        want = math.ceil(shortfall)
+        got = 0
+        holders = sorted(((self.unlisted_of(w), w.name, w)
+                          for w in self.workers.values()), reverse=True)
+        for unlisted, _, w in holders:
+            if got >= want or unlisted <= 0:
+                break
+            if w._calls_in_flight:
+                continue  # a worker in a call serves no release
+            try:
+                reply = w.send_command_no_spawn(
+                    "partial_release", lock_timeout=0.0,
+                    size=min(unlisted, want - got))
+            except Exception:  # noqa: BLE001 - an ask is best effort
+                continue  # a hung worker: comfy-env killed it
+            if not isinstance(reply, dict):
+                continue
+            freed = int((reply.get("receipt") or {}).get("freed_bytes", 0))
+            freed = max(0, min(freed, unlisted))
+            w.reclaimed += freed
+            got += freed
+        return got
 
     def worker_step(self, worker: SimWorker, step: dict) -> None:
         if "load" in step:
@@ -1851,6 +2145,7 @@ def _clone_state(w: SimWorker) -> dict:
     return {
         "alive": w.alive,
         "busy_owner": w.call_owner,
+        "busy_left": w.call_end - w.run.clock.now,
         "hung": w.hung(w.run.clock.now) is not None,
         "own_list": set(w.own_list),
         "models": {m.name: (m.mode, m.block, m.first_param_on_card, m.size)
@@ -1902,8 +2197,9 @@ def _oracle(run: Run, record: dict, candidates: list[Candidate],
         st = states.get(proc)
         if st is None or proc in dead:
             return "fail"
-        if st["busy_owner"] is not None and st["busy_owner"] != busy_thread:
-            return "fail"
+        if st["busy_owner"] is not None and st["busy_owner"] != busy_thread \
+                and (run.rules.nowait or st["busy_left"] >= LOCK_WAIT):
+            return "fail"  # deferred, or the lock wait timed out
         if st["hung"]:
             dead.add(proc)
             for key in [k for k in alloc if k[0] == proc]:

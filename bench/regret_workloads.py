@@ -358,11 +358,12 @@ def scenario_route_during_long_call() -> dict:
     of A's last call (receipt 0).  While A's next long call pages it back
     in, a web route on worker R loads a model: its budget request runs
     ComfyUI's free_memory on the route's thread.  A cannot serve a
-    command (the prompt thread holds its lock): one waits 30 s and frees
-    nothing.  Receipts read 0 for the video and send nothing (ComfyUI
-    drops the entry); the board reads its pages, so boards send A two
-    commands that wait a minute between them.  A case the board loses,
-    in seconds a route's caller waits."""
+    command while the prompt thread holds its lock: a command waits until
+    A's call ends (comfy-env gives up after 30 s), then evicts the pages
+    A is computing with.  Receipts read 0 for the video and send nothing
+    (ComfyUI drops the entry); the board reads its pages, so boards send
+    A a command that waits for the rest of A's call.  A case the board
+    loses, in seconds a route's caller waits; rule 5 defers at once."""
     world = _world(12, [("unet", 4.78), ("clip", 1.52), ("vae", 0.16)], [
         ("A", [("video", 5.5, "paged", True)], True),
         ("R", [("matte", 3.7, "legacy", True)], True),
@@ -430,18 +431,20 @@ def scenario_idle_release() -> dict:
 
 
 def scenario_allocator_cache() -> dict:
-    """Worker A's call leaves 3 GiB of activations in its allocator cache
-    (reserved, not allocated) and its model offloaded.  No stand-in
-    describes a cache: receipts and boards both read 0, send nothing,
-    and ComfyUI evicts its own models; only comfy-env's idle ask reaches
-    the cache, after the pass.  A tie, every column alike."""
+    """Worker A's pack unloads its upscaler itself, then computes 3 GiB of
+    activations with no model, which its allocator keeps cached
+    (reserved, not allocated) after the call.  No stand-in describes a
+    cache, and A's reads 0: ComfyUI's next load evicts its own models,
+    and comfy-env's pressure hook, which fires from a stand-in with bytes
+    to give, stays silent.  Rule 4's reclaim asks idle A for what is still
+    missing after the pass: its cache comes back."""
     world = _world(8, [("unet", 4.78), ("clip", 1.52), ("vae", 0.16)], [
         ("A", [("upscale", 0.5, "legacy", True)], True),
     ])
     return _finish(world, "allocator cache", [
         {"ev": "prompt", "id": "p0"},
-        _call("A", _load("upscale"), _compute(2.0, 3.0, ["upscale"]),
-              {"offload": "upscale"}),
+        _call("A", _load("upscale"), _compute(0.5, 0.2, ["upscale"]),
+              {"offload": "upscale"}, _compute(2.0, 3.0)),
         _host(["unet", "clip"], 1.5, 3.0),
         {"ev": "end"},
     ])
@@ -512,7 +515,7 @@ def scenario_registration() -> dict:
     segmenter, broken by size), where it is the most offloaded model on
     the card: receipts evict the segmenter too.  receipts+ applies that
     census to the new stand-in; the board binds at the same boundary and
-    has published by then: both decide as the oracle."""
+    its binding publishes at once: both decide as the oracle."""
     world = _world(12, [("unet", 4.78), ("clip", 1.52), ("vae", 0.16)], [
         ("A", [("llm", 10.0, "legacy", True)], True),
         ("B", [("seg", 1.25, "plain", True)], True),
