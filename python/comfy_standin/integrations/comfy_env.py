@@ -92,7 +92,8 @@ import comfy_standin as cs
 
 from .._handoff import PROTOCOL, Handoff, HandoffRefused
 from .._text import LOG_TEXT_LIMIT, visible
-from ._shapes import Hook, mismatch, resolve, where
+from ._shapes import Hook, mismatch, where
+from ._shapes import resolve as _resolve
 
 #: The variable naming a worker's board handoff (its environment only).
 ENV_VAR = "COMFY_STANDIN_BOARD"
@@ -166,7 +167,7 @@ def install() -> bool:
     hook = None
     try:
         for hook in plan.hooks:
-            owner = resolve(hook.target)
+            owner = _resolve(hook.target)
             original = getattr(owner, hook.name)
             setattr(owner, hook.name, hook.wrap(original))
             swapped.append((hook, owner, original))
@@ -194,7 +195,7 @@ def uninstall() -> None:
     """Put comfy-env's own objects back.  Idempotent."""
     while _originals:
         (target, name), original = _originals.popitem()
-        setattr(resolve(target), name, original)
+        setattr(_resolve(target), name, original)
     for worker in list(_boards):
         _board_done(worker)
     pool = cs.default_pool()
