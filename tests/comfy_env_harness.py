@@ -1,4 +1,4 @@
-"""comfy-env 0.4.46's real worker, driven by comfy-env's own per-node call
+"""comfy-env's real worker, driven by comfy-env's own per-node call
 path, for the board tests (tests/test_comfy_env_board.py,
 tests/test_pack_env_board.py).
 
@@ -37,7 +37,6 @@ from typing import Any
 import comfy_standin as cs
 from comfy_standin.integrations import comfy_env as adapter
 
-PINNED = "0.4.46"
 MiB = 1 << 20
 MOCK_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                          "mockcomfy")
@@ -351,14 +350,18 @@ def standin_of(mm: Any, model_id: str) -> Any:
 
 class Host:
     """ComfyUI's side: comfy-env's node call path into one pack whose
-    environment is `env_dir`."""
+    environment is `env_dir`; with `boards`, a comfy-env the adapter
+    wires live boards into."""
 
     def __init__(self, mm: Any, pack_dir: pathlib.Path,
-                 env_dir: pathlib.Path) -> None:
+                 env_dir: pathlib.Path, boards: bool = True) -> None:
         version = importlib.metadata.version("comfy-env")
-        assert version == PINNED, (
-            f"the board tests drive comfy-env {PINNED}'s internals; this "
-            f"environment has {version}: re-check them")
+        tier = adapter.TESTED_COMFY_ENV.get(version)
+        wanted = ("full",) if boards else ("full", "receipts")
+        assert tier in wanted, (
+            f"the board tests drive the internals of the comfy-env "
+            f"releases the adapter's TESTED_COMFY_ENV gives {wanted[0]!r}; "
+            f"this environment has {version} ({tier or 'not tested'})")
         from comfy_env.isolation import metadata
         from comfy_env.isolation import pool as ce_pool
 

@@ -1,4 +1,4 @@
-"""The live board from comfy-env's REAL worker process (comfy-env 0.4.46).
+"""The live board from comfy-env's REAL worker process.
 
 Right after comfy-env starts a worker, the worker-side publisher (a
 stdlib-only module the adapter puts first on the worker's path) makes the
@@ -8,9 +8,10 @@ comfy-env's worker tracks.  Here the worker runs this venv's Python (which
 has comfy_standin installed: it is not used there); no torch.
 tests/test_pack_env_board.py runs pack environments of other Pythons.
 
-Pinned to the comfy-env version whose internals were read (the worker's
-``main()`` closures, ``call_module``, the spawn call): another version
-fails with a message, never a skip.
+Pinned to the comfy-env releases whose internals were read (the worker's
+``main()`` closures, ``call_module``, the spawn call): those the adapter's
+``TESTED_COMFY_ENV`` gives boards; another version fails with a message,
+never a skip.
 """
 
 from __future__ import annotations
@@ -120,9 +121,10 @@ def test_worker_killed_falls_back_then_a_new_board(host):
              "the new board's reading")
 
 
-def test_other_comfy_env_version_is_receipts_only(
+def test_a_version_tested_on_receipts_is_receipts_only(
         host, monkeypatch, caplog, comfy_env_installed_version):
-    monkeypatch.setattr(adapter, "SUPPORTED_COMFY_ENV", ("0.0.0",))
+    monkeypatch.setitem(adapter.TESTED_COMFY_ENV,
+                        comfy_env_installed_version, "receipts")
     with caplog.at_level(logging.WARNING, logger="comfy_standin"):
         adapter.install()
         host.call("load", model_id="v", nbytes=1 * MiB)

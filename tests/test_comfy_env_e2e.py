@@ -1,4 +1,4 @@
-"""End to end with comfy-env's REAL worker process (comfy-env 0.4.46).
+"""End to end with comfy-env's REAL worker process.
 
 comfy-env's own per-node call path (``metadata._call_in_worker``) spawns
 its persistent worker with this venv's Python as the pack's env, does its
@@ -10,8 +10,10 @@ tests/mockcomfy.
 
 These tests use comfy-env internals (``_call_in_worker``, the worker's
 ``comfy_worker.register_model``, ``_WORKER_PATCHERS``,
-``_shutdown_all_workers``), so they are pinned to the version read here:
-another version fails with a message saying so, it is never skipped.
+``_shutdown_all_workers``), the same in every release of the adapter's
+``TESTED_COMFY_ENV``: another version fails with a message saying so, it
+is never skipped.  tests/test_comfy_env_matrix.py runs them against each
+of those releases; here the suite's own comfy-env is the newest.
 
 A model-moving command is refused by a live worker (the pack's module
 refuses to move; without torch the worker cannot import it); the
@@ -41,15 +43,18 @@ from comfy_standin.integrations import comfy_env as adapter
 # missing; -m "not comfy_env" leaves them out).
 pytestmark = pytest.mark.comfy_env
 
+#: The comfy-env the suite's own environment has: the newest tested.
 PINNED = "0.4.46"
 
 
 def wrong_version(version: str) -> str:
     return (
-        f"tests/test_comfy_env_e2e.py drives comfy-env {PINNED}'s "
-        f"internals (_call_in_worker, _register_new_patchers, "
-        f"comfy_worker); this environment has comfy-env {version}. "
-        f"Re-check those internals against {version} and update PINNED."
+        f"tests/test_comfy_env_e2e.py drives comfy-env's internals "
+        f"(_call_in_worker, _register_new_patchers, comfy_worker) as the "
+        f"releases in the adapter's TESTED_COMFY_ENV have them; this "
+        f"environment has comfy-env {version}. Re-check those internals "
+        f"against {version}, run tests/test_comfy_env_matrix.py with it "
+        f"and add it to TESTED_COMFY_ENV."
     )
 
 
@@ -174,7 +179,7 @@ def _sockets():
 @pytest.fixture
 def host(mm, monkeypatch, tmp_path, comfy_env_installed_version):
     """A ComfyUI host with the adapter installed and a pack on disk."""
-    if comfy_env_installed_version != PINNED:
+    if comfy_env_installed_version not in adapter.TESTED_COMFY_ENV:
         pytest.fail(wrong_version(comfy_env_installed_version))
     from comfy_env.isolation import metadata
     from comfy_env.isolation import pool as ce_pool

@@ -6,6 +6,13 @@ from a custom node package's ``__init__``)::
     from comfy_standin.integrations import comfy_env
     comfy_env.install()
 
+Before it touches anything it checks every name of comfy-env it
+replaces, wraps or reads (``HOOKS``: presence, signature, the attributes
+and locals it reads) and the version (``TESTED_COMFY_ENV``, the releases
+tested with comfy-env's real worker); then it swaps all that it may, or
+nothing, and says in one log line which: stand-ins and live boards,
+stand-ins on receipts only, or not switched on (comfy-env as it was).
+
 What it swaps, all reversibly (``uninstall()``):
 
 - ``comfy_env.isolation.model_patcher.SubprocessModelPatcher`` becomes
@@ -37,8 +44,8 @@ What it swaps, all reversibly (``uninstall()``):
   does in its ``partially_unload``.
 
 - Live residency boards (docs/board.md), on Linux with a comfy-env
-  version the board was checked against (``SUPPORTED_COMFY_ENV``), for
-  every pack with nothing installed in the pack's environment.
+  release tested with them (``TESTED_COMFY_ENV``), for every pack with
+  nothing installed in the pack's environment.
   ``SubprocessWorker._ensure_started`` and ``workers.subprocess.
   popen_in_own_group`` (its only spawn of a worker process) are wrapped:
   each spawn gets a one-time handoff (``comfy_standin._handoff``: a
@@ -56,8 +63,8 @@ What it swaps, all reversibly (``uninstall()``):
   asks the host for VRAM, after its loads, and from a sampler thread.
   ``SubprocessWorker.shutdown`` closes the board.
   ``COMFY_STANDIN_NO_BOARD=1`` in ComfyUI's environment turns boards off.
-  On any mismatch (another comfy-env version, a changed internal, a
-  refused handoff) one log line says so and that worker stays on
+  A worker whose board fails (its worker script is not the shape the
+  publisher checks, a refused handoff) logs one line and stays on
   receipts.
 
 comfy-env reads ``_residency_peak``, ``_residency_seq``,
@@ -79,12 +86,14 @@ import sys
 import tempfile
 import threading
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import comfy_standin as cs
 
 from .._handoff import PROTOCOL, Handoff, HandoffRefused
 from .._text import LOG_TEXT_LIMIT, visible
+from ._shapes import Hook, mismatch, where
+from ._shapes import resolve as _resolve
 
 #: The variable naming a worker's board handoff (its environment only).
 ENV_VAR = "COMFY_STANDIN_BOARD"
@@ -95,9 +104,7 @@ log = logging.getLogger("comfy_standin")
 
 _PATCHER_MODULE = "comfy_env.isolation.model_patcher"
 _SYNC_MODULE = "comfy_env.state_sync"
-_SYNC_NAMES = ("apply_echo", "apply_residency", "apply_peak_raise")
 _POOL_MODULE = "comfy_env.isolation.pool"
-_POOL_NAMES = ("_insert_loaded_model", "_register_new_patchers")
 _SPAWN_MODULE = "comfy_env.isolation.workers.subprocess"
 _WORKER_CLASS = _SPAWN_MODULE + ":SubprocessWorker"
 # The worker-side publisher: a module name of its own (it can shadow
@@ -105,9 +112,20 @@ _WORKER_CLASS = _SPAWN_MODULE + ":SubprocessWorker"
 _PUBLISHER = "_comfy_standin_publisher"
 _BOARD_LIBRARY = "libcomfy_standin_board.so"
 
-#: comfy-env versions whose internals the board wiring was checked against
-#: (the worker's ``main()`` closures, ``call_module``, the spawn call).
-SUPPORTED_COMFY_ENV = ("0.4.46",)
+#: The comfy-env releases the adapter was tested with (comfy-env's real
+#: worker, tests/test_comfy_env_matrix.py, run by CI for each) and what
+#: each gets: "full" (stand-ins and live boards) or "receipts" (stand-ins
+#: on receipts: these start workers without ``popen_in_own_group``, which
+#: the board's spawn hook wraps).  0.4.43 was never published.  Any other
+#: version is refused, as is one in which a check of ``HOOKS`` fails.
+TESTED_COMFY_ENV = {
+    "0.4.40": "receipts",
+    "0.4.41": "receipts",
+    "0.4.42": "receipts",
+    "0.4.44": "full",
+    "0.4.45": "full",
+    "0.4.46": "full",
+}
 #: Slots per worker board, the host's heartbeat limit (seconds) and the
 #: worker's sampler period (seconds).
 BOARD_SLOTS = 64
@@ -125,47 +143,51 @@ def installed() -> bool:
 
 
 def install() -> bool:
-    """Swap comfy_standin into comfy-env.  Idempotent.
+    """Swap comfy_standin into comfy-env as far as the installed comfy-env
+    allows, and say in one log line what it got.  Idempotent.
 
-    Returns True when installed (now or before).  Raises ImportError when
-    comfy-env (or the ``comfy`` package it imports) is not importable, so
-    an opt-in that cannot take effect is never silent.
+    Every name in ``HOOKS`` is checked first.  Returns True when installed
+    (now or before): with live boards, or with stand-ins on receipts when
+    boards are off (a check of theirs failed, COMFY_STANDIN_NO_BOARD, not
+    Linux, no board library).  Returns False, with comfy-env as it was,
+    when this comfy-env is refused: a version not in ``TESTED_COMFY_ENV``,
+    a check of the stand-in swap failed, or a swap raised (what was
+    swapped before it is put back).  Raises ImportError when comfy-env (or
+    the ``comfy`` package it imports) is not importable.
     """
     if _originals:
         return True
-    patcher_module = importlib.import_module(_PATCHER_MODULE)
-    sync_module = importlib.import_module(_SYNC_MODULE)
-    originals = {
-        (_PATCHER_MODULE, "SubprocessModelPatcher"): (
-            patcher_module.SubprocessModelPatcher
-        )
-    }
-    for name in _SYNC_NAMES:
-        if hasattr(sync_module, name):
-            originals[(_SYNC_MODULE, name)] = getattr(sync_module, name)
-    wrappers = {
-        "apply_echo": _wrap_apply_echo,
-        "apply_residency": _wrap_apply_residency,
-        "apply_peak_raise": _wrap_apply_peak_raise,
-    }
-    pool_module = importlib.import_module(_POOL_MODULE)
-    for name in _POOL_NAMES:
-        if hasattr(pool_module, name):
-            originals[(_POOL_MODULE, name)] = getattr(pool_module, name)
-    wrappers["_insert_loaded_model"] = _wrap_insert_loaded_model
-    wrappers["_register_new_patchers"] = _wrap_register_new_patchers
-    patcher_module.SubprocessModelPatcher = cs.StandIn
-    for (module_name, name), original in originals.items():
-        if module_name == _SYNC_MODULE:
-            setattr(sync_module, name, wrappers[name](original))
-        elif module_name == _POOL_MODULE:
-            setattr(pool_module, name, wrappers[name](original))
+    importlib.import_module(_PATCHER_MODULE)
+    version = _comfy_env_version()
+    plan = _plan(version)
+    if plan.verdict in ("untested", "shape"):
+        _say(plan, version)
+        return False
+    swapped: list[tuple[Hook, Any, Any]] = []
+    hook = None
+    try:
+        for hook in plan.hooks:
+            owner = _resolve(hook.target)
+            original = getattr(owner, hook.name)
+            setattr(owner, hook.name, hook.wrap(original))
+            swapped.append((hook, owner, original))
+    except BaseException as exc:
+        for done, owner, original in reversed(swapped):
+            setattr(owner, done.name, original)
+        if not isinstance(exc, Exception):
+            raise
+        log.warning(
+            f"comfy_standin: not switched on: putting "
+            f"{where(hook)} into comfy-env {visible(version)} failed "
+            f"({type(exc).__name__}: {visible(str(exc))}); comfy-env is "
+            f"as it was")
+        return False
+    for done, _owner, original in swapped:
+        _originals[(done.target, done.name)] = original
     pool = cs.default_pool()
     if pool.on_pressure is None:
         pool.on_pressure = _forward_pressure
-    _originals.update(originals)
-    _install_boards()
-    log.info("comfy_standin: installed into comfy-env")
+    _say(plan, version)
     return True
 
 
@@ -517,12 +539,6 @@ def _warn_once(kind: str, message: str, **worker_text: object) -> None:
     log.warning("%s", _line(message))
 
 
-def _resolve(target: str) -> Any:
-    module_name, _, class_name = target.partition(":")
-    obj = importlib.import_module(module_name)
-    return getattr(obj, class_name) if class_name else obj
-
-
 def _board_library() -> str | None:
     """The board writer shipped in this installation (a plain shared
     library a worker of any Python loads with ctypes), or None."""
@@ -573,74 +589,6 @@ def _publisher_dir() -> str:
         atexit.register(shutil.rmtree, directory, True)
         _private_dir = directory
         return directory
-
-
-def _install_boards() -> None:
-    """Wrap comfy-env's worker spawn and shutdown, when this comfy-env is
-    one the board wiring was checked against; otherwise say why once and
-    leave every worker on receipts."""
-    if os.environ.get("COMFY_STANDIN_NO_BOARD", "") not in ("", "0"):
-        log.info("comfy_standin: live boards turned off "
-                 "(COMFY_STANDIN_NO_BOARD); stand-ins use receipts")
-        return
-    if not sys.platform.startswith("linux"):
-        log.info("comfy_standin: no live boards here (sealed descriptors "
-                 "are Linux only); stand-ins use receipts")
-        return
-    try:
-        version = importlib.metadata.version("comfy-env")
-    except importlib.metadata.PackageNotFoundError:
-        version = "unknown"
-    if version not in SUPPORTED_COMFY_ENV:
-        _warn_once("version", (
-            f"comfy_standin: comfy-env {version} is not a version the live "
-            f"board was checked against ({', '.join(SUPPORTED_COMFY_ENV)}): "
-            f"no boards, stand-ins use receipts only"))
-        return
-    if _board_library() is None:
-        _warn_once("library", (
-            f"comfy_standin: this installation has no board library "
-            f"(comfy_standin/_lib/{_BOARD_LIBRARY}): no boards, stand-ins "
-            f"use receipts only"))
-        return
-    try:
-        spawn = importlib.import_module(_SPAWN_MODULE)
-        worker_cls = spawn.SubprocessWorker
-        pool_module = importlib.import_module(_POOL_MODULE)
-        missing = [
-            name for name, ok in (
-                ("popen_in_own_group", callable(
-                    getattr(spawn, "popen_in_own_group", None))),
-                ("SubprocessWorker._ensure_started", callable(
-                    getattr(worker_cls, "_ensure_started", None))),
-                ("SubprocessWorker.shutdown", callable(
-                    getattr(worker_cls, "shutdown", None))),
-                ("SubprocessWorker.call_module", callable(
-                    getattr(worker_cls, "call_module", None))),
-                ("pool._WORKER_PATCHERS", isinstance(
-                    getattr(pool_module, "_WORKER_PATCHERS", None), dict)),
-                ("pool._WORKER_POOL", isinstance(
-                    getattr(pool_module, "_WORKER_POOL", None), dict)),
-            ) if not ok
-        ]
-    except (ImportError, AttributeError) as exc:
-        missing = [str(exc)]
-    if missing:
-        _warn_once("host-shape", (
-            f"comfy_standin: comfy-env {version} lacks what the live board "
-            f"needs ({', '.join(missing)}): no boards, stand-ins use "
-            f"receipts only"))
-        return
-    wrapped = {
-        (_SPAWN_MODULE, "popen_in_own_group"): _wrap_popen,
-        (_WORKER_CLASS, "_ensure_started"): _wrap_ensure_started,
-        (_WORKER_CLASS, "shutdown"): _wrap_shutdown,
-    }
-    for (target, name), wrap in wrapped.items():
-        owner = _resolve(target)
-        original = getattr(owner, name)
-        _originals[(target, name)] = original
-        setattr(owner, name, wrap(original))
 
 
 def _wrap_ensure_started(original: Any) -> Any:
@@ -958,3 +906,156 @@ def _sync_board(env_dir: Any, worker: Any) -> None:
                    "the board")
         return
     state.sent.update({m: (b[0], b[1]) for m, b in pending.items()})
+
+
+# ---- what install() touches, and what it checks first -----------------------
+
+#: What comfy-env's ``SubprocessModelPatcher`` defines (0.4.40 to 0.4.46
+#: define the same): what comfy-env and ComfyUI may read off a patcher,
+#: each of which ``StandIn`` answers ...
+_PATCHER_SURFACE = frozenset({
+    "_kind", "_model_id", "_residency_peak", "_residency_seq", "_worker",
+    "_worker_gone", "_worker_generation", "add_hook_patches", "add_patches",
+    "clone", "clone_base_uuid", "current_loaded_device", "detach",
+    "eviction_deferred", "get_nested_additional_models", "is_clone",
+    "is_dynamic", "load_device", "loaded_size", "lowvram_patch_counter",
+    "model", "model_dtype", "model_patches_models", "model_patches_to",
+    "model_size", "offload_device", "parent", "partially_load",
+    "partially_unload", "size",
+})
+#: ... and its own helpers, which only its own methods use.
+_PATCHER_OWN = frozenset({"COMFY_SURFACE", "_in_flight", "_mark_offloaded",
+                          "_send"})
+#: Likewise its ``SubprocessModel`` (a patcher's ``model``) and
+#: ``StandIn.model``.
+_MODULE_SURFACE = frozenset({
+    "current_weight_patches_uuid", "device", "lowvram_patch_counter",
+    "model_loaded_weight_memory", "model_lowvram",
+    "model_offload_buffer_memory",
+})
+_MODULE_OWN = frozenset({"_size"})
+
+#: Every name of comfy-env that install() replaces, wraps or reads, with
+#: what is checked before anything is touched (integrations/_shapes.py).
+#: A wrapper added later is one row here.
+HOOKS = (
+    # The stand-in swap: one check failing refuses the whole install.
+    Hook(_PATCHER_MODULE, "SubprocessModelPatcher",
+         "(worker, worker_generation, model_id, model_size, load_device, "
+         "offload_device, kind='other')",
+         wrap=lambda _own: cs.StandIn,
+         only=_PATCHER_SURFACE | _PATCHER_OWN),
+    Hook(_PATCHER_MODULE, "SubprocessModel", "(size_bytes, device)",
+         only=_MODULE_SURFACE | _MODULE_OWN),
+    Hook(_PATCHER_MODULE, "_ON_PRESSURE", "present"),  # _forward_pressure
+    Hook(_SYNC_MODULE, "apply_echo",
+         "(p, resident, seq=None, unmapped=False, in_flight=False)",
+         wrap=_wrap_apply_echo),
+    Hook(_SYNC_MODULE, "apply_residency", "(patchers, census, log=None)",
+         wrap=_wrap_apply_residency),
+    Hook(_SYNC_MODULE, "apply_peak_raise", "(patchers, census)",
+         wrap=_wrap_apply_peak_raise),
+    Hook(_POOL_MODULE, "_insert_loaded_model", "(p)",
+         wrap=_wrap_insert_loaded_model),
+    Hook(_POOL_MODULE, "_register_new_patchers",
+         "(env_dir, worker, generation)", wrap=_wrap_register_new_patchers),
+    # What a stand-in calls on its worker (src/commands.c, pool.py).
+    Hook(_WORKER_CLASS, "send_command", "(self, method, **params)"),
+    Hook(_WORKER_CLASS, "send_command_no_spawn",
+         "(self, method, lock_timeout=2.0, **params)"),
+    Hook(_WORKER_CLASS, "is_alive", "(self)"),
+    # The live board: one check failing leaves stand-ins on receipts.
+    Hook(_SPAWN_MODULE, "popen_in_own_group", "(cmd, **kw)",
+         wrap=_wrap_popen, board=True),
+    Hook(_WORKER_CLASS, "_ensure_started", "(self)",
+         wrap=_wrap_ensure_started, board=True),
+    Hook(_WORKER_CLASS, "shutdown", "(self)", wrap=_wrap_shutdown,
+         board=True),
+    Hook(_WORKER_CLASS, "call_module",
+         "(self, module, func, timeout=None, **kwargs)", board=True),
+    Hook(_SPAWN_MODULE, "SubprocessWorker", "class", board=True,
+         reads=("name", "sys_path", "_process", "_lock")),
+    Hook(_POOL_MODULE, "_get_or_create_worker", "present", board=True,
+         reads=("gen",)),  # _generation_of
+    Hook(_POOL_MODULE, "_WORKER_POOL", "dict", board=True),
+    Hook(_POOL_MODULE, "_WORKER_PATCHERS", "dict", board=True),
+)
+
+
+def _comfy_env_version() -> str:
+    try:
+        return importlib.metadata.version("comfy-env")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class _Plan(NamedTuple):
+    #: "full"; "off" (receipts: boards off by choice or platform);
+    #: "receipts" (no boards for another reason); refused: "untested",
+    #: "shape".
+    verdict: str
+    #: What install() swaps, in order.
+    hooks: tuple[Hook, ...] = ()
+    #: Why not full.
+    why: str = ""
+
+
+def _mismatches(hooks: Any) -> str:
+    """The failed checks of `hooks`, one clause per reason: "a, b: why"."""
+    by_reason: dict[str, list[str]] = {}
+    for hook in hooks:
+        reason = mismatch(hook)
+        if reason is not None:
+            by_reason.setdefault(reason, []).append(where(hook))
+    return "; ".join(f"{', '.join(names)}: {reason}"
+                     for reason, names in by_reason.items())
+
+
+def _plan(version: str) -> _Plan:
+    """What install() does with comfy-env `version`, installed here."""
+    failed = _mismatches(h for h in HOOKS if not h.board)
+    if failed:
+        return _Plan("shape", why=failed)
+    tested = TESTED_COMFY_ENV.get(version)
+    if tested is None:
+        return _Plan("untested")
+    swap = tuple(h for h in HOOKS if h.wrap is not None and not h.board)
+    failed = _mismatches(h for h in HOOKS if h.board)
+    if os.environ.get("COMFY_STANDIN_NO_BOARD", "") not in ("", "0"):
+        return _Plan("off", swap, "COMFY_STANDIN_NO_BOARD is set")
+    if not sys.platform.startswith("linux"):
+        return _Plan("off", swap, "sealed descriptors are Linux only")
+    if failed:
+        return _Plan("receipts", swap, failed)
+    if tested != "full":
+        return _Plan("receipts", swap, f"tested with comfy-env {version} "
+                     f"on receipts only")
+    if _board_library() is None:
+        return _Plan("receipts", swap, (
+            f"this installation has no board library "
+            f"(comfy_standin/_lib/{_BOARD_LIBRARY})"))
+    board = tuple(h for h in HOOKS if h.wrap is not None and h.board)
+    return _Plan("full", swap + board)
+
+
+def _say(plan: _Plan, version: str) -> None:
+    """install()'s one line."""
+    version, why = visible(version), visible(plan.why, _LINE_LIMIT)
+    if plan.verdict == "full":
+        log.info(f"comfy_standin: switched on for comfy-env {version}: "
+                 f"stand-ins and live boards")
+    elif plan.verdict == "off":
+        log.info(f"comfy_standin: switched on for comfy-env {version}: "
+                 f"stand-ins use receipts (live boards off: {why})")
+    elif plan.verdict == "receipts":
+        log.warning(f"comfy_standin: switched on for comfy-env {version}: "
+                    f"stand-ins use receipts only, no live boards ({why})")
+    elif plan.verdict == "untested":
+        tested = ", ".join(TESTED_COMFY_ENV)
+        log.warning(f"comfy_standin: not switched on: comfy-env {version} "
+                    f"is not a version comfy_standin was tested with "
+                    f"({tested}); comfy-env keeps its own stand-ins")
+    else:
+        log.warning(f"comfy_standin: not switched on: comfy-env {version} "
+                    f"is not the shape comfy_standin checked ({why}); "
+                    f"comfy-env keeps its own stand-ins")
