@@ -14,6 +14,11 @@ Commands:
   resident, seq}``
 - ``model_partial_unload(bytes_to_free)`` -> ``{status, freed, resident,
   seq}``
+- ``send_command_no_spawn(command, lock_timeout=2.0, **params)``, as
+  comfy-env 0.4.46's: ``"dead"`` when not alive, ``"busy"`` when its
+  command lock (``lock``, an RLock as comfy-env's ``_lock``) is not won
+  within ``lock_timeout``, else ``send_command`` under that lock; every
+  call is recorded in ``no_spawn`` as ``(command, lock_timeout)``.
 - ``model_to_device(device)`` -> ``{status, device, moved, seq}``, with
   ``moved`` a bool as comfy-env 0.4.46 sends it (False, moving nothing,
   when the model's first parameter is on the target already); an unknown
@@ -27,6 +32,7 @@ failure, so "no command sent" is ``worker.commands == []``.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -121,6 +127,8 @@ class FakeWorker:
         self.held_extra = 0  # torch/aimdo bytes beyond the models
         self.context_bytes = int(context_bytes)
         self.during: list = []  # callbacks run inside every command
+        self.lock = threading.RLock()  # comfy-env's command lock (_lock)
+        self.no_spawn: list[tuple[str, float]] = []
         if self.context_bytes:
             self._card().allocate("context", self.context_bytes, self.name)
 
@@ -255,6 +263,18 @@ class FakeWorker:
                 )
         self.replies.append(reply)
         return reply
+
+    def send_command_no_spawn(self, command: str, lock_timeout=2.0,
+                              **params):
+        self.no_spawn.append((command, lock_timeout))
+        if not self.alive:
+            return "dead"
+        if not self.lock.acquire(timeout=lock_timeout):
+            return "busy"
+        try:
+            return self.send_command(command, **params)
+        finally:
+            self.lock.release()
 
     def _model(self, model_id) -> FakeModel:
         model = self.models.get(model_id)
