@@ -97,7 +97,8 @@ _PATCHER_MODULE = "comfy_env.isolation.model_patcher"
 _SYNC_MODULE = "comfy_env.state_sync"
 _SYNC_NAMES = ("apply_echo", "apply_residency", "apply_peak_raise")
 _POOL_MODULE = "comfy_env.isolation.pool"
-_POOL_NAMES = ("_insert_loaded_model", "_register_new_patchers")
+_POOL_NAMES = ("_insert_loaded_model", "_register_new_patchers",
+               "_handle_vram_budget")
 _SPAWN_MODULE = "comfy_env.isolation.workers.subprocess"
 _WORKER_CLASS = _SPAWN_MODULE + ":SubprocessWorker"
 # The worker-side publisher: a module name of its own (it can shadow
@@ -154,6 +155,7 @@ def install() -> bool:
             originals[(_POOL_MODULE, name)] = getattr(pool_module, name)
     wrappers["_insert_loaded_model"] = _wrap_insert_loaded_model
     wrappers["_register_new_patchers"] = _wrap_register_new_patchers
+    wrappers["_handle_vram_budget"] = _wrap_handle_vram_budget
     patcher_module.SubprocessModelPatcher = cs.StandIn
     for (module_name, name), original in originals.items():
         if module_name == _SYNC_MODULE:
@@ -391,20 +393,26 @@ def _wrap_insert_loaded_model(original: Any) -> Any:
 def _wrap_register_new_patchers(original: Any) -> Any:
     def _register_new_patchers(env_dir: Any, worker: Any,
                                generation: Any) -> Any:
+        # comfy-env applies this frame's census, then makes the stand-ins
+        # of the frame's registrations at full size: the census is kept
+        # for them (it consumes the worker's report).
+        report = getattr(worker, "_last_vram_report", None)
+        known = set(_patchers_of(env_dir))
         try:
             return original(env_dir, worker, generation)
         finally:
             # comfy-env's boundary: outside free_memory by construction.
+            pool = cs.default_pool()
             try:
-                restored = cs.default_pool().boundary(
-                    importlib.import_module("comfy.model_management")
-                )
-                for s in restored:
-                    log.warning(
-                        "comfy_standin: listed model %s again: ComfyUI "
-                        "dropped it while its worker still holds it",
-                        visible(s.model_id),
-                    )
+                census = dict.get(report, "residency") if isinstance(
+                    report, dict) and _census_on() else None
+                if census is not None:
+                    pool.census_at_creation({
+                        mid: p for mid, p in _patchers_of(env_dir).items()
+                        if mid not in known and _is_ours(p)
+                    }, census)
+                _log_relisted(pool.boundary(
+                    importlib.import_module("comfy.model_management")))
             except Exception:
                 log.exception("comfy_standin: boundary failed (ignored)")
             try:
@@ -415,6 +423,44 @@ def _wrap_register_new_patchers(original: Any) -> Any:
 
     _register_new_patchers.__wrapped__ = original  # type: ignore[attr-defined]
     return _register_new_patchers
+
+
+def _wrap_handle_vram_budget(original: Any) -> Any:
+    def _handle_vram_budget(request: Any, worker_key: Any = None) -> Any:
+        # A worker asks for room: ComfyUI's free_memory is about to run on
+        # its behalf, and must reach every worker model on the card.
+        try:
+            _log_relisted(cs.default_pool().relist(
+                importlib.import_module("comfy.model_management")))
+        except Exception:
+            log.exception("comfy_standin: listing before a worker's VRAM "
+                          "request failed (ignored)")
+        return original(request, worker_key=worker_key)
+
+    _handle_vram_budget.__wrapped__ = original  # type: ignore[attr-defined]
+    return _handle_vram_budget
+
+
+def _patchers_of(env_dir: Any) -> dict[str, Any]:
+    table = getattr(sys.modules.get(_POOL_MODULE), "_WORKER_PATCHERS", None)
+    return dict(table.get(str(env_dir)) or {}) if isinstance(
+        table, dict) else {}
+
+
+def _census_on() -> bool:
+    """comfy-env's own switch for applying censuses
+    (``state_sync.RESIDENCY_ENV_VAR``: off or command-only means no)."""
+    name = getattr(sys.modules.get(_SYNC_MODULE), "RESIDENCY_ENV_VAR", None)
+    mode = os.environ.get(name, "boundary") if isinstance(name, str) \
+        else "boundary"
+    return mode.lower() not in ("off", "command", "0", "false")
+
+
+def _log_relisted(restored: list[Any]) -> None:
+    for s in restored:
+        log.info("comfy_standin: listed model %s again: its worker holds "
+                 "it on the card and ComfyUI no longer listed it",
+                 visible(s.model_id))
 
 
 #: Characters of one adapter log line; a longer one keeps its start and
