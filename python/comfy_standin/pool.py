@@ -192,6 +192,9 @@ class Pool:
         self._pressure_thread: threading.Thread | None = None
         self._pressure_rounds = 0
         self._pressure_asking: dict[int, Any] = {}
+        # reclaim(): workers that said they cannot release (once each; held
+        # so the id stays that worker's).
+        self._said_cannot_release: dict[int, Any] = {}
 
     def __repr__(self) -> str:
         return (
@@ -816,6 +819,87 @@ class Pool:
                     self._pressure_asking.pop(id(worker), None)
         return freed
 
+    # ---- unlisted bytes (docs/architecture.md, "Unlisted bytes") ----------
+
+    def unlisted(self) -> WorkerMap:
+        """{worker: bytes it holds on the card that none of its models
+        accounts for}: its held figure (the worker's last report, floored
+        by the probe's per-process reading) minus what its stand-ins answer
+        (``sum_loaded``: receipts, or newer board readings).  Its allocator
+        cache, and what it allocated past the ``.to()``/``.cuda()`` hooks
+        (comfy-env registers no model for those).  0 for a gone worker."""
+        out: list[tuple[Any, int]] = []
+        for worker in self._ledger.keys():
+            books = self._ledger.find(worker)
+            if books is not None:
+                out.append((worker, _unlisted_of(books.charge())))
+        return WorkerMap(out)
+
+    def reclaim(self, shortfall: object) -> int:
+        """ComfyUI is still `shortfall` bytes short after its own eviction:
+        asks idle workers holding unlisted bytes, most first, to give back
+        what is still missing (``partial_release(size=...)``, comfy-env's
+        release through the worker's own manager), on this thread, through
+        ``send_command_no_spawn(..., lock_timeout=0.0)``: a worker another
+        thread is in answers "busy" and is skipped, a worker in a call (its
+        own budget request) is not asked.  Returns the bytes that came
+        back, as each worker measured them (its receipt's ``freed_bytes``,
+        no more than it held); the worker's held figure drops by them.  A
+        worker with unlisted bytes that cannot release (no
+        ``supports_partial_release``, an error receipt) says so once.
+        Call it where ComfyUI iterates no list (after ``free_memory``)."""
+        want = _shortfall_bytes(shortfall)
+        got = 0
+        holders = sorted(
+            ((n, w) for w, n in self.unlisted().items() if n > 0),
+            key=lambda item: -item[0],
+        )
+        for unlisted, worker in holders:
+            if got >= want:
+                break
+            books = self._ledger.find(worker)
+            if books is None or not books.alive or books.in_flight \
+                    or _in_a_call(worker):
+                continue
+            if not getattr(worker, "supports_partial_release", False):
+                self._cannot_release(worker, unlisted,
+                                     "it has no partial_release")
+                continue
+            if not self._claim_for_ask(worker):
+                continue  # a pressure ask to it is still out
+            try:
+                reply, dead = _ask(worker, "partial_release",
+                                   min(unlisted, want - got), 0.0)
+            finally:
+                with self._lock:
+                    self._pressure_asking.pop(id(worker), None)
+            if dead:
+                self.worker_gone(worker)
+                continue
+            freed = _freed_bytes(reply)
+            if freed is None:
+                if not (isinstance(reply, str)
+                        and str.__eq__(reply, "busy")):
+                    self._cannot_release(worker, unlisted,
+                                         _release_error(reply))
+                continue
+            charge = books.charge()
+            freed = min(freed, max(charge["held"], charge["reading"]))
+            if freed:
+                books.set_report(held=max(0, charge["held"] - freed))
+                got += freed
+        return got
+
+    def _cannot_release(self, worker: Any, unlisted: int, why: str) -> None:
+        with self._lock:
+            if id(worker) in self._said_cannot_release:
+                return
+            self._said_cannot_release[id(worker)] = worker
+        log.warning("comfy_standin: %s holds %d MiB that no listed model "
+                    "accounts for and cannot release them (%s): ComfyUI "
+                    "cannot reach them", visible(worker), unlisted >> 20,
+                    visible(why))
+
     def _pressure_ask(self, worker: Any, command: str, size: int) -> object:
         """One ask; a death it reveals goes to the pool at once."""
         reply, dead = _ask(worker, command, size)
@@ -917,6 +1001,38 @@ def _registration_over(s: Any) -> bool:
         return False
 
 
+def _unlisted_of(charge: Mapping[str, Any]) -> int:
+    if not charge.get("alive", True):
+        return 0
+    held = max(charge.get("held", 0), charge.get("reading", 0))
+    return max(0, held - charge.get("sum_loaded", 0))
+
+
+def _in_a_call(worker: Any) -> bool:
+    """comfy-env's own in-flight count (``_calls_in_flight``): a worker
+    in a call serves only the commands its call loop interleaves, and
+    partial_release is not one of them."""
+    count = getattr(worker, "_calls_in_flight", 0)
+    return isinstance(count, int) and count > 0
+
+
+def _freed_bytes(reply: object) -> int | None:
+    """A release reply's measured ``receipt['freed_bytes']``, or None."""
+    receipt = dict.get(reply, "receipt") if isinstance(reply, dict) else None
+    got = dict.get(receipt, "freed_bytes") if isinstance(
+        receipt, dict) else None
+    return got if _is_byte_value(got) else None
+
+
+def _release_error(reply: object) -> str:
+    receipt = dict.get(reply, "receipt") if isinstance(reply, dict) else None
+    errors = dict.get(receipt, "errors") if isinstance(receipt, dict) \
+        else None
+    if isinstance(errors, list) and errors:
+        return f"its receipt says {errors[0]!r}"
+    return f"it answered {reply!r}"
+
+
 def _pinned_of(books: Any) -> int:
     """The pinned bytes of the worker's last report (C: ``report``;
     the reference keeps it as ``_pinned``)."""
@@ -939,13 +1055,15 @@ def _shortfall_bytes(value: object) -> int:
     return 0
 
 
-def _ask(worker: Any, command: str, size: int) -> tuple[object, bool]:
-    """One release ask from the pressure thread: (reply, the worker is
-    dead).  Never raises an ``Exception``."""
+def _ask(worker: Any, command: str, size: int,
+         lock_timeout: float = 2.0) -> tuple[object, bool]:
+    """One release ask: (reply, the worker is dead).  Never raises an
+    ``Exception``."""
     try:
         no_spawn = getattr(worker, "send_command_no_spawn", None)
         if callable(no_spawn):
-            reply = no_spawn(command, size=int(size), lock_timeout=2.0)
+            reply = no_spawn(command, size=int(size),
+                             lock_timeout=lock_timeout)
         else:
             reply = worker.send_command(command, size=int(size))
     except Exception as exc:  # noqa: BLE001 - an ask is best effort

@@ -26,11 +26,18 @@ What it swaps, all reversibly (``uninstall()``):
 
 - ``comfy_env.isolation.pool._insert_loaded_model`` lists comfy_standin
   stand-ins through ``comfy_standin.register`` (so the pool holds them
-  while ComfyUI lists them) and other patchers as before;
-  ``_register_new_patchers`` (comfy-env's node boundary) is followed by
-  ``default_pool().boundary(comfy.model_management)``: a stand-in ComfyUI
-  dropped while its worker still holds it is listed again, finished
-  registrations are released.
+  until their worker reports the model gone or dies) and other patchers
+  as before; ``_register_new_patchers`` (comfy-env's node boundary) is
+  followed by ``default_pool().census_at_creation(...)`` (the frame's
+  census for the stand-ins it made) and ``default_pool().boundary(
+  comfy.model_management)``: every stand-in ComfyUI dropped whose model is
+  on the card is listed again, finished registrations are released.
+  ``_handle_vram_budget`` (a worker's VRAM request) lists them again first
+  (``default_pool().relist``), before the ``free_memory`` it runs.
+- ``comfy.model_management.free_memory`` is followed, when the card is
+  still short, by ``default_pool().reclaim(shortfall)``: idle workers give
+  back bytes no listed model accounts for (docs/architecture.md,
+  "Unlisted bytes").
 - The default pool's ``on_pressure`` (unset before) forwards the shortfall
   to comfy-env's own pressure hook (``model_patcher._ON_PRESSURE``, which
   asks idle workers to release from a thread), as comfy-env's patcher
@@ -99,6 +106,7 @@ _SYNC_NAMES = ("apply_echo", "apply_residency", "apply_peak_raise")
 _POOL_MODULE = "comfy_env.isolation.pool"
 _POOL_NAMES = ("_insert_loaded_model", "_register_new_patchers",
                "_handle_vram_budget")
+_MM_MODULE = "comfy.model_management"
 _SPAWN_MODULE = "comfy_env.isolation.workers.subprocess"
 _WORKER_CLASS = _SPAWN_MODULE + ":SubprocessWorker"
 # The worker-side publisher: a module name of its own (it can shadow
@@ -156,12 +164,18 @@ def install() -> bool:
     wrappers["_insert_loaded_model"] = _wrap_insert_loaded_model
     wrappers["_register_new_patchers"] = _wrap_register_new_patchers
     wrappers["_handle_vram_budget"] = _wrap_handle_vram_budget
+    mm = importlib.import_module(_MM_MODULE)
+    if callable(getattr(mm, "free_memory", None)):
+        originals[(_MM_MODULE, "free_memory")] = mm.free_memory
+        wrappers["free_memory"] = _wrap_free_memory
     patcher_module.SubprocessModelPatcher = cs.StandIn
     for (module_name, name), original in originals.items():
         if module_name == _SYNC_MODULE:
             setattr(sync_module, name, wrappers[name](original))
         elif module_name == _POOL_MODULE:
             setattr(pool_module, name, wrappers[name](original))
+        elif module_name == _MM_MODULE:
+            setattr(mm, name, wrappers[name](original))
     pool = cs.default_pool()
     if pool.on_pressure is None:
         pool.on_pressure = _forward_pressure
@@ -439,6 +453,28 @@ def _wrap_handle_vram_budget(original: Any) -> Any:
 
     _handle_vram_budget.__wrapped__ = original  # type: ignore[attr-defined]
     return _handle_vram_budget
+
+
+def _wrap_free_memory(original: Any) -> Any:
+    def free_memory(memory_required: Any, device: Any, *args: Any,
+                    **kwargs: Any) -> Any:
+        unloaded = original(memory_required, device, *args, **kwargs)
+        # Past ComfyUI's own loop (no list is iterated here): bytes workers
+        # hold that no listed model accounts for are asked back, measured.
+        try:
+            mm = sys.modules.get(_MM_MODULE)
+            if mm is not None and device is not None \
+                    and getattr(device, "type", None) not in ("cpu", "mps"):
+                short = memory_required - mm.get_free_memory(device)
+                if short > 0:
+                    cs.default_pool().reclaim(short)
+        except Exception:
+            log.exception("comfy_standin: reclaiming unlisted bytes failed "
+                          "(ignored)")
+        return unloaded
+
+    free_memory.__wrapped__ = original  # type: ignore[attr-defined]
+    return free_memory
 
 
 def _patchers_of(env_dir: Any) -> dict[str, Any]:
