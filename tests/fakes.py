@@ -19,6 +19,10 @@ Commands:
   command lock (``lock``, an RLock as comfy-env's ``_lock``) is not won
   within ``lock_timeout``, else ``send_command`` under that lock; every
   call is recorded in ``no_spawn`` as ``(command, lock_timeout)``.
+- ``partial_release(size)`` -> ``{status, receipt: {freed_bytes,
+  free_before, free_after}}``, as comfy-env 0.4.46's worker measures it:
+  it gives back up to ``size`` bytes of its allocator cache (``add_cache``;
+  ``cache_pinned`` of them cannot go) and says what the card got back.
 - ``model_to_device(device)`` -> ``{status, device, moved, seq}``, with
   ``moved`` a bool as comfy-env 0.4.46 sends it (False, moving nothing,
   when the model's first parameter is on the target already); an unknown
@@ -129,6 +133,8 @@ class FakeWorker:
         self.during: list = []  # callbacks run inside every command
         self.lock = threading.RLock()  # comfy-env's command lock (_lock)
         self.no_spawn: list[tuple[str, float]] = []
+        self.supports_partial_release = True
+        self.cache_pinned = 0  # cache bytes a release cannot give back
         if self.context_bytes:
             self._card().allocate("context", self.context_bytes, self.name)
 
@@ -305,7 +311,25 @@ class FakeWorker:
             model.device = "cpu"
         return freed
 
+    def add_cache(self, nbytes: int) -> None:
+        """Bytes its allocator keeps on the card that no model accounts
+        for (in ``held``, on the card, in no census entry)."""
+        self._card().allocate("cache", int(nbytes), self.name)
+        self.held_extra += int(nbytes)
+
+    def _partial_release(self, size: int) -> dict:
+        card = self._card()
+        before = card.free()
+        give = max(0, min(int(size), self.held_extra - self.cache_pinned))
+        self.held_extra -= card.release("cache", give, self.name)
+        after = card.free()
+        return {"status": "ok", "receipt": {
+            "freed_bytes": after - before, "free_before": before,
+            "free_after": after, "errors": []}}
+
     def _perform(self, command, model_id, params, cap):
+        if command == "partial_release":
+            return self._partial_release(params["size"])
         model = self._model(model_id)
         if command == "model_partial_load":
             extra = params["extra_bytes"]
