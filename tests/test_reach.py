@@ -136,7 +136,7 @@ def test_the_hold_ends_only_when_the_worker_says_so(impl, pool, mm):
     assert pool.held() == [] and not entries_of(mm, s)
 
 
-# ---- census at creation --------------------------------------------------------
+# ---- census at creation -----------------------------------------------------
 
 
 def test_census_at_creation_registers_what_the_worker_holds(impl, pool, mm):
@@ -155,7 +155,7 @@ def test_census_at_creation_registers_what_the_worker_holds(impl, pool, mm):
     assert pool.census_at_creation({"unet": s}, None) == 0
 
 
-# ---- never wait --------------------------------------------------------------------
+# ---- never wait -------------------------------------------------------------
 
 
 def hold_lock(worker):
@@ -235,7 +235,7 @@ def test_dead_from_no_spawn_takes_the_gone_path(impl, pool, mm):
     assert s.stale and s.receipt()[3] == "worker gone"
 
 
-# ---- unlisted bytes ------------------------------------------------------------------
+# ---- unlisted bytes ---------------------------------------------------------
 
 
 def test_unlisted_bytes_come_back_measured(impl, pool, mm, caplog):
