@@ -196,7 +196,9 @@ class FakeWorker:
           ``{freed: 0, resident: 0}`` and a load ``{loaded: 0, resident:
           <size>}`` (its plain-module path, no seq);
         - ``"seq"``: the command runs, its reply carries ``seq=`` instead
-          of the worker's (an older reply applied after a newer one).
+          of the worker's (an older reply applied after a newer one);
+        - ``"busy"``: ``send_command_no_spawn`` answers ``"busy"`` (another
+          thread holds the command lock) and sends nothing.
         """
         self.scripts.append(_Scripted(kind, command, options))
         return self
@@ -275,6 +277,10 @@ class FakeWorker:
         self.no_spawn.append((command, lock_timeout))
         if not self.alive:
             return "dead"
+        for item in list(self.scripts):
+            if item.kind == "busy" and item.command in (None, command):
+                self.scripts.remove(item)
+                return "busy"
         if not self.lock.acquire(timeout=lock_timeout):
             return "busy"
         try:
