@@ -111,12 +111,16 @@ PACK = textwrap.dedent('''
             _KEEP[model_id].to("cuda")
             return ("reloaded",)
 
-        def move_quietly(self, model_id, done):
-            """Reply now; a thread of the pack's moves the model to the
-            CPU (no message, no seq bump), then writes the file `done`."""
+        def move_quietly(self, model_id, gate, done):
+            """Reply now; once the file `gate` exists a thread of the
+            pack's moves the model to the CPU (no message, no seq bump),
+            then writes the file `done`."""
             module = _KEEP[model_id]
 
             def later():
+                deadline = time.monotonic() + 30
+                while not os.path.exists(gate) and time.monotonic() < deadline:
+                    time.sleep(0.01)
                 module.to("cpu")
                 open(done, "w").close()
 

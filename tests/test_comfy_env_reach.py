@@ -16,6 +16,7 @@ import importlib.util
 import pathlib
 import sys
 import threading
+from multiprocessing import resource_sharer
 
 import pytest
 
@@ -52,8 +53,15 @@ def hosts(mm, monkeypatch, tmp_path, comfy_env_installed_version):
     try:
         yield make
     finally:
-        for harness in reversed(made):
-            harness.close()
+        # torch's descriptor passing (comfy-env's transport check, with
+        # torch in this process) starts multiprocessing's fd-sharing
+        # listener once per process: not a worker's descriptor
+        resource_sharer.stop()
+        # the first host's check covers every worker (it shuts all down)
+        for harness in made[1:]:
+            made[0].workers.extend(harness.workers)
+        if made:
+            made[0].close()
 
 
 def entries(mm, s):
@@ -197,8 +205,9 @@ def test_a_reply_that_moved_nothing_leaves_the_board_exact(
     s = standin_of(mm, "unet")
     board, slot = s.board
     wait_for(lambda: board.status(slot) == "valid", "the first reading")
-    done = tmp_path / "moved"
-    a.call("move_quietly", model_id="unet", done=str(done))
+    gate, done = tmp_path / "gate", tmp_path / "moved"
+    a.call("move_quietly", model_id="unet", gate=str(gate), done=str(done))
+    gate.touch()  # after the call's reply and its census
     wait_for(done.exists, "the pack's move")
     assert s.loaded_size() == 4 * MiB  # nobody has said otherwise yet
     assert s.partially_unload("cpu", 1 * MiB) == 0  # nothing moved
