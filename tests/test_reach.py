@@ -288,3 +288,16 @@ def test_reclaim_never_waits_on_a_busy_worker(impl, pool, mm):
         thread.join(30)
     assert a.no_spawn == [("partial_release", 0.0)] and a.commands == []
     assert pool.unlisted()[a] == 1 * GiB
+
+
+def test_status_shows_the_unlisted_bytes(impl, pool, mm):
+    from comfy_standin import _status
+
+    a = fakes.FakeWorker("a")
+    make(impl, pool, a, "unet", 1 * GiB, 1 * GiB)
+    a.add_cache(512 << 20)
+    pool.report(a, a.vram_report())
+    status = _status.collect(pool)
+    (worker,) = status["workers"]
+    assert worker["unlisted"] == 512 << 20
+    assert "; unlisted 512 MiB" in _status.render(status, probe=False)
