@@ -15,6 +15,13 @@
 #include <math.h>
 #include <string.h>
 
+/* What a no-spawn eviction's sentinels say (docs/troubleshooting.md). */
+#define CS_BUSY_TEXT                                                        \
+    "the worker is busy: another thread holds its command lock "           \
+    "(send_command_no_spawn answered 'busy')"
+#define CS_DEAD_TEXT                                                        \
+    "the worker's process is gone (send_command_no_spawn answered 'dead')"
+
 /* ---- what to ask for -------------------------------------------------- */
 
 /* The byte count to ask for, in *out: `cap` unless `value` names a
@@ -94,17 +101,75 @@ worker_alive(StandInObject *self, cs_module_state *state)
     return logged < 0 ? -1 : 1;
 }
 
-/* worker.send_command(command, model_id=id, k1=v1[, k2=v2]). */
+/* The eviction send of a worker with send_command_no_spawn (comfy-env's):
+ * 1 with the method in *out, 0 without one (*out NULL), -1 with an
+ * exception pending (a getattr that raised other than AttributeError). */
+static int
+no_spawn_method(StandInObject *self, PyObject **out)
+{
+    *out = cs_getattr_interned(self->worker, "send_command_no_spawn");
+    if (*out != NULL) {
+        if (PyCallable_Check(*out)) {
+            return 1;
+        }
+        Py_CLEAR(*out);
+        return 0;
+    }
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+        return -1;
+    }
+    PyErr_Clear();
+    return 0;
+}
+
+/* A no-spawn send's sentinel ("busy": another thread holds the worker's
+ * command lock; "dead": its process is gone) raised as a RuntimeError, so
+ * the callers' refusal paths take it: deferred, or gone once is_alive()
+ * agrees.  Consumes `r`; returns it, or NULL with the error set. */
+static PyObject *
+no_spawn_reply(PyObject *r)
+{
+    if (!PyUnicode_Check(r)) {
+        return r;
+    }
+    if (PyUnicode_CompareWithASCIIString(r, "busy") == 0) {
+        Py_DECREF(r);
+        PyErr_SetString(PyExc_RuntimeError, CS_BUSY_TEXT);
+        return NULL;
+    }
+    if (PyUnicode_CompareWithASCIIString(r, "dead") == 0) {
+        Py_DECREF(r);
+        PyErr_SetString(PyExc_RuntimeError, CS_DEAD_TEXT);
+        return NULL;
+    }
+    return r;
+}
+
+/* worker.send_command(command, model_id=id, k1=v1[, k2=v2]).  An eviction
+ * (`evicting`) goes through worker.send_command_no_spawn(command,
+ * lock_timeout=0.0, ...) when the worker has it: ComfyUI's thread never
+ * waits on a worker that cannot take the command now (its own call holds
+ * the lock reentrantly, so a worker's own budget request still evicts). */
 static PyObject *
 send_command(StandInObject *self, cs_module_state *state,
-             const char *command, PyObject *k1, PyObject *v1, PyObject *k2,
-             PyObject *v2)
+             const char *command, bool evicting, PyObject *k1, PyObject *v1,
+             PyObject *k2, PyObject *v2)
 {
     PyObject *method = NULL, *args = NULL, *kwargs = NULL, *r = NULL;
+    PyObject *zero = NULL;
+    int no_spawn = 0;
 
-    method = PyObject_GetAttr(self->worker, state->str_send_command);
+    if (evicting) {
+        no_spawn = no_spawn_method(self, &method);
+        if (no_spawn < 0) {
+            goto done;
+        }
+    }
     if (method == NULL) {
-        goto done;
+        method = PyObject_GetAttr(self->worker, state->str_send_command);
+        if (method == NULL) {
+            goto done;
+        }
     }
     args = Py_BuildValue("(s)", command);
     kwargs = PyDict_New();
@@ -114,11 +179,26 @@ send_command(StandInObject *self, cs_module_state *state,
         (k2 != NULL && PyDict_SetItem(kwargs, k2, v2) < 0)) {
         goto done;
     }
+    if (no_spawn) {
+        PyObject *key = PyUnicode_InternFromString("lock_timeout");
+        zero = PyFloat_FromDouble(0.0);
+        int set = key != NULL && zero != NULL
+                      ? PyDict_SetItem(kwargs, key, zero)
+                      : -1;
+        Py_XDECREF(key);
+        if (set < 0) {
+            goto done;
+        }
+    }
     r = PyObject_Call(method, args, kwargs);
+    if (r != NULL && no_spawn) {
+        r = no_spawn_reply(r);
+    }
 done:
     Py_XDECREF(method);
     Py_XDECREF(args);
     Py_XDECREF(kwargs);
+    Py_XDECREF(zero);
     return r;
 }
 
@@ -465,7 +545,7 @@ load_body(StandInObject *self, cs_module_state *state, PyObject *device_to,
     if (want_obj == NULL || device_str == NULL) {
         goto done;
     }
-    reply = send_command(self, state, "model_partial_load",
+    reply = send_command(self, state, "model_partial_load", false,
                          state->str_extra_bytes, want_obj, state->str_device,
                          device_str);
     if (reply == NULL) {
@@ -557,7 +637,7 @@ unload_body(StandInObject *self, cs_module_state *state,
     if (want_obj == NULL) {
         return 0;
     }
-    reply = send_command(self, state, "model_partial_unload",
+    reply = send_command(self, state, "model_partial_unload", true,
                          state->str_bytes_to_free, want_obj, NULL, NULL);
     Py_DECREF(want_obj);
     if (reply == NULL) {
@@ -725,7 +805,8 @@ detach_body(StandInObject *self, cs_module_state *state)
     if (device_str == NULL) {
         return;
     }
-    reply = send_command(self, state, "model_to_device", state->str_device,
+    reply = send_command(self, state, "model_to_device", true,
+                         state->str_device,
                          device_str, NULL, NULL);
     Py_DECREF(device_str);
     if (reply == NULL) {

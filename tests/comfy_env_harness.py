@@ -104,6 +104,67 @@ PACK = textwrap.dedent('''
         def touch(self):
             return ("ok",)
 
+        def reload(self, model_id):
+            """The pack moves its model back onto the card itself: no
+            message, no registration (comfy-env dedups on the module)."""
+            _KEEP[model_id].to("cuda")
+            return ("reloaded",)
+
+        def move_quietly(self, model_id, gate, done):
+            """Reply now; once the file `gate` exists a thread of the
+            pack's moves the model to the CPU (no message, no seq bump),
+            then writes the file `done`."""
+            module = _KEEP[model_id]
+
+            def later():
+                deadline = time.monotonic() + 30
+                while not os.path.exists(gate) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                module.to("cpu")
+                open(done, "w").close()
+
+            threading.Thread(target=later, daemon=True).start()
+            return ("moving",)
+
+        def where(self, model_id):
+            return (_KEEP[model_id]._params[0].device.type,)
+
+        def hold(self, started, gate, limit):
+            """A long call: says it started (a file), then waits for the
+            gate file, at most `limit` seconds."""
+            open(started, "w").close()
+            deadline = time.monotonic() + limit
+            while not os.path.exists(gate) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return ("held",)
+
+        def scratch(self, nbytes, pinned):
+            """VRAM no registered model accounts for: a model the pack
+            loads through the worker's own ComfyUI (a plain module with no
+            parameters: comfy-env's hooks never see it) and `pinned` bytes
+            nothing can free; comfy-aimdo's usage figure, which the worker
+            reports as `held`, counts them with its models."""
+            import comfy.model_management as mm
+
+            card = mm.sim.card(mm.CUDA0)
+            model = mm.HostModel("scratch", nbytes)
+            entry = mm.LoadedModel(model)
+            entry.model_load(0)
+            mm.current_loaded_models.insert(0, entry)
+            _KEEP["scratch"] = model
+            card.allocate("pinned-scratch", pinned)
+            control = types.ModuleType("comfy_aimdo.control")
+            control.get_total_vram_usage = lambda: card.used() + sum(
+                m._params[0].nbytes for m in _KEEP.values()
+                if isinstance(m, FakeModule)
+                and m._params[0].device.type == "cuda")
+            sys.modules["comfy_aimdo"] = types.ModuleType("comfy_aimdo")
+            sys.modules["comfy_aimdo.control"] = control
+            return (card.used(),)
+
+        def scratch_left(self):
+            return (_KEEP["scratch"].loaded_size(),)
+
         def move_later(self, model_id, delay, bump=False):
             """Reply now; move the model to the CPU `delay` s later, as
             a pager or a pack's thread does, with no message."""
@@ -313,6 +374,19 @@ def fake_pixi(directory: pathlib.Path, close_fds: bool) -> pathlib.Path:
         '''))
     path.chmod(0o755)
     return path
+
+
+def same_python_env(root: pathlib.Path) -> pathlib.Path:
+    """Another environment of this very Python that sees this one's
+    packages (a .pth file): a second pack's worker without an install."""
+    env = root / "env"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip",
+                    str(env)], check=True, timeout=300)
+    here = [p for p in sys.path if p.endswith("site-packages")]
+    site = env / "lib" / ("python%d.%d" % sys.version_info[:2]) \
+        / "site-packages"
+    (site / "here.pth").write_text("\n".join(here) + "\n")
+    return env
 
 
 def fds() -> set[str]:

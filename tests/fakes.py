@@ -14,6 +14,15 @@ Commands:
   resident, seq}``
 - ``model_partial_unload(bytes_to_free)`` -> ``{status, freed, resident,
   seq}``
+- ``send_command_no_spawn(command, lock_timeout=2.0, **params)``, as
+  comfy-env 0.4.46's: ``"dead"`` when not alive, ``"busy"`` when its
+  command lock (``lock``, an RLock as comfy-env's ``_lock``) is not won
+  within ``lock_timeout``, else ``send_command`` under that lock; every
+  call is recorded in ``no_spawn`` as ``(command, lock_timeout)``.
+- ``partial_release(size)`` -> ``{status, receipt: {freed_bytes,
+  free_before, free_after}}``, as comfy-env 0.4.46's worker measures it:
+  it gives back up to ``size`` bytes of its allocator cache (``add_cache``;
+  ``cache_pinned`` of them cannot go) and says what the card got back.
 - ``model_to_device(device)`` -> ``{status, device, moved, seq}``, with
   ``moved`` a bool as comfy-env 0.4.46 sends it (False, moving nothing,
   when the model's first parameter is on the target already); an unknown
@@ -27,6 +36,7 @@ failure, so "no command sent" is ``worker.commands == []``.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -121,6 +131,10 @@ class FakeWorker:
         self.held_extra = 0  # torch/aimdo bytes beyond the models
         self.context_bytes = int(context_bytes)
         self.during: list = []  # callbacks run inside every command
+        self.lock = threading.RLock()  # comfy-env's command lock (_lock)
+        self.no_spawn: list[tuple[str, float]] = []
+        self.supports_partial_release = True
+        self.cache_pinned = 0  # cache bytes a release cannot give back
         if self.context_bytes:
             self._card().allocate("context", self.context_bytes, self.name)
 
@@ -182,7 +196,9 @@ class FakeWorker:
           ``{freed: 0, resident: 0}`` and a load ``{loaded: 0, resident:
           <size>}`` (its plain-module path, no seq);
         - ``"seq"``: the command runs, its reply carries ``seq=`` instead
-          of the worker's (an older reply applied after a newer one).
+          of the worker's (an older reply applied after a newer one);
+        - ``"busy"``: ``send_command_no_spawn`` answers ``"busy"`` (another
+          thread holds the command lock) and sends nothing.
         """
         self.scripts.append(_Scripted(kind, command, options))
         return self
@@ -256,6 +272,22 @@ class FakeWorker:
         self.replies.append(reply)
         return reply
 
+    def send_command_no_spawn(self, command: str, lock_timeout=2.0,
+                              **params):
+        self.no_spawn.append((command, lock_timeout))
+        if not self.alive:
+            return "dead"
+        for item in list(self.scripts):
+            if item.kind == "busy" and item.command in (None, command):
+                self.scripts.remove(item)
+                return "busy"
+        if not self.lock.acquire(timeout=lock_timeout):
+            return "busy"
+        try:
+            return self.send_command(command, **params)
+        finally:
+            self.lock.release()
+
     def _model(self, model_id) -> FakeModel:
         model = self.models.get(model_id)
         if model is None:
@@ -285,7 +317,25 @@ class FakeWorker:
             model.device = "cpu"
         return freed
 
+    def add_cache(self, nbytes: int) -> None:
+        """Bytes its allocator keeps on the card that no model accounts
+        for (in ``held``, on the card, in no census entry)."""
+        self._card().allocate("cache", int(nbytes), self.name)
+        self.held_extra += int(nbytes)
+
+    def _partial_release(self, size: int) -> dict:
+        card = self._card()
+        before = card.free()
+        give = max(0, min(int(size), self.held_extra - self.cache_pinned))
+        self.held_extra -= card.release("cache", give, self.name)
+        after = card.free()
+        return {"status": "ok", "receipt": {
+            "freed_bytes": after - before, "free_before": before,
+            "free_after": after, "errors": []}}
+
     def _perform(self, command, model_id, params, cap):
+        if command == "partial_release":
+            return self._partial_release(params["size"])
         model = self._model(model_id)
         if command == "model_partial_load":
             extra = params["extra_bytes"]

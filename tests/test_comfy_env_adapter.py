@@ -10,6 +10,7 @@ arithmetic) and check what ComfyUI's list ends up holding.
 from __future__ import annotations
 
 import importlib
+import threading
 
 import fakes
 import pytest
@@ -381,7 +382,7 @@ def test_a_model_listed_again_is_named_in_one_bounded_line(installed, mm,
     ]
     comfy_env_pool._register_new_patchers("/env/r", worker, 1)
     mm.current_loaded_models.clear()  # dropped; the weights are still there
-    with caplog.at_level("WARNING", logger="comfy_standin"):
+    with caplog.at_level("INFO", logger="comfy_standin"):
         comfy_env_pool._register_new_patchers("/env/r", worker, 1)
     # (other tests' stand-ins in the default pool may be listed too)
     (record,) = [r for r in caplog.records
@@ -390,3 +391,47 @@ def test_a_model_listed_again_is_named_in_one_bounded_line(installed, mm,
     assert len(text) < 1000 and "\x1b" not in text
     assert any(e.model is not None and e.model.model_id == hostile
                for e in mm.current_loaded_models)
+
+
+def test_a_frames_census_applies_to_the_stand_ins_it_creates(installed, mm):
+    """comfy-env's _register_new_patchers applies the frame's census, then
+    makes that frame's stand-ins at full size: the adapter applies the
+    same census to them."""
+    worker = fakes.FakeWorker("w")
+    worker.add_model("part", 4 * GiB, resident=1 * GiB)
+    worker._last_new_models = [
+        {"id": "part", "size": 4 * GiB, "kind": "unet", "device": "cuda:0"}]
+    worker._last_vram_report = worker.vram_report()
+    worker._mem_lock = threading.Lock()  # comfy-env's census lock
+    comfy_env_pool._register_new_patchers("/env/c", worker, 1)
+    s = comfy_env_pool._WORKER_PATCHERS["/env/c"]["part"]
+    assert type(s) is cs.StandIn
+    assert s.loaded_size() == 1 * GiB and s.receipt()[3] == "census"
+    # and the frame's held figure reached the pool's books
+    assert cs.default_pool().charge_details()[worker]["held"] == 1 * GiB
+
+
+def test_a_workers_vram_request_lists_its_models_again_first(installed, mm):
+    """comfy-env's _handle_vram_budget runs ComfyUI's free_memory for a
+    worker's load: a model of another worker that ComfyUI evicted once and
+    that worker loaded back is listed before it, and is what it takes."""
+    other = fakes.FakeWorker("other")
+    other.add_model("back", 6 * GiB, resident=6 * GiB)
+    other._last_new_models = [
+        {"id": "back", "size": 6 * GiB, "kind": "unet", "device": "cuda:0"}]
+    comfy_env_pool._register_new_patchers("/env/o", other, 1)
+    s = comfy_env_pool._WORKER_PATCHERS["/env/o"]["back"]
+    mm.free_memory(1e30, mm.CUDA0)
+    assert other.resident("back") == 0 and s.loaded_size() == 0
+    # the worker loads it back inside its own call: no registration, and
+    # no boundary yet (its census arrives with the call's reply)
+    other.send_command("model_partial_load", model_id="back",
+                       extra_bytes=6 * GiB, device="cuda:0")
+    cs.apply_residency({"back": s}, other.census())
+    assert not any(e.model is s for e in mm.current_loaded_models)
+    free = mm.get_free_memory(mm.CUDA0)
+    comfy_env_pool._handle_vram_budget({"total_size": free},
+                                       worker_key="/env/r")
+    # reached: ComfyUI took what the load needed from it
+    assert other.resident("back") < 6 * GiB
+    assert s.loaded_size() == other.resident("back")

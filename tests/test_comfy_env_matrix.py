@@ -299,6 +299,7 @@ if TIER != "refused":
         def __init__(self, python, working_dir=None, sys_path=None,
                      env=None, name=None, health_check_timeout=0.0):
             self.name, self._process, self._lock = name, None, None
+            self._last_vram_report, self._calls_in_flight = None, 0
 
         def _get_or_create_worker(env_dir, working_dir, sys_path,
                                   env_vars=None, health_check_timeout=0.0):

@@ -410,6 +410,11 @@ class World:
                 for entry in self.mm.current_loaded_models
             ],
             "commands": [list(w.commands) for w in self.workers],
+            "no_spawn": [list(w.no_spawn) for w in self.workers],
+            "unlisted": {
+                repr(self.worker_index(w)): n
+                for w, n in pool.unlisted().items()
+            },
             "card": sorted(self.mm.sim.card().allocations.items()),
             "trace": list(self.trace),
             "logs": list(self.logs),
@@ -472,6 +477,7 @@ worker_script = st.sampled_from(
         ("short", 50),
         ("refuse",),
         ("refuse_lost",),
+        ("busy",),
         ("timeout",),
         ("garbage", "missing"),
         ("garbage", "str"),
@@ -931,7 +937,8 @@ class DifferentialMachine(RuleBasedStateMachine):
             wk.script("refuse", message="worker busy")
         elif kind == "refuse_lost":
             wk.script("refuse", message="model not registered in worker")
-        elif kind in ("timeout", "die", "die_after", "old", "nothing"):
+        elif kind in ("timeout", "die", "die_after", "old", "nothing",
+                      "busy"):
             wk.script(kind)
         elif kind == "seq":
             wk.script("seq", seq=script[1])

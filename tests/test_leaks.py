@@ -87,6 +87,13 @@ PRELUDE = textwrap.dedent(
             self.res[mid] = 0
             return {{"device": kw["device"], "moved": r, "seq": self.seq}}
 
+    class NoSpawnWorker(Worker):
+        # comfy-env's optional eviction send: "busy", "dead" or the reply
+        def send_command_no_spawn(self, command, lock_timeout=2.0, **kw):
+            if self.mode in ("busy", "dead"):
+                return self.mode
+            return self.send_command(command, **kw)
+
     class NotAWorker:
         pass
 
@@ -279,6 +286,12 @@ WORKLOADS = {
             bad(s.partially_unload, "cpu", 100)
             bad(s.detach)
             bad(s.partially_load, "cuda:0")
+        for mode in ("busy", "dead", "ok", "refuse"):
+            w = NoSpawnWorker(mode)
+            s = cs.StandIn(w, 1, "m", 1000, "cuda:0", "cpu", pool=pool)
+            cs.apply_echo(s, 800, seq=1)
+            bad(s.partially_unload, "cpu", 100)
+            bad(s.detach)
         # BaseException from the worker propagates (and leaks nothing)
         w = Worker("interrupt")
         s = cs.StandIn(w, 1, "m", 1000, "cuda:0", "cpu", pool=pool)
@@ -527,6 +540,15 @@ WORKLOADS = {
         s.detach()
         pool.boundary(mm)
         bad(pool.boundary, 5)
+        pool.relist(mm)
+        bad(pool.relist, 5)
+        pool.census_at_creation({s.model_id: s},
+                                [{"id": s.model_id, "resident": 0}, 5])
+        bad(pool.census_at_creation, {})
+        pool.unlisted()
+        bad(pool.unlisted, 1)
+        pool.reclaim(1 << 20)
+        bad(pool.reclaim)
         pool.worker_gone(w)
         pool.forget(v)
         bad(pool.forget)
@@ -798,7 +820,8 @@ def _pyi_surface() -> tuple[set[str], set[str]]:
     tree = ast.parse(PYI.read_text())
     callables: set[str] = set()
     attributes: set[str] = set()
-    skip_classes = {"Worker", "EchoError", "WorkerGoneError"}
+    skip_classes = {"Worker", "NoSpawnWorker", "EchoError",
+                    "WorkerGoneError"}
     for node in tree.body:
         if isinstance(node, ast.FunctionDef):
             callables.add(node.name)

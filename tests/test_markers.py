@@ -102,6 +102,7 @@ def test_without_comfy_env_every_test_file_collects(tmp_path):
                        "tests/test_comfy_env_board.py",
                        "tests/test_comfy_env_e2e.py",
                        "tests/test_comfy_env_matrix.py",
+                       "tests/test_comfy_env_reach.py",
                        "tests/test_pack_env_board.py",
                        "tests/test_bench_regret_smoke.py",
                        "tests/test_bench_edges_smoke.py",
@@ -109,7 +110,7 @@ def test_without_comfy_env_every_test_file_collects(tmp_path):
     assert set(marked) == {
         "tests/test_comfy_env_adapter.py", "tests/test_comfy_env_board.py",
         "tests/test_comfy_env_e2e.py", "tests/test_comfy_env_matrix.py",
-        "tests/test_node_install.py",
+        "tests/test_node_install.py", "tests/test_comfy_env_reach.py",
         "tests/test_pack_env_board.py", "tests/test_edges.py",
         "tests/test_bench_regret_smoke.py", "tests/test_bench_edges_smoke.py",
         "tests/test_shutdown.py",

@@ -144,7 +144,8 @@ def test_another_python_with_nothing_installed_publishes(launch, minor,
     assert not [t for t in about["fds"].values() if t and "csb-" in t]
     (state,) = host.call("publisher_state")
     assert state["library"] == adapter._board_library()
-    assert sorted(state["hooks"]) == ["bump", "load", "request_vram_budget"]
+    assert sorted(state["hooks"]) == ["bump", "load", "reply",
+                                     "request_vram_budget"]
 
     s = standin_of(host.mm, "unet-p")
     assert type(s) is cs.StandIn

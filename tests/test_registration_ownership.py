@@ -79,9 +79,20 @@ def test_unload_all_models_reaches_the_worker(impl, own_pool, mm):
     assert w.resident("m") == 0
     assert mm.get_free_memory(mm.CUDA0) == 24 * GiB
     assert not listed(mm, ref)
-    # still alive until the boundary: no finalizer inside free_memory
+    # held past the boundary: the worker may load the model back, and the
+    # pool must then list it again (only the worker says when it is gone)
+    own_pool.boundary(mm)
     gc.collect()
-    assert ref() is not None
+    assert ref() is not None and own_pool.held() == [ref()]
+    assert not listed(mm, ref)  # off the card: not listed
+    w.send_command("model_partial_load", model_id="m", extra_bytes=2 * GiB,
+                   device=str(mm.CUDA0))  # the worker's own call, no echo
+    impl.apply_residency({"m": ref()}, w.census())
+    own_pool.boundary(mm)
+    assert listed(mm, ref)
+    # the worker drops the model: "not registered" ends the hold
+    w.forget_model("m")
+    mm.unload_all_models()
     own_pool.boundary(mm)
     gc.collect()
     assert ref() is None
@@ -116,6 +127,13 @@ def test_gc_inside_free_memory_collects_nothing(impl, own_pool, mm, sim):
     assert all(r() is not None for r in refs)
     assert w.resident("m0") == w.resident("m1") == w.resident("m2") == 0
     del unloaded
+    own_pool.boundary(mm)
+    gc.collect()
+    # held while the worker holds the models (off the card: not listed)
+    assert all(r() is not None for r in refs)
+    assert not any(listed(mm, r) for r in refs)
+    w.kill()
+    own_pool.boundary(mm)
     own_pool.boundary(mm)
     gc.collect()
     assert all(r() is None for r in refs)
@@ -196,12 +214,12 @@ def test_boundary_without_mm_keeps_listed_ones(impl, own_pool, mm):
     w = fakes.FakeWorker("w")
     ref = register_dropped(impl, own_pool, w, "m", 2 * GiB, 2 * GiB)
     mm.unload_all_models()
-    own_pool.boundary()  # cannot tell what ComfyUI lists: keeps it
+    own_pool.boundary()  # the worker still has the model: kept
     gc.collect()
     assert ref() is not None
-    own_pool.boundary(mm)
+    own_pool.boundary(mm)  # unloaded by ComfyUI: kept all the same
     gc.collect()
-    assert ref() is None
+    assert ref() is not None and not listed(mm, ref)
 
 
 def test_a_dropped_pool_and_its_holds_are_collected(impl, mm):
@@ -268,6 +286,5 @@ def test_refusal_then_census_is_still_restored(impl, own_pool, mm):
     mm.unload_all_models()
     assert w.resident("m") == 0
     own_pool.boundary(mm)
-    # released (the log capture keeps the refusal's traceback, and with
-    # it the stand-in, alive in the reference: no collection check here)
-    assert own_pool.held() == [] and not listed(mm, ref)
+    # held (the worker has the model still), unlisted while off the card
+    assert own_pool.held() == [ref()] and not listed(mm, ref)

@@ -124,7 +124,9 @@ def scene(populated=True):
                                               4 * GiB),
                                              ("vae-hunyuan3d", GiB, GiB)])
             picture.board(a["unet-hunyuan3d"], 3 * GiB)
-            picture.worker("pack-B", [("sam-2", 2 * GiB, 2 * GiB)])
+            b, _ = picture.worker("pack-B", [("sam-2", 2 * GiB, 2 * GiB)])
+            b.add_cache(768 * MiB)  # its allocator cache: unlisted
+            picture.pool.report(b, b.vram_report())
         yield server, picture
     finally:
         server.stop()
@@ -326,6 +328,7 @@ def check_workers(page, data):
         assert shown["worker"] == worker["worker"]
         assert (shown["alive"] == "true") == worker["alive"]
         assert int(shown["charge"]) == worker["charge"]["charge"]
+        assert int(shown["unlisted"]) == worker["unlisted"]
         assert [m["modelId"] for m in shown["models"]] == [
             m["model_id"] for m in worker["models"]]
         for row, model in zip(shown["models"], worker["models"],

@@ -34,6 +34,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import uuid
@@ -181,13 +182,17 @@ class WorkerError(RuntimeError):
 
 class PipeWorker:
     """The host's handle on one worker process: comfy-env's
-    ``send_command(method, **params) -> dict`` and ``is_alive()``."""
+    ``send_command(method, **params) -> dict``, ``is_alive()`` and
+    ``send_command_no_spawn(method, lock_timeout, **params)`` (``"busy"``
+    when another thread's command holds the pipe, ``"dead"``)."""
 
     def __init__(self, name: str, board: Any = None,
                  handoff: socket.socket | None = None) -> None:
         self.name = name
         self.board = board
         self._buffer = b""
+        # One command on the pipe at a time (comfy-env's _lock: an RLock).
+        self._lock = threading.RLock()
         #: Called with (method, params, reply or error) for each command
         #: when the demo runs with --verbose.
         self.trace: Callable[[str, dict, Any], None] | None = None
@@ -253,6 +258,21 @@ class PipeWorker:
         return json.loads(line)
 
     def send_command(self, method: str, **params: Any) -> dict[str, Any]:
+        with self._lock:
+            return self._send(method, params)
+
+    def send_command_no_spawn(self, method: str, lock_timeout: float = 2.0,
+                              **params: Any) -> Any:
+        if not self.is_alive():
+            return "dead"
+        if not self._lock.acquire(timeout=lock_timeout):
+            return "busy"
+        try:
+            return self._send(method, params)
+        finally:
+            self._lock.release()
+
+    def _send(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
         if not self.is_alive():
             raise ConnectionError(f"worker {self.name} is not running")
         request = json.dumps({"method": method, "params": params}) + "\n"

@@ -1423,6 +1423,26 @@ class StandIn:
             )
             return True
 
+    def _evict_send(self, command: str, **params: Any) -> Any:
+        """An eviction's send: through ``send_command_no_spawn(command,
+        lock_timeout=0.0, ...)`` when the worker has it (comfy-env's), so
+        ComfyUI's thread never waits on a worker that cannot take it now;
+        its sentinels "busy" and "dead" are raised as a RuntimeError for
+        the refusal paths.  Else ``send_command``."""
+        try:
+            no_spawn = self._worker.send_command_no_spawn
+        except AttributeError:
+            no_spawn = None
+        if not callable(no_spawn):
+            return self._worker.send_command(command, **params)
+        reply = no_spawn(command, lock_timeout=0.0, **params)
+        if isinstance(reply, str):
+            if str.__eq__(reply, "busy"):
+                raise RuntimeError(BUSY_TEXT)
+            if str.__eq__(reply, "dead"):
+                raise RuntimeError(DEAD_TEXT)
+        return reply
+
     def _worker_gone(self) -> None:
         """For the pool: the worker's process died (``Pool.worker_gone``,
         also after ``Pool.forget``); this stand-in reads 0 and is stale
@@ -1593,7 +1613,7 @@ class StandIn:
             self._gone_path()
             return before
         try:
-            reply = self._worker.send_command(
+            reply = self._evict_send(
                 "model_partial_unload",
                 model_id=record.model_id,
                 bytes_to_free=want,
@@ -1647,7 +1667,7 @@ class StandIn:
             return
         command = "model_to_device"
         try:
-            reply = self._worker.send_command(
+            reply = self._evict_send(
                 command,
                 model_id=record.model_id,
                 device=str(self._offload_device),
@@ -1781,6 +1801,11 @@ def _reply_moved(reply: dict[str, Any], command: str) -> bool:
 
 #: The cause a deferred detach logs when its worker moved nothing.
 NOTHING_MOVED = "the worker moved nothing (moved: False)"
+#: What a no-spawn eviction's sentinels say (the C type's are the same).
+BUSY_TEXT = ("the worker is busy: another thread holds its command lock "
+             "(send_command_no_spawn answered 'busy')")
+DEAD_TEXT = ("the worker's process is gone (send_command_no_spawn answered "
+             "'dead')")
 
 
 def _apply_reply(

@@ -29,8 +29,9 @@ def register(mm: Any, s: Any) -> Any:
 
     ComfyUI's entry holds its model only weakly.  A comfy_standin stand-in
     is therefore held by its pool from here on, whoever else holds it, and
-    released at the first ``pool.boundary()`` after ComfyUI stopped listing
-    it, its worker lost the model, or the worker died or restarted; never
+    listed again at each ``pool.boundary()`` while its model is on the card
+    (ComfyUI may have unloaded it since); it is released at the first
+    boundary after its worker lost the model or died or restarted; never
     inside ``free_memory`` (docs/semantics.md "The pool").
     """
     _hold(s)

@@ -129,6 +129,7 @@ def collect(pool: Any) -> dict[str, Any]:
         if books is None:
             continue
         charge = books.charge()
+        unlisted = pool.unlisted().get(worker, 0)
         standins = sorted(
             by_worker.get(worker, []),
             key=lambda s: (s.worker_generation, s.model_id),
@@ -146,6 +147,7 @@ def collect(pool: Any) -> dict[str, Any]:
             "alive": books.alive,
             "in_flight": books.in_flight,
             "charge": charge,
+            "unlisted": unlisted,
             "models": [_standin_view(s) for s in standins],
         })
     return {
@@ -215,6 +217,8 @@ def render(status: dict[str, Any], probe: bool = True,
             f"{w['generation']}: {state}; charge {_gib(ch['charge'])} "
             f"(loaded {_gib(ch['sum_loaded'])}, peak {_gib(ch['sum_peak'])}, "
             f"held {_gib(ch['held'])}, floor {_gib(ch['floor'])})"
+            + (f"; unlisted {_gib(w['unlisted'])}"
+               if w.get("unlisted") else "")
         )
         if not w["models"]:
             lines.append("    no stand-ins left (a gone worker's are "
@@ -793,7 +797,7 @@ _WORKER = _object({
     "worker": _text, "pid": _maybe(_integer), "generation": _integer,
     "alive": _flag, "in_flight": _integer, "charge": _CHARGE,
     "models": _list_of(_MODEL),
-})
+}, {"unlisted": _integer})
 _BOARD = _object({"name": _text, "closed": _flag,
                   "models": _list_of(_text)}, {
     "slots": _integer, "generation": _integer,

@@ -166,9 +166,9 @@ class Pool:
         # Strong references to registered stand-ins (register()): ComfyUI's
         # list holds its models only weakly, so without this a stand-in
         # whose caller dropped it would leave the list with no command
-        # reaching its worker.  Released at a boundary() once ComfyUI no
-        # longer lists it, its worker lost the model, or the worker is
-        # gone or restarted (docs/semantics.md "The pool").
+        # reaching its worker.  Released at a boundary() once its worker
+        # lost the model ("not registered") or is gone or restarted, never
+        # because ComfyUI unloaded it (docs/semantics.md "The pool").
         self._held: dict[int, Any] = {}
         self.on_pressure: Callable[[int], object] | None = None
         # id(worker) -> (worker, the host side of its residency board).
@@ -192,6 +192,9 @@ class Pool:
         self._pressure_thread: threading.Thread | None = None
         self._pressure_rounds = 0
         self._pressure_asking: dict[int, Any] = {}
+        # reclaim(): workers that said they cannot release (once each; held
+        # so the id stays that worker's).
+        self._said_cannot_release: dict[int, Any] = {}
 
     def __repr__(self) -> str:
         return (
@@ -283,25 +286,77 @@ class Pool:
                 del self._held[key]
                 self._graveyard[key] = standin
 
+    def relist(self, mm: Any) -> list[Any]:
+        """Lists again, in ``mm.current_loaded_models`` (``comfy.
+        model_management``), every live stand-in whose model is on the card
+        by the newest true word (``loaded_size() > 0``: a valid board
+        reading, else the receipt) that ComfyUI no longer lists: a held
+        (registered) one, or one whose eviction a live worker refused
+        (``eviction_deferred``).  ComfyUI pops an entry after every
+        ``model_unload``, and a worker may load the model back in any later
+        call with no new registration (comfy-env dedups on the module), so
+        without this its bytes would sit on the card where ``free_memory``
+        cannot reach them.  Each is listed once, ``currently_used`` False,
+        through ``register``.  Returns them.
+
+        Call it where ComfyUI iterates no list: at a node boundary
+        (``boundary`` does) and before a ``free_memory`` run on a worker's
+        behalf, never inside ``free_memory``'s loop."""
+        from ._register import register
+
+        listed = {id(entry.model) for entry in list(mm.current_loaded_models)}
+        held = {key for key, _ in self._held_items()}
+        restored: list[Any] = []
+        for members in self.standins().values():
+            for s in members:
+                if s.stale or id(s) in listed:
+                    continue
+                if (id(s) in held or s.eviction_deferred) \
+                        and _still_resident(s):
+                    register(mm, s)
+                    listed.add(id(s))
+                    restored.append(s)
+        return restored
+
+    def census_at_creation(self, created: Mapping[str, Any],
+                           census: object) -> int:
+        """Applies a reply frame's census (its ``_vram_report``'s
+        ``residency``) to the stand-ins that frame's registrations made:
+        `created` maps model id -> stand-in.  comfy-env applies a frame's
+        census before it makes that frame's stand-ins, and makes them at
+        full size (their registration said "on cuda"); a model partly
+        resident by then would register at its full size until the next
+        census.  Entries of other ids are ignored, a bad entry is skipped
+        (comfy-env's census never fails a boundary).  Returns the entries
+        applied."""
+        if not created or not isinstance(census, (list, tuple)):
+            return 0
+        applied = 0
+        for entry in list(census):
+            mid = dict.get(entry, "id") if isinstance(entry, dict) else None
+            s = created.get(mid) if isinstance(mid, str) else None
+            if s is None:
+                continue
+            try:
+                applied += self._impl.apply_residency({mid: s}, [entry])
+            except (self._impl.EchoError, TypeError):
+                continue  # skipped, as comfy-env skips a bad entry
+        return applied
+
     def boundary(self, mm: Any = None) -> list[Any]:
         """Node-boundary housekeeping.  Call it between nodes, never inside
         ComfyUI's ``free_memory`` (its loop pops entries by index).
 
         - Marks gone the workers of held stand-ins whose ``is_alive()``
           now says False (``worker_gone``).
-        - With `mm` (``comfy.model_management``): puts back every live
-          stand-in that ComfyUI dropped from its list although its worker
-          still holds it: one whose eviction a live worker refused
-          (``eviction_deferred``; ``LoadedModel.model_unload`` pops an
-          entry even when ``detach`` freed nothing), or a registered one
-          whose receipt still says bytes are loaded (a census after the
-          refusal cleared the flag).  The weights are still on the card,
-          so ComfyUI must keep seeing them.  Returns those stand-ins.
-        - Releases registered stand-ins (``register()`` holds them) that
-          are stale (worker gone or restarted), whose worker lost the model
-          (receipt source "worker gone"), or, with `mm`, that ComfyUI no
-          longer lists (it unloaded them: ``model_unload`` or a clone pop
-          ran ``detach``).
+        - With `mm` (``comfy.model_management``): ``relist(mm)``, every
+          stand-in ComfyUI dropped whose model is still on the card is
+          listed again.  Returns those stand-ins.
+        - Releases registered stand-ins (``register()`` holds them) only
+          when the worker reports the model gone: they are stale (the
+          worker died or restarted) or their receipt source is "worker
+          gone" (it answered "not registered").  A stand-in ComfyUI
+          unloaded stays held: its worker may load the model back.
         - Drops the graveyard, then the books of gone workers nobody holds
           a stand-in of any more (a restart under a new worker object
           would otherwise keep every dead one on the books forever).
@@ -312,30 +367,10 @@ class Pool:
         for worker in self._dead_workers_held():
             self.worker_gone(worker)
         if mm is not None:
-            from ._register import register
-
-            listed = {
-                id(entry.model) for entry in list(mm.current_loaded_models)
-            }
-            held = {key for key, _ in self._held_items()}
-            for members in self.standins().values():
-                for s in members:
-                    if s.stale or id(s) in listed:
-                        continue
-                    if s.eviction_deferred or (
-                        id(s) in held and _still_resident(s)
-                    ):
-                        register(mm, s)
-                        restored.append(s)
-        listed = None
-        if mm is not None:
-            listed = {
-                id(entry.model) for entry in list(mm.current_loaded_models)
-            }
+            restored = self.relist(mm)
         # Decided outside the lock: the reads may log.
         done = {
-            key for key, s in self._held_items()
-            if _registration_over(s, listed)
+            key for key, s in self._held_items() if _registration_over(s)
         }
         with self._lock:
             self._release_held_locked(lambda s: id(s) in done)
@@ -784,6 +819,87 @@ class Pool:
                     self._pressure_asking.pop(id(worker), None)
         return freed
 
+    # ---- unlisted bytes (docs/architecture.md, "Unlisted bytes") ----------
+
+    def unlisted(self) -> WorkerMap:
+        """{worker: bytes it holds on the card that none of its models
+        accounts for}: its held figure (the worker's last report, floored
+        by the probe's per-process reading) minus what its stand-ins answer
+        (``sum_loaded``: receipts, or newer board readings).  Its allocator
+        cache, and what it allocated past the ``.to()``/``.cuda()`` hooks
+        (comfy-env registers no model for those).  0 for a gone worker."""
+        out: list[tuple[Any, int]] = []
+        for worker in self._ledger.keys():
+            books = self._ledger.find(worker)
+            if books is not None:
+                out.append((worker, _unlisted_of(books.charge())))
+        return WorkerMap(out)
+
+    def reclaim(self, shortfall: object) -> int:
+        """ComfyUI is still `shortfall` bytes short after its own eviction:
+        asks idle workers holding unlisted bytes, most first, to give back
+        what is still missing (``partial_release(size=...)``, comfy-env's
+        release through the worker's own manager), on this thread, through
+        ``send_command_no_spawn(..., lock_timeout=0.0)``: a worker another
+        thread is in answers "busy" and is skipped, a worker in a call (its
+        own budget request) is not asked.  Returns the bytes that came
+        back, as each worker measured them (its receipt's ``freed_bytes``,
+        no more than it held); the worker's held figure drops by them.  A
+        worker with unlisted bytes that cannot release (no
+        ``supports_partial_release``, an error receipt) says so once.
+        Call it where ComfyUI iterates no list (after ``free_memory``)."""
+        want = _shortfall_bytes(shortfall)
+        got = 0
+        holders = sorted(
+            ((n, w) for w, n in self.unlisted().items() if n > 0),
+            key=lambda item: -item[0],
+        )
+        for unlisted, worker in holders:
+            if got >= want:
+                break
+            books = self._ledger.find(worker)
+            if books is None or not books.alive or books.in_flight \
+                    or _in_a_call(worker):
+                continue
+            if not getattr(worker, "supports_partial_release", False):
+                self._cannot_release(worker, unlisted,
+                                     "it has no partial_release")
+                continue
+            if not self._claim_for_ask(worker):
+                continue  # a pressure ask to it is still out
+            try:
+                reply, dead = _ask(worker, "partial_release",
+                                   min(unlisted, want - got), 0.0)
+            finally:
+                with self._lock:
+                    self._pressure_asking.pop(id(worker), None)
+            if dead:
+                self.worker_gone(worker)
+                continue
+            freed = _freed_bytes(reply)
+            if freed is None:
+                if not (isinstance(reply, str)
+                        and str.__eq__(reply, "busy")):
+                    self._cannot_release(worker, unlisted,
+                                         _release_error(reply))
+                continue
+            charge = books.charge()
+            freed = min(freed, max(charge["held"], charge["reading"]))
+            if freed:
+                books.set_report(held=max(0, charge["held"] - freed))
+                got += freed
+        return got
+
+    def _cannot_release(self, worker: Any, unlisted: int, why: str) -> None:
+        with self._lock:
+            if id(worker) in self._said_cannot_release:
+                return
+            self._said_cannot_release[id(worker)] = worker
+        log.warning("comfy_standin: %s holds %d MiB that no listed model "
+                    "accounts for and cannot release them (%s): ComfyUI "
+                    "cannot reach them", visible(worker), unlisted >> 20,
+                    visible(why))
+
     def _pressure_ask(self, worker: Any, command: str, size: int) -> object:
         """One ask; a death it reveals goes to the pool at once."""
         reply, dead = _ask(worker, command, size)
@@ -866,24 +982,55 @@ def _standins_of(books: Any, worker: Any) -> list[Any]:
 
 
 def _still_resident(s: Any) -> bool:
-    """A registered stand-in ComfyUI dropped while its worker still holds
-    bytes of it: the eviction did not happen (a refused detach whose
-    deferral a later census cleared, for instance)."""
+    """Whether the stand-in's model is on the card by the newest true word
+    (``loaded_size()``: a valid board reading, else the receipt) and its
+    worker has not reported it gone."""
     try:
         return s.loaded_size() > 0 and s.receipt()[3] != "worker gone"
     except Exception:  # noqa: BLE001 - unreadable: leave it be
         return False
 
 
-def _registration_over(s: Any, listed: set[int] | None) -> bool:
-    """Whether a registered stand-in may be let go (see boundary())."""
+def _registration_over(s: Any) -> bool:
+    """Whether a registered stand-in may be let go (see boundary()): its
+    worker died or restarted (stale), or reported the model gone."""
     try:
-        if s.stale or s.receipt()[3] == "worker gone":
-            return True
+        return bool(s.stale or s.receipt()[3] == "worker gone")
     except Exception:  # noqa: BLE001 - a broken read keeps the hold
         log.warning("comfy_standin: could not read %r", s, exc_info=True)
         return False
-    return listed is not None and id(s) not in listed
+
+
+def _unlisted_of(charge: Mapping[str, Any]) -> int:
+    if not charge.get("alive", True):
+        return 0
+    held = max(charge.get("held", 0), charge.get("reading", 0))
+    return max(0, held - charge.get("sum_loaded", 0))
+
+
+def _in_a_call(worker: Any) -> bool:
+    """comfy-env's own in-flight count (``_calls_in_flight``): a worker
+    in a call serves only the commands its call loop interleaves, and
+    partial_release is not one of them."""
+    count = getattr(worker, "_calls_in_flight", 0)
+    return isinstance(count, int) and count > 0
+
+
+def _freed_bytes(reply: object) -> int | None:
+    """A release reply's measured ``receipt['freed_bytes']``, or None."""
+    receipt = dict.get(reply, "receipt") if isinstance(reply, dict) else None
+    got = dict.get(receipt, "freed_bytes") if isinstance(
+        receipt, dict) else None
+    return got if _is_byte_value(got) else None
+
+
+def _release_error(reply: object) -> str:
+    receipt = dict.get(reply, "receipt") if isinstance(reply, dict) else None
+    errors = dict.get(receipt, "errors") if isinstance(receipt, dict) \
+        else None
+    if isinstance(errors, list) and errors:
+        return f"its receipt says {errors[0]!r}"
+    return f"it answered {reply!r}"
 
 
 def _pinned_of(books: Any) -> int:
@@ -908,13 +1055,15 @@ def _shortfall_bytes(value: object) -> int:
     return 0
 
 
-def _ask(worker: Any, command: str, size: int) -> tuple[object, bool]:
-    """One release ask from the pressure thread: (reply, the worker is
-    dead).  Never raises an ``Exception``."""
+def _ask(worker: Any, command: str, size: int,
+         lock_timeout: float = 2.0) -> tuple[object, bool]:
+    """One release ask: (reply, the worker is dead).  Never raises an
+    ``Exception``."""
     try:
         no_spawn = getattr(worker, "send_command_no_spawn", None)
         if callable(no_spawn):
-            reply = no_spawn(command, size=int(size), lock_timeout=2.0)
+            reply = no_spawn(command, size=int(size),
+                             lock_timeout=lock_timeout)
         else:
             reply = worker.send_command(command, size=int(size))
     except Exception as exc:  # noqa: BLE001 - an ask is best effort

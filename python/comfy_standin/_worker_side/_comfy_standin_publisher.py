@@ -37,8 +37,10 @@ only when the reading's stamp is newer):
 - synchronously, before the worker asks the host for VRAM (its shimmed
   ``load_models_gpu`` calls ``_call_parent("request_vram_budget")``, and the
   host then runs ComfyUI's ``free_memory`` reading this board), after that
-  shim's real load, and at every ``_bump_seq`` (each site where comfy-env's
-  worker moves a model's bytes: command replies, registrations);
+  shim's real load, at every ``_bump_seq`` (each site where comfy-env's
+  worker moves a model's bytes: command replies, registrations), and
+  before every reply to a model command is sent (what the command left,
+  even when it moved nothing);
 - every ``period`` seconds from a thread of its own, which also beats the
   heartbeat: moves made with no message (a pager, a pack's own thread)
   reach the host within a period.
@@ -311,6 +313,7 @@ def _find_shapes():
         census = scope.get("_residency_census")
         registry = scope.get("_model_registry")
         same_bump = scope.get("_bump_seq") is bump
+        transport = scope.get("transport")
     finally:
         del frame
     if not callable(census):
@@ -325,7 +328,9 @@ def _find_shapes():
         and isinstance(e.get("resident"), int) for e in out
     ):
         return "_residency_census does not return [{id, resident}, ...]"
-    return cell, bump, census, registry, _find_load_shim()
+    if not callable(getattr(transport, "send", None)):
+        transport = None  # no reply hook: _bump_seq's passes only
+    return cell, bump, census, registry, _find_load_shim(), transport
 
 
 def _find_load_shim():
@@ -388,9 +393,10 @@ def _start(library_path, slots, generation, layout, protocol, period):
     if refused is not None:
         library.lib.cs_board_close(handle)
         return refused
-    cell, bump, census, registry, shim = shapes
+    cell, bump, census, registry, shim, transport = shapes
     pub = _Publisher(library, handle, census, registry, float(period))
     pub.hook(cell, bump, shim)
+    pub.hook_replies(transport)
     atexit.register(pub.stop)
     return pub
 
@@ -455,6 +461,29 @@ class _Publisher:
         if getattr(cw, "call_parent", None) is call_parent:
             cw.call_parent = _call_parent
         self.hooks.update(("request_vram_budget", "load"))
+
+    def hook_replies(self, transport):
+        """A pass before every reply to a model command leaves the worker
+        (the frame of ``model_partial_load``/``_unload`` or
+        ``model_to_device``: it says ``loaded``, ``freed`` or ``moved``),
+        so the board says what the command left by the time the host
+        reads the reply, including a reply that moved nothing and bumps no
+        seq."""
+        if transport is None:
+            return
+        pub = self
+        send = transport.send
+
+        def reply_send(frame, _original=send):
+            if isinstance(frame, dict) and "call_id" in frame and (
+                    "freed" in frame or "loaded" in frame
+                    or "moved" in frame):
+                pub.sync("reply")
+            return _original(frame)
+
+        reply_send.__wrapped__ = send
+        transport.send = reply_send
+        self.hooks.add("reply")
 
     # -- bindings --
 

@@ -33,11 +33,18 @@ What it swaps, all reversibly (``uninstall()``):
 
 - ``comfy_env.isolation.pool._insert_loaded_model`` lists comfy_standin
   stand-ins through ``comfy_standin.register`` (so the pool holds them
-  while ComfyUI lists them) and other patchers as before;
-  ``_register_new_patchers`` (comfy-env's node boundary) is followed by
-  ``default_pool().boundary(comfy.model_management)``: a stand-in ComfyUI
-  dropped while its worker still holds it is listed again, finished
-  registrations are released.
+  until their worker reports the model gone or dies) and other patchers
+  as before; ``_register_new_patchers`` (comfy-env's node boundary) is
+  followed by ``default_pool().census_at_creation(...)`` (the frame's
+  census for the stand-ins it made) and ``default_pool().boundary(
+  comfy.model_management)``: every stand-in ComfyUI dropped whose model is
+  on the card is listed again, finished registrations are released.
+  ``_handle_vram_budget`` (a worker's VRAM request) lists them again first
+  (``default_pool().relist``), before the ``free_memory`` it runs.
+- ``comfy.model_management.free_memory`` is followed, when the card is
+  still short, by ``default_pool().reclaim(shortfall)``: idle workers give
+  back bytes no listed model accounts for (docs/architecture.md,
+  "Unlisted bytes").
 - The default pool's ``on_pressure`` (unset before) forwards the shortfall
   to comfy-env's own pressure hook (``model_patcher._ON_PRESSURE``, which
   asks idle workers to release from a thread), as comfy-env's patcher
@@ -105,6 +112,7 @@ log = logging.getLogger("comfy_standin")
 _PATCHER_MODULE = "comfy_env.isolation.model_patcher"
 _SYNC_MODULE = "comfy_env.state_sync"
 _POOL_MODULE = "comfy_env.isolation.pool"
+_MM_MODULE = "comfy.model_management"
 _SPAWN_MODULE = "comfy_env.isolation.workers.subprocess"
 _WORKER_CLASS = _SPAWN_MODULE + ":SubprocessWorker"
 # The worker-side publisher: a module name of its own (it can shadow
@@ -413,20 +421,27 @@ def _wrap_insert_loaded_model(original: Any) -> Any:
 def _wrap_register_new_patchers(original: Any) -> Any:
     def _register_new_patchers(env_dir: Any, worker: Any,
                                generation: Any) -> Any:
+        # comfy-env applies this frame's census, then makes the stand-ins
+        # of the frame's registrations at full size: the census is kept
+        # for them (it consumes the worker's report).
+        report = getattr(worker, "_last_vram_report", None)
+        known = set(_patchers_of(env_dir))
         try:
             return original(env_dir, worker, generation)
         finally:
             # comfy-env's boundary: outside free_memory by construction.
+            pool = cs.default_pool()
             try:
-                restored = cs.default_pool().boundary(
-                    importlib.import_module("comfy.model_management")
-                )
-                for s in restored:
-                    log.warning(
-                        "comfy_standin: listed model %s again: ComfyUI "
-                        "dropped it while its worker still holds it",
-                        visible(s.model_id),
-                    )
+                census = dict.get(report, "residency") if isinstance(
+                    report, dict) and _census_on() else None
+                if census is not None:
+                    pool.census_at_creation({
+                        mid: p for mid, p in _patchers_of(env_dir).items()
+                        if mid not in known and _is_ours(p)
+                    }, census)
+                _take_figures(pool, worker, report)
+                _log_relisted(pool.boundary(
+                    importlib.import_module("comfy.model_management")))
             except Exception:
                 log.exception("comfy_standin: boundary failed (ignored)")
             try:
@@ -437,6 +452,80 @@ def _wrap_register_new_patchers(original: Any) -> Any:
 
     _register_new_patchers.__wrapped__ = original  # type: ignore[attr-defined]
     return _register_new_patchers
+
+
+def _wrap_handle_vram_budget(original: Any) -> Any:
+    def _handle_vram_budget(request: Any, worker_key: Any = None) -> Any:
+        # A worker asks for room: ComfyUI's free_memory is about to run on
+        # its behalf, and must reach every worker model on the card.
+        try:
+            _log_relisted(cs.default_pool().relist(
+                importlib.import_module("comfy.model_management")))
+        except Exception:
+            log.exception("comfy_standin: listing before a worker's VRAM "
+                          "request failed (ignored)")
+        return original(request, worker_key=worker_key)
+
+    _handle_vram_budget.__wrapped__ = original  # type: ignore[attr-defined]
+    return _handle_vram_budget
+
+
+def _wrap_free_memory(original: Any) -> Any:
+    def free_memory(memory_required: Any, device: Any, *args: Any,
+                    **kwargs: Any) -> Any:
+        unloaded = original(memory_required, device, *args, **kwargs)
+        # Past ComfyUI's own loop (no list is iterated here): bytes workers
+        # hold that no listed model accounts for are asked back, measured.
+        try:
+            mm = sys.modules.get(_MM_MODULE)
+            if mm is not None and device is not None \
+                    and getattr(device, "type", None) not in ("cpu", "mps"):
+                short = memory_required - mm.get_free_memory(device)
+                if short > 0:
+                    cs.default_pool().reclaim(short)
+        except Exception:
+            log.exception("comfy_standin: reclaiming unlisted bytes failed "
+                          "(ignored)")
+        return unloaded
+
+    free_memory.__wrapped__ = original  # type: ignore[attr-defined]
+    return free_memory
+
+
+def _take_figures(pool: Any, worker: Any, report: Any) -> None:
+    """The frame's held, pinned and overhead figures for the pool's books
+    of `worker` (comfy-env keeps its own copies): what the worker holds
+    beyond its models (``Pool.unlisted``) is measured from them."""
+    if not isinstance(report, dict) or pool._ledger.find(worker) is None:
+        return
+    figures = {name: dict.get(report, name) for name in
+               ("held", "pinned", "overhead") if name in report}
+    try:
+        pool.report(worker, figures)
+    except cs.EchoError:
+        pass  # a figure out of range: comfy-env's copy stands alone
+
+
+def _patchers_of(env_dir: Any) -> dict[str, Any]:
+    table = getattr(sys.modules.get(_POOL_MODULE), "_WORKER_PATCHERS", None)
+    return dict(table.get(str(env_dir)) or {}) if isinstance(
+        table, dict) else {}
+
+
+def _census_on() -> bool:
+    """comfy-env's own switch for applying censuses
+    (``state_sync.RESIDENCY_ENV_VAR``: off or command-only means no)."""
+    name = getattr(sys.modules.get(_SYNC_MODULE), "RESIDENCY_ENV_VAR", None)
+    mode = os.environ.get(name, "boundary") if isinstance(name, str) \
+        else "boundary"
+    return mode.lower() not in ("off", "command", "0", "false")
+
+
+def _log_relisted(restored: list[Any]) -> None:
+    for s in restored:
+        log.info("comfy_standin: listed model %s again: its worker holds "
+                 "it on the card and ComfyUI no longer listed it",
+                 visible(s.model_id))
 
 
 #: Characters of one adapter log line; a longer one keeps its start and
@@ -959,6 +1048,16 @@ HOOKS = (
          wrap=_wrap_insert_loaded_model),
     Hook(_POOL_MODULE, "_register_new_patchers",
          "(env_dir, worker, generation)", wrap=_wrap_register_new_patchers),
+    Hook(_POOL_MODULE, "_handle_vram_budget", "(request, worker_key=None)",
+         wrap=_wrap_handle_vram_budget),
+    # ComfyUI's own (its signature varies by ComfyUI version; the wrapper
+    # passes every argument on): after its eviction, what only a worker
+    # can give back (Pool.reclaim).
+    Hook(_MM_MODULE, "free_memory", "present", wrap=_wrap_free_memory),
+    # The frame's report (census at creation, unlisted bytes) and the
+    # in-flight count (Pool.reclaim asks idle workers only).
+    Hook(_SPAWN_MODULE, "SubprocessWorker", "class",
+         reads=("_last_vram_report", "_calls_in_flight")),
     # What a stand-in calls on its worker (src/commands.c, pool.py).
     Hook(_WORKER_CLASS, "send_command", "(self, method, **params)"),
     Hook(_WORKER_CLASS, "send_command_no_spawn",
