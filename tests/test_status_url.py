@@ -190,13 +190,17 @@ def good_answer():
             "implementation": "c", "floor": 300 << 20,
             "process_local": False, "graveyard": 0, "held": 1,
             "workers": [{
-                "worker": "<SubprocessWorker pack>", "pid": 4242,
+                "worker": "pack", "pid": 4242, "launcher_pid": 4241,
                 "generation": 1, "alive": True, "in_flight": 0,
-                "charge": {"charge": 2 * GiB, "sum_loaded": GiB,
-                           "sum_peak": GiB, "held": GiB, "floor": 0},
+                "charge": {"charge": GiB + (300 << 20), "sum_sizes": 2 * GiB,
+                           "sum_loaded": GiB, "sum_peak": GiB, "held": GiB,
+                           "reading": 0, "floor": 300 << 20,
+                           "in_flight": 0, "models": 1, "alive": True,
+                           "held_from_reading": False},
                 "models": [{
                     "model_id": "unet-x", "kind": "unet", "size": 2 * GiB,
-                    "generation": 1, "loaded": GiB, "seq": 3,
+                    "generation": 1, "load_device": "cuda:0",
+                    "loaded": GiB, "seq": 3,
                     "age_seconds": 0.5, "source": "census",
                     "stale": False, "eviction_deferred": False,
                     "bad_replies": 0,
@@ -500,6 +504,7 @@ def test_status_survives_a_worker_whose_repr_raises_or_runs_long(impl):
     class Odd(fakes.FakeWorker):
         def __init__(self, name, text):
             super().__init__(name)
+            self.name = None  # no name: named by its repr
             self.text = text
 
         def __repr__(self):
@@ -511,16 +516,33 @@ def test_status_survives_a_worker_whose_repr_raises_or_runs_long(impl):
         def pid(self):
             raise RuntimeError("no pid")
 
+    class NameRaises(Odd):
+        @property
+        def name(self):
+            raise RuntimeError("no name")
+
+        @name.setter
+        def name(self, value):
+            pass
+
+    class Named(Odd):
+        def __init__(self, name, text):
+            super().__init__(name, text)
+            self.name = name
+
     pool = impl.Pool(process_local=False)
-    kept = [impl.StandIn(worker=Odd(f"w{i}", text), worker_generation=1,
+    workers = [Odd("w0", None), Odd("w1", "x" * (1 << 20)),
+               NameRaises("w2", "by-repr"), Named("p" * 1000, "r")]
+    kept = [impl.StandIn(worker=w, worker_generation=1,
                          model_id="m", model_size=GiB, load_device="cuda:0",
                          offload_device="cpu", pool=pool)
-            for i, text in enumerate([None, "x" * (1 << 20)])]
+            for w in workers]
     data = _status.collect(pool)
     names = sorted(w["worker"] for w in data["workers"])
     assert names == ["<Odd object; its repr raised RuntimeError>",
+                     "by-repr", "p" * _status.TEXT_LIMIT,
                      "x" * _status.TEXT_LIMIT]
-    assert [w["pid"] for w in data["workers"]] == [None, None]
+    assert [w["pid"] for w in data["workers"]] == [None] * 4
     assert "repr raised" in _status.render(data, probe=False)
     del kept
 

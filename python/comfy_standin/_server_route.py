@@ -56,10 +56,12 @@ def _failed(exc: BaseException) -> str:
 
 
 def _int_or_none(value: object) -> int | None:
+    """A byte count as the status answer carries one (an integer of at
+    most 64 bits, docs/cli.md), else None."""
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
-        return value
+        return int(value) if -2**64 < value < 2**64 else None
     if isinstance(value, float) and value == value and abs(value) < 2**63:
         return int(value)
     return None
@@ -102,8 +104,10 @@ def _entry_view(index: int, entry: Any) -> dict[str, Any]:
         view["dynamic"] = _call(patcher, "is_dynamic") is True
         view["standin"] = None
         if type(patcher).__module__.startswith("comfy_standin"):
-            view["standin"] = {"worker": _short(repr(patcher.worker)),
-                               "model_id": _short(patcher.model_id)}
+            from ._status import _worker_name
+
+            view["standin"] = {"worker": _short(_worker_name(
+                patcher.worker)), "model_id": _short(patcher.model_id)}
         del patcher
     except Exception as exc:  # noqa: BLE001 - said in its place
         view["error"] = _failed(exc)
