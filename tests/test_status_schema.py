@@ -17,6 +17,7 @@ schema strictly: no field the schema does not name.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import time
@@ -32,6 +33,7 @@ from test_status_url import good_answer
 
 import comfy_standin as cs
 from comfy_standin import _reference, _server_route, _status
+from comfy_standin._text import NotJSON
 
 GiB = 1 << 30
 SIZE = GiB
@@ -410,3 +412,34 @@ def test_one_of_pool_and_pool_error():
     text = _status.render_remote(answer, "http://127.0.0.1:8188")
     assert ("the pool could not be read in ComfyUI's process: "
             "ZeroDivisionError" in text)
+
+
+def test_the_route_refuses_to_send_a_non_finite_number(monkeypatch):
+    """A NaN or an infinity has no JSON form: payload_json names where
+    it is instead of writing a bare Infinity."""
+    real = _server_route.payload
+
+    def odd():
+        answer = real()
+        answer["pool"]["workers"] = [{"age": float("inf")}]
+        return answer
+
+    monkeypatch.setattr(_server_route, "payload", odd)
+    with pytest.raises(NotJSON, match=r"pool\.workers\[0\]\.age \(inf\) "
+                                      r"is not a finite number"):
+        _server_route.payload_json()
+
+
+def test_the_client_refuses_a_number_too_large_for_a_float():
+    """1e999 is a JSON number that parses to an infinity: refused as not
+    JSON, where it is, before --json could print a bare Infinity."""
+    answer = json.dumps(good_answer())
+    body = answer.replace('"age_seconds": 0.5', '"age_seconds": 1e999')
+    assert body != answer
+    with pytest.raises(_status.RemoteError,
+                       match=r"not JSON \(1e999 is not a finite number"):
+        _status.parse_answer(body.encode(), "x")
+    unchecked = answer.replace('"elapsed_ns": ', '"extra": 1e999, '
+                               '"elapsed_ns": ')
+    with pytest.raises(_status.RemoteError, match="1e999"):
+        _status.parse_answer(unchecked.encode(), "x")

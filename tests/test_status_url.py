@@ -274,12 +274,14 @@ def test_bad_json_is_one_line(body, says):
 
 
 @pytest.mark.parametrize("url, says", [
-    ("http://HOST:PORT", "not a URL"),
+    ("http://HOST:PORT", "the port 'PORT' is not a number; expected "
+                         "http://HOST[:PORT][/PATH] (PORT defaults to 8188)"),
+    ("http://127.0.0.1:99999", "the port 99999 is not one of 1 to 65535"),
     ("http://", "names no host"),
     ("ftp://127.0.0.1/", "only http:// and https://"),
     ("http://127.0.0.1:8188/\x1b[2J", "not a URL"),
     ("http://user:pw@127.0.0.1:1", "credentials"),
-    ("http://[::1", "not a URL"),
+    ("http://[::1", "an IPv6 address needs both brackets"),
 ])
 def test_an_invalid_url_is_one_line(url, says):
     code, out, err = run("status", "--url", url)
@@ -562,3 +564,60 @@ def test_a_library_override_is_shown_not_obeyed(monkeypatch):
         {"cuda": {"loaded": False, "error": "cannot open shared object"}})
     assert "\x1b" not in text
     assert "[COMFY_STANDIN_LIBCUDA=/x\\x1b[2J.so]" in text
+
+
+@pytest.mark.parametrize("given, port", [
+    ("127.0.0.1", 8188), ("http://127.0.0.1", 8188),
+    ("http://127.0.0.1/comfy/", 8188), ("localhost:9000", 9000),
+    ("http://[::1]", 8188), ("http://127.0.0.1:80", 80),
+    ("https://comfy.example/", 443), ("https://comfy.example:8188", 8188),
+])
+def test_a_url_without_a_port_is_comfyuis_port(given, port):
+    """ComfyUI listens on 8188 unless told otherwise: a host, a
+    host:port, or a URL without a port means 8188 (https: a proxy, 443);
+    an explicit port is kept.  The address shown says which."""
+    remote = _status.Remote(given)
+    assert remote.port == port
+    assert f":{port}" in remote.base
+
+
+def test_a_host_alone_reaches_the_server():
+    """``status --url 127.0.0.1:PORT`` (no scheme) reads the server."""
+    with rawhttp.ScriptedServer() as server:
+        server.reply = [(0, rawhttp.json_response(good_answer()))]
+        host_port = server.url.split("://", 1)[1]
+        code, out, err = run("status", "--url", host_port)
+    assert code == 0, err
+    assert out.startswith(f"ComfyUI at http://{host_port}: pid ")
+
+
+def test_an_error_answer_says_what_the_route_said():
+    """The route's own {"error": ...} (a 503 while the pool is busy)
+    is in the line; anything else in an error answer is not read."""
+    body = json.dumps({"error": "the status took over 5 s"}).encode()
+    with rawhttp.ScriptedServer([(0, rawhttp.response(
+            body, "503 Service Unavailable"))]) as server:
+        code, out, err = run("status", "--url", server.url)
+    one_line_failure(code, out, err)
+    assert err.endswith(": HTTP 503 Service Unavailable: the status took "
+                        "over 5 s\n"), err
+    for odd in (b'{"error": 5}', b"[1]", b"{", b'{"error": "\x1b[2J"}'):
+        with rawhttp.ScriptedServer([(0, rawhttp.response(
+                odd, "500 Internal Server Error"))]) as server:
+            code, out, err = run("status", "--url", server.url)
+        one_line_failure(code, out, err)
+        assert "\x1b" not in err
+
+
+def test_json_never_passes_on_an_infinity():
+    """1e999 in a field the client does not check parses to an infinity;
+    --json would print a bare Infinity, which is not JSON: refused."""
+    text = json.dumps(good_answer())
+    body = text.replace('"elapsed_ns": ', '"future_field": 1e999, '
+                        '"elapsed_ns": ')
+    assert body != text
+    with rawhttp.ScriptedServer([(0, rawhttp.response(body.encode()))]) \
+            as server:
+        code, out, err = run("status", "--url", server.url, "--json")
+    one_line_failure(code, out, err)
+    assert "not JSON (1e999 is not a finite number)" in err

@@ -23,6 +23,7 @@ import mock_fixtures
 import pytest
 from browser import READ_PAGE, Browser, ComfyServer
 from test_board import Worker
+from test_status_url import run as run_cli
 
 import comfy_standin as cs
 from comfy_standin import _server_route, _status
@@ -483,7 +484,37 @@ def test_a_stuck_status_answers_503_and_never_blocks_the_loop(monkeypatch):
             code, _, body = get(server.url + _server_route.ROUTE)
             assert code == 503 and b"took over 0.3 s" in body
             assert get(server.url + _server_route.PAGE_ROUTE)[0] == 200
+            # status --url says what the route said.
+            code, out, err = run_cli("status", "--url", server.url)
+            assert (code, out) == (1, "")
+            assert err.endswith(": HTTP 503 Service Unavailable: the "
+                                "status took over 0.3 s\n"), err
         finally:
             release.set()
         monkeypatch.setattr(_server_route, "payload_json", real)
         assert get(server.url + _server_route.ROUTE)[0] == 200
+
+
+def test_a_non_finite_number_is_an_error_answer_not_bad_json(monkeypatch):
+    """The route never sends a bare Infinity: 500 with {"error": ...}
+    naming the field, which status --url shows."""
+    real = _server_route.payload
+
+    def with_infinity():
+        answer = real()
+        answer["reserve"]["extra_reserved_vram"] = float("inf")
+        return answer
+
+    monkeypatch.setattr(_server_route, "payload", with_infinity)
+    with scene(populated=False) as (server, _):
+        code, headers, body = get(server.url + _server_route.ROUTE)
+        assert code == 500
+        assert headers["Content-Type"].startswith("application/json")
+        assert json.loads(body) == {"error": (
+            "the status cannot be sent: reserve.extra_reserved_vram (inf) "
+            "is not a finite number")}
+        code, out, err = run_cli("status", "--url", server.url)
+    assert (code, out) == (1, "")
+    assert err.endswith("HTTP 500 Internal Server Error: the status cannot "
+                        "be sent: reserve.extra_reserved_vram (inf) is not "
+                        "a finite number\n"), err

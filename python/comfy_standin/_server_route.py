@@ -24,7 +24,6 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import hashlib
-import json
 import logging
 import os
 import re
@@ -32,7 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ._text import visible
+from ._text import NotJSON, json_text, visible
 
 ROUTE = "/comfy_standin/status"
 #: The live VRAM page (a static file that reads ROUTE).
@@ -257,7 +256,8 @@ def payload() -> dict[str, Any]:
 
 
 def payload_json() -> bytes:
-    return json.dumps(payload(), sort_keys=True, default=str).encode()
+    """payload() as JSON; NotJSON when a number in it has no JSON form."""
+    return json_text(payload(), sort_keys=True).encode()
 
 
 # ---------------------------------------------------------------------------
@@ -289,12 +289,19 @@ async def handle(request: Any) -> Any:
             loop.run_in_executor(_build_thread(), payload_json),
             BUILD_TIMEOUT)
     except asyncio.TimeoutError:
-        return web.json_response(
-            {"error": f"the status took over {BUILD_TIMEOUT:g} s"},
-            status=503, headers={"Cache-Control": "no-store"})
+        return _error(503, f"the status took over {BUILD_TIMEOUT:g} s")
+    except NotJSON as exc:
+        return _error(500, f"the status cannot be sent: {exc}")
     return web.Response(body=body, content_type="application/json",
                         headers={"Cache-Control": "no-store",
                                  "X-Content-Type-Options": "nosniff"})
+
+
+def _error(status: int, text: str) -> Any:
+    from aiohttp import web
+
+    return web.json_response({"error": text}, status=status,
+                             headers={"Cache-Control": "no-store"})
 
 
 _page: list[tuple[bytes, str]] = []

@@ -447,8 +447,12 @@ def visible(value: object, limit: int = TEXT_LIMIT) -> str:
 # ---------------------------------------------------------------------------
 # a running ComfyUI (status --url)
 
-#: ComfyUI's default --listen address and --port.
-DEFAULT_URL = "http://127.0.0.1:8188"
+#: ComfyUI's default --port, and with its default --listen address.
+DEFAULT_PORT = 8188
+DEFAULT_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
+#: What ``status --url`` takes, said in its errors.
+URL_FORM = (f"http://HOST[:PORT][/PATH] (PORT defaults to {DEFAULT_PORT}), "
+            f"e.g. {DEFAULT_URL}")
 #: Seconds the whole request may take (connect, send, every read).
 DEFAULT_TIMEOUT = 5.0
 #: The largest answer read; a status of 100 workers is about 0.5 MiB.
@@ -468,7 +472,10 @@ class RemoteError(Exception):
 
 class Remote:
     """Where ``status --url`` reads: `base` as the user will recognise it
-    (scheme, host, port, path prefix), and the parts to connect to."""
+    (scheme, host, port, path prefix), and the parts to connect to.  A
+    URL without a port is ComfyUI's own port, 8188 (https: 443, a proxy
+    in front of ComfyUI); any other form is a RemoteError naming the
+    part that is wrong."""
 
     def __init__(self, url: str) -> None:
         import urllib.parse
@@ -476,36 +483,52 @@ class Remote:
         text = url.strip()
         shown = visible(text)
         if not text:
-            raise RemoteError("the URL is empty; e.g. " + DEFAULT_URL)
+            raise RemoteError(f"the URL is empty; expected {URL_FORM}")
         if not text.isprintable() or any(c.isspace() for c in text):
             raise RemoteError(f"{shown}: not a URL (it has spaces or "
-                              f"control characters)")
+                              f"control characters); expected {URL_FORM}")
         if "://" not in text:
             text = "http://" + text
         try:
             parts = urllib.parse.urlsplit(text)
-            port = parts.port
-        except ValueError as exc:
+        except ValueError:
             raise RemoteError(
-                f"{shown}: not a URL ({visible(exc)}); e.g. {DEFAULT_URL}"
-            ) from None
+                f"{shown}: not a URL (an IPv6 address needs both "
+                f"brackets, e.g. http://[::1]:{DEFAULT_PORT}); expected "
+                f"{URL_FORM}") from None
         scheme = parts.scheme.lower()
         if scheme not in ("http", "https"):
             raise RemoteError(f"{shown}: only http:// and https:// URLs "
-                              f"are read")
-        if not parts.hostname:
-            raise RemoteError(f"{shown}: the URL names no host; e.g. "
-                              f"{DEFAULT_URL}")
-        if parts.username is not None or parts.password is not None:
+                              f"are read; expected {URL_FORM}")
+        if "@" in parts.netloc:
             raise RemoteError(f"{shown}: credentials in the URL are not "
                               f"sent; ComfyUI's server asks for none")
+        if not parts.hostname:
+            raise RemoteError(f"{shown}: the URL names no host; expected "
+                              f"{URL_FORM}")
+        # The port is what follows the host (after its brackets, for an
+        # IPv6 address); urlsplit's own error for it names no part.
+        after = parts.netloc.rpartition("]")[2] if "[" in parts.netloc \
+            else parts.netloc
+        _, colon, port_text = after.partition(":")
+        if colon and port_text:
+            if not (port_text.isascii() and port_text.isdigit()):
+                raise RemoteError(
+                    f"{shown}: the port {visible(port_text, 40)!r} is not "
+                    f"a number; expected {URL_FORM}")
+            port = int(port_text)
+            if not 0 < port < 65536:
+                raise RemoteError(
+                    f"{shown}: the port {port} is not one of 1 to 65535; "
+                    f"expected {URL_FORM}")
+        else:
+            port = 443 if scheme == "https" else DEFAULT_PORT
         self.scheme = scheme
         self.host = parts.hostname
-        self.port = port if port is not None else (
-            443 if scheme == "https" else 80)
+        self.port = port
         self.prefix = parts.path.rstrip("/")
-        netloc = parts.netloc
-        self.base = visible(f"{scheme}://{netloc}{self.prefix}")
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        self.base = visible(f"{scheme}://{host}:{port}{self.prefix}")
 
     def url(self, route: str) -> str:
         return f"{self.base}{route}"
@@ -678,8 +701,10 @@ def get(url: str, route: str, timeout: float = DEFAULT_TIMEOUT,
                 f"{visible(where)} (not followed: give that address)"
             )
         if status != 200:
+            said = _error_said(reply)
             raise RemoteError(f"{target}: HTTP {status} "
-                              f"{visible(reply.reason)}")
+                              f"{visible(reply.reason)}"
+                              + (f": {said}" if said else ""))
         kind = _media_type(reply.getheader("Content-Type"))
         if kind != accept:
             raise RemoteError(
@@ -726,6 +751,23 @@ def get(url: str, route: str, timeout: float = DEFAULT_TIMEOUT,
         return b"".join(pieces)
     finally:
         conn.close()
+
+
+def _error_said(reply: Any) -> str | None:
+    """The route's own ``{"error": TEXT}`` of an error answer (500, 503),
+    read within the request's deadline; None for anything else."""
+    if _media_type(reply.getheader("Content-Type")) != "application/json" \
+            or not 0 < (reply.length or 0) <= _READ_PIECE:
+        return None
+    try:
+        said = json.loads(reply.read(_READ_PIECE),
+                          parse_constant=_reject_constant,
+                          parse_float=_finite)
+    except (OSError, http.client.HTTPException, ValueError,
+            RecursionError):
+        return None
+    error = said.get("error") if type(said) is dict else None
+    return visible(error) if type(error) is str else None
 
 
 def _reason(exc: BaseException) -> str:
@@ -1123,6 +1165,13 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999: a JSON number, but no float
+        raise ValueError(f"{text[:24]} is not a finite number")
+    return value
+
+
 def parse_answer(body: bytes, where: str) -> dict[str, Any]:
     """A status answer from raw bytes: JSON (no NaN or Infinity), nested
     at most MAX_DEPTH deep, of the status shape; else RemoteError."""
@@ -1131,7 +1180,8 @@ def parse_answer(body: bytes, where: str) -> dict[str, Any]:
                           f"{MAX_CONTAINERS} lists and objects; not a "
                           f"status")
     try:
-        data = json.loads(body, parse_constant=_reject_constant)
+        data = json.loads(body, parse_constant=_reject_constant,
+                          parse_float=_finite)
     except RecursionError:
         raise RemoteError(f"{where}: the answer is nested too deeply "
                           f"to be a status") from None
