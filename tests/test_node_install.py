@@ -105,6 +105,16 @@ def test_uninstall_removes_and_is_idempotent(comfyui):
     assert code == 0 and "not installed" in out
 
 
+def test_uninstall_verbose_lists_each_path(comfyui):
+    assert run("install-node", str(comfyui))[0] == 0
+    (entry(comfyui) / "notes.txt").write_text("mine")
+    code, out = run("uninstall-node", "-v", str(comfyui))
+    assert code == 0
+    assert f"  removed {entry(comfyui) / '__init__.py'}" in out.splitlines()
+    assert f"  kept {entry(comfyui) / 'notes.txt'}" in out.splitlines()
+    assert "  removed" not in run("uninstall-node", str(comfyui))[1]
+
+
 def test_uninstall_keeps_files_it_did_not_write(comfyui):
     assert run("install-node", str(comfyui))[0] == 0
     (entry(comfyui) / "notes.txt").write_text("mine")

@@ -67,7 +67,8 @@ def _visible_actions(parser: argparse.ArgumentParser,
                      common: bool = False) -> list[Any]:
     """The options --help lists, with (`common`) or without the ones
     every command takes."""
-    skip = set() if common else _common_dests()
+    # -v's help is each command's own: listed in each command's table.
+    skip = set() if common else _common_dests() - {"verbose"}
     return [a for a in parser._actions
             if a.help != argparse.SUPPRESS and a.dest not in skip
             and not isinstance(a, (argparse._HelpAction,
@@ -79,6 +80,8 @@ def _synopsis(name: str, parser: argparse.ArgumentParser) -> str:
     if name:
         words.append("[--json] [--quiet | --verbose]")
     for action in _visible_actions(parser):
+        if action.dest == "verbose":
+            continue  # in the common options above
         if action.option_strings:
             words.append(f"[{action.option_strings[-1]}"
                          + (f" {_arguments(action)}]"

@@ -367,6 +367,22 @@ def probe_line(summary: dict[str, Any]) -> str:
             + (f" ({', '.join(missing)} not loaded)" if missing else ""))
 
 
+def no_gpu_reason(summary: dict[str, Any]) -> str:
+    """``probe --require-gpu`` without a GPU: why, in one line (each
+    library: not loaded and why, or loaded with no device)."""
+    parts = []
+    for key, lib in summary["libraries"].items():
+        name = _LIBRARIES[key][0]
+        error = lib["error"]
+        if lib["loaded"]:
+            parts.append(f"{name} loaded, no device"
+                         + (f" ({visible(error, 100)})" if error else ""))
+        else:
+            parts.append(f"{name} not loaded "
+                         f"({visible(error or 'unknown reason', 100)})")
+    return "no GPU readable: " + "; ".join(parts)
+
+
 def render_probe(result: dict[str, Any]) -> str:
     """The probe's result as text, every string made `visible`."""
     result = _visible_tree(result)
