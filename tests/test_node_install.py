@@ -404,6 +404,29 @@ def test_no_comfy_standin_is_one_line(comfyui):
         "module named 'comfy_standin')"]
 
 
+def test_a_server_that_raises_is_one_line(comfyui, monkeypatch, caplog,
+                                          no_adapter):
+    """Reading ComfyUI's server raises (an exception whose text cannot be
+    read, even): one line, nothing added, ComfyUI goes on."""
+    class Unprintable(RuntimeError):
+        def __str__(self):
+            raise ValueError("no text")
+
+    class Server:
+        @property
+        def instance(self):
+            raise Unprintable()
+
+    server = types.ModuleType("server")
+    server.PromptServer = Server()
+    monkeypatch.setitem(sys.modules, "server", server)
+    monkeypatch.setattr(_server_route, "_said", set())
+    warnings = load_entry_failing(comfyui, caplog)
+    assert [w.getMessage() for w in warnings] == [
+        "comfy_standin: no status route (Unprintable: (its text cannot be "
+        "read))"]
+
+
 def test_an_exception_that_cannot_be_shown_is_still_one_line(
         comfyui, monkeypatch, caplog):
     class Unprintable(RuntimeError):

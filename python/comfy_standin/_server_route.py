@@ -51,7 +51,12 @@ def _short(value: object) -> str:
 
 
 def _failed(exc: BaseException) -> str:
-    return _short(f"{type(exc).__name__}: {exc}")
+    """'Type: text' of `exc`, cut short; said even when its str() raises."""
+    try:
+        text = str(exc)
+    except Exception:  # noqa: BLE001 - an exception that cannot say why
+        text = "(its text cannot be read)"
+    return _short(f"{type(exc).__name__}: {text}")
 
 
 def _int_or_none(value: object) -> int | None:

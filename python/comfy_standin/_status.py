@@ -1075,7 +1075,7 @@ BOARD = Object({
                                 "checked at the handoff"),
     "attached": sometimes(BOOLEAN, "the worker has mapped it"),
     "linked": sometimes(BOOLEAN, "the host still holds a way in"),
-    "worker_gone": sometimes(BOOLEAN, "its owner exited"),
+    "worker_gone": sometimes(BOOLEAN, "the host marked its worker gone"),
 })
 POOL = Object({
     "implementation": always(STRING, "`c` or `reference`"),
