@@ -121,5 +121,5 @@ def test_a_stale_suite_time_is_found():
         "the suite time records no commit and test count: run `python "
         "tools/counts.py --timed --write`"]
     # The README says where its figure comes from.
-    assert f"at commit `{head}`, 1,000 tests" in counts.readme_time(
+    assert f", at commit `{head}` with 1,000 tests (" in counts.readme_time(
         block(head, 1000))

@@ -323,8 +323,8 @@ def readme_time(reliability_block: str) -> str:
         return "\n".join([begin(SUITE_TIME), NOT_TIMED, end(SUITE_TIME)])
     shown, _, _, where = got.groups()
     at = stamp(reliability_block)
-    when = (f" at commit `{at[0]}`, {number(at[1])} tests" if at is not None
-            else "")
+    when = (f", at commit `{at[0]}` with {number(at[1])} tests"
+            if at is not None else "")
     return "\n".join([
         begin(SUITE_TIME),
         f"The tests (`python -m pytest`) take about {shown} on {where}"
