@@ -22,6 +22,8 @@ stdin/stdout (one command per line, one reply line per command):
                         whole segment until killed.
     odd                 "odd", then keeps every slot's seqlock word odd
                         (and the heartbeat fresh) until killed.
+    tear SLOT           leaves SLOT's seqlock word odd, once (a write that
+                        never finished): "torn".
     forkclose           forks; the child closes the board (and exits 0);
                         "forked RC" once the child is reaped.
     open                tries to open the board a second time: "opened" |
@@ -97,6 +99,13 @@ def main() -> int:
                 scribble(fd, reply)
             elif cmd == "odd":
                 keep_odd(fd, board, reply)
+            elif cmd == "tear":
+                off = 64 + 64 * int(args[0])
+                mem = mmap.mmap(fd, os.fstat(fd).st_size)
+                word = int.from_bytes(mem[off:off + 8], "little")
+                mem[off:off + 8] = (word | 1).to_bytes(8, "little")
+                mem.close()
+                reply("torn")
             elif cmd == "forkclose":
                 pid = os.fork()
                 if pid == 0:

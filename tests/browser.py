@@ -263,6 +263,8 @@ READ_PAGE = """(() => {
         ...ds(g), title: g.title,
         width: g.getBoundingClientRect().width})),
       reserveMarks: [...s.querySelectorAll(".reserve")].map(ds),
+      legend: [...s.querySelectorAll(".legend > span")].map(e => ({
+        ...ds(e), text: e.textContent})),
       order: [...s.querySelectorAll("table.order tr[data-index]")].map(
         r => ({...ds(r), why: r.querySelector(".why").textContent})),
       barWidth: s.querySelector(".bar").getBoundingClientRect().width,

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
@@ -248,6 +249,54 @@ def test_probe_require_gpu_exit_code():
                  env={"COMFY_STANDIN_PROBE_DISABLE": "1"})
     assert result.returncode == 3
     assert "disabled by COMFY_STANDIN_PROBE_DISABLE" in result.stdout
+    # Why, on stderr, one line: in every output mode.
+    for mode in ((), ("-q",), ("--json",)):
+        result = cli("probe", "--require-gpu", *mode,
+                     env={"COMFY_STANDIN_PROBE_DISABLE": "1"})
+        assert result.returncode == 3
+        assert result.stderr == (
+            "probe: no GPU readable: CUDA driver not loaded (disabled); "
+            "NVML not loaded (disabled)\n")
+    missing = "/nonexistent/libnvidia-ml-for-test.so.1"
+    result = cli("probe", "--require-gpu", "-q",
+                 env={"COMFY_STANDIN_LIBCUDA": missing,
+                      "COMFY_STANDIN_LIBNVML": missing})
+    assert result.returncode == 3
+    assert result.stderr.count("\n") == 1
+    assert f"NVML not loaded ({missing}: cannot open" in result.stderr
+
+
+def test_no_gpu_reason_names_a_library_that_found_no_device():
+    summary = _status.probe_summary({
+        "cuda": {"loaded": True, "error": None},
+        "nvml": {"loaded": True, "error": "nvmlDeviceGetCount: no device"},
+        "devices": []})
+    assert _status.no_gpu_reason(summary) == (
+        "no GPU readable: CUDA driver loaded, no device; NVML loaded, no "
+        "device (nvmlDeviceGetCount: no device)")
+
+
+def test_json_never_prints_a_bare_infinity(monkeypatch, capsys):
+    """--json is JSON for any reader: a non-finite number is refused in
+    one line naming where it is, and nothing goes to stdout."""
+    import comfy_standin as cs
+    from comfy_standin import __main__ as main
+
+    import logging
+
+    result = cs.probe()
+    result["devices"] = [{"index": 0, "free": float("inf")}]
+    monkeypatch.setattr(cs, "probe", lambda: result)
+    # --json sets the package's log level for the process: put it back.
+    logger = logging.getLogger("comfy_standin")
+    monkeypatch.setattr(logger, "level", logger.level)
+    assert main.main(["probe", "--json"]) == main.EXIT_FAILED
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.endswith(
+        " probe: --json: probe.devices[0].free (inf) is not a finite "
+        "number; printed nothing (JSON has no such number)\n"), err
+    assert err.count("\n") == 1
 
 
 # ---------------------------------------------------------------------------
@@ -542,8 +591,31 @@ def test_verbose_says_more():
     assert len(loud.splitlines()) > len(quiet.splitlines())
     assert len(cli("selfcheck", "-v").stdout) > len(cli("selfcheck").stdout)
     assert "raw probe result" in cli("probe", "-v").stdout
+    # A fresh process has no workers: -v still adds the raw probe.
+    assert "raw probe result" in cli("status", "-v").stdout
+    assert "raw probe result" not in cli("status").stdout
     both = cli("demo", "-q", "-v")
     assert both.returncode == 2 and "not allowed" in both.stderr
+
+
+@pytest.mark.parametrize("sub", ["demo", "status", "probe", "selfcheck",
+                                 "install-node", "uninstall-node"])
+def test_verbose_help_says_what_it_does_for_the_command(sub):
+    """Each command's -v help is its own; the demo's wire log is the
+    demo's alone."""
+    from comfy_standin import __main__ as main
+    from comfy_standin import _clidoc
+
+    helps = {name: next(a.help for a in parser._actions
+                        if a.dest == "verbose")
+             for name, (parser, _) in _clidoc.subcommands(
+                 main.build_parser()).items()}
+    verbose = types.SimpleNamespace(help=helps[sub])
+    assert list(helps.values()).count(verbose.help) == 1, helps
+    assert verbose.help != main.VERBOSE_HELP
+    assert ("worker" in verbose.help) == (sub == "demo"), verbose.help
+    shown = " ".join(cli(sub, "--help").stdout.split())
+    assert " ".join(verbose.help.split()) in shown
 
 
 def run_on_a_terminal(argv: list[str], env: dict[str, str]) -> str:

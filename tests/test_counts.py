@@ -85,3 +85,41 @@ def test_the_blocks_are_built_from_what_was_collected():
     assert "5 are collected in all: 1 more, marked" in text
     assert "| `tests/test_a.py` | 3 | 1 | 1 |  |" in text
     assert "| `tests/test_b.py` | 2 |  |  | comfy_env 2 |" in text
+
+
+def test_a_stale_suite_time_is_found():
+    """The recorded time is stale when the number of tests moved by more
+    than STALE_TESTS, when more than STALE_COMMITS commits changed the
+    code since the commit it was measured at, or when that commit is not
+    in the history; --timed --write is the remedy each time."""
+    counts = load_script()
+    head = counts.git("rev-parse", "--short=12", "HEAD")
+    assert head, "tests/test_counts.py runs in a git checkout"
+
+    def block(commit, tests):
+        return counts.suite_time_block({
+            "seconds": 133, "summary": f"{tests} passed", "python": "3.11",
+            "machine": "Linux x86_64, a CPU, 2 CPUs", "load": "1.0 before",
+            "date": "2026-01-01", "commit": commit, "tests": tests})
+
+    assert counts.stale(block(head, 1000), 1000) == []
+    assert counts.stale(block(head, 1000), 1050) == []
+    (moved,) = counts.stale(block(head, 1000), 1051)
+    assert "measured with 1,000 tests" in moved and "1,051" in moved
+    (gone,) = counts.stale(block("0123456789ab", 1000), 1000)
+    assert "not in this tree's history" in gone
+    code_commits = counts.git("rev-list", "HEAD", "--", *counts.CODE)
+    older = code_commits.split()[counts.STALE_COMMITS + 1]
+    (behind,) = counts.stale(block(older[:12], 1000), 1000)
+    since = re.search(r"; (\d+) commits have changed tests, python", behind)
+    assert since and int(since.group(1)) > counts.STALE_COMMITS, behind
+    for problem in (moved, gone, behind):
+        assert problem.endswith("`python tools/counts.py --timed --write`")
+    old = block(head, 1000).replace(f", at commit `{head}` with 1,000 "
+                                    f"tests", "")
+    assert counts.stale(old, 1000) == [
+        "the suite time records no commit and test count: run `python "
+        "tools/counts.py --timed --write`"]
+    # The README says where its figure comes from.
+    assert f", at commit `{head}` with 1,000 tests (" in counts.readme_time(
+        block(head, 1000))

@@ -105,6 +105,16 @@ def test_uninstall_removes_and_is_idempotent(comfyui):
     assert code == 0 and "not installed" in out
 
 
+def test_uninstall_verbose_lists_each_path(comfyui):
+    assert run("install-node", str(comfyui))[0] == 0
+    (entry(comfyui) / "notes.txt").write_text("mine")
+    code, out = run("uninstall-node", "-v", str(comfyui))
+    assert code == 0
+    assert f"  removed {entry(comfyui) / '__init__.py'}" in out.splitlines()
+    assert f"  kept {entry(comfyui) / 'notes.txt'}" in out.splitlines()
+    assert "  removed" not in run("uninstall-node", str(comfyui))[1]
+
+
 def test_uninstall_keeps_files_it_did_not_write(comfyui):
     assert run("install-node", str(comfyui))[0] == 0
     (entry(comfyui) / "notes.txt").write_text("mine")
@@ -221,3 +231,213 @@ def test_the_comfy_env_plugin_entry_point_is_declared():
     ours = [p for p in points if p.name == "comfy_standin"]
     assert len(ours) == 1
     assert ours[0].load() is adapter.install
+
+
+# ---------------------------------------------------------------------------
+# the node entry never raises into ComfyUI's start or its add_routes
+
+
+def comfyui_server(monkeypatch, routes=None, *, instance=True):
+    """A ``server`` module as ComfyUI's main.py has made it when custom
+    nodes load: ``PromptServer.instance.routes``, a RouteTableDef its
+    own routes are on (`routes`: what to put there instead)."""
+    if routes is None:
+        routes = web.RouteTableDef()
+
+        @routes.get("/system_stats")
+        async def system_stats(request):  # ComfyUI's own, already there
+            return web.json_response({})
+
+    server = types.ModuleType("server")
+    server.PromptServer = types.SimpleNamespace(
+        instance=types.SimpleNamespace(routes=routes) if instance else None)
+    monkeypatch.setitem(sys.modules, "server", server)
+    monkeypatch.setattr(_server_route, "_registered_on", [])
+    monkeypatch.setattr(_server_route, "_said", set())
+    return routes
+
+
+def load_entry_failing(comfyui, caplog):
+    """Load the entry as ComfyUI does; the package's log lines."""
+    assert run("install-node", str(comfyui))[0] == 0
+    caplog.clear()
+    caplog.set_level("INFO", logger="comfy_standin")
+    module = load_like_comfyui(entry(comfyui))
+    assert module.NODE_CLASS_MAPPINGS == {}
+    return [r for r in caplog.records if r.name == "comfy_standin"
+            and r.levelname == "WARNING"]
+
+
+def serves_as_if_absent(routes):
+    """What ComfyUI's add_routes does next runs, with none of ours."""
+    app = web.Application()
+    add_routes_as_comfyui(app, routes)
+    paths = {r.resource.canonical for r in app.router.routes()}
+    assert not any("comfy_standin" in p for p in paths), paths
+    assert "/system_stats" in paths and "/api/system_stats" in paths
+
+
+@pytest.fixture
+def no_adapter(monkeypatch):
+    """The adapter's part succeeds without touching comfy-env (these tests
+    are about the routes)."""
+    monkeypatch.setattr(adapter, "install", lambda: None)
+
+
+def test_a_failure_halfway_leaves_no_route_behind(comfyui, monkeypatch,
+                                                   caplog, no_adapter):
+    routes = comfyui_server(monkeypatch)
+    real = web.RouteTableDef.route
+    calls = []
+
+    def second_fails(self, method, path, **kwargs):
+        if self is routes and path.startswith("/comfy_standin"):
+            calls.append(path)
+            if len(calls) == 2:
+                raise MemoryError("no room for the page route")
+        return real(self, method, path, **kwargs)
+
+    monkeypatch.setattr(web.RouteTableDef, "route", second_fails)
+    warnings = load_entry_failing(comfyui, caplog)
+    assert calls == [_server_route.ROUTE, _server_route.PAGE_ROUTE]
+    assert [w.getMessage() for w in warnings] == [
+        "comfy_standin: no status route (MemoryError: no room for the "
+        "page route)"]
+    assert [r.path for r in routes] == ["/system_stats"]
+    monkeypatch.setattr(web.RouteTableDef, "route", real)
+    serves_as_if_absent(routes)
+
+
+@pytest.mark.parametrize("routes, says", [
+    ([], "PromptServer.instance.routes is list, not an aiohttp "
+         "RouteTableDef"),
+    (web.UrlDispatcher(), "is UrlDispatcher, not an aiohttp "
+                          "RouteTableDef"),
+])
+def test_routes_that_are_not_a_route_table_are_refused(
+        comfyui, monkeypatch, caplog, no_adapter, routes, says):
+    comfyui_server(monkeypatch, routes)
+    warnings = load_entry_failing(comfyui, caplog)
+    assert len(warnings) == 1 and says in warnings[0].getMessage()
+    assert warnings[0].getMessage().startswith(
+        "comfy_standin: no status route (")
+    assert not list(routes)
+
+
+def test_a_server_without_routes_says_so_once(comfyui, monkeypatch, caplog,
+                                              no_adapter):
+    """A PromptServer.instance without ``routes``: one line, the first
+    time only (the entry may be loaded again)."""
+    server = types.ModuleType("server")
+    server.PromptServer = types.SimpleNamespace(
+        instance=types.SimpleNamespace())
+    monkeypatch.setitem(sys.modules, "server", server)
+    monkeypatch.setattr(_server_route, "_said", set())
+    warnings = load_entry_failing(comfyui, caplog)
+    assert [w.getMessage() for w in warnings] == [
+        "comfy_standin: no status route (PromptServer.instance has no "
+        "routes: a ComfyUI server this comfy_standin does not know)"]
+    caplog.clear()
+    load_like_comfyui(entry(comfyui))
+    assert "no status route" not in caplog.text
+    # Outside ComfyUI (no server module): nothing to say.
+    monkeypatch.delitem(sys.modules, "server")
+    assert _server_route.register_with_comfyui() is False
+    assert "no status route" not in caplog.text
+
+
+def test_a_path_another_node_serves_is_refused(comfyui, monkeypatch,
+                                                caplog, no_adapter):
+    """Two GETs on one path stop aiohttp (and ComfyUI) at start."""
+    routes = comfyui_server(monkeypatch)
+
+    @routes.get(_server_route.ROUTE)
+    async def theirs(request):
+        return web.json_response({})
+
+    warnings = load_entry_failing(comfyui, caplog)
+    assert [w.getMessage() for w in warnings] == [
+        "comfy_standin: no status route (another custom node serves GET "
+        "/comfy_standin/status)"]
+    assert [r.handler for r in routes if "comfy" in r.path] == [theirs]
+
+
+def test_what_aiohttp_would_refuse_is_not_added(comfyui, monkeypatch,
+                                                 caplog, no_adapter):
+    """A route ComfyUI's add_routes would stop on (here a path aiohttp
+    refuses) is tried on an application of its own first."""
+    routes = comfyui_server(monkeypatch)
+    monkeypatch.setattr(_server_route, "PAGE_ROUTE", "comfy_standin/")
+    doomed = web.RouteTableDef()
+    doomed.get("comfy_standin/")(_server_route.handle_page)
+    with pytest.raises(ValueError):  # what ComfyUI would have met
+        add_routes_as_comfyui(web.Application(), doomed)
+    warnings = load_entry_failing(comfyui, caplog)
+    assert len(warnings) == 1
+    assert warnings[0].getMessage().startswith(
+        "comfy_standin: no status route (this aiohttp would refuse them "
+        "at ComfyUI's start: ValueError: ")
+    serves_as_if_absent(routes)
+
+
+def test_no_comfy_standin_is_one_line(comfyui):
+    """A Python without comfy_standin runs ComfyUI (-S: no site-packages):
+    one line, and no route is tried."""
+    assert run("install-node", str(comfyui))[0] == 0
+    code = (
+        "import importlib.util, logging, sys\n"
+        "logging.basicConfig(format='%(levelname)s %(message)s')\n"
+        f"spec = importlib.util.spec_from_file_location('entry', "
+        f"{str(entry(comfyui) / '__init__.py')!r})\n"
+        "module = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(module)\n"
+        "assert 'comfy_standin' not in sys.modules\n"
+        "print(module.NODE_CLASS_MAPPINGS)\n"
+    )
+    done = subprocess.run([sys.executable, "-S", "-c", code],
+                          capture_output=True, text=True, timeout=120,
+                          cwd=str(comfyui))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "{}\n"
+    assert done.stderr.splitlines() == [
+        "WARNING comfy_standin: not switched on (ModuleNotFoundError: No "
+        "module named 'comfy_standin')"]
+
+
+def test_a_server_that_raises_is_one_line(comfyui, monkeypatch, caplog,
+                                          no_adapter):
+    """Reading ComfyUI's server raises (an exception whose text cannot be
+    read, even): one line, nothing added, ComfyUI goes on."""
+    class Unprintable(RuntimeError):
+        def __str__(self):
+            raise ValueError("no text")
+
+    class Server:
+        @property
+        def instance(self):
+            raise Unprintable()
+
+    server = types.ModuleType("server")
+    server.PromptServer = Server()
+    monkeypatch.setitem(sys.modules, "server", server)
+    monkeypatch.setattr(_server_route, "_said", set())
+    warnings = load_entry_failing(comfyui, caplog)
+    assert [w.getMessage() for w in warnings] == [
+        "comfy_standin: no status route (Unprintable: (its text cannot be "
+        "read))"]
+
+
+def test_an_exception_that_cannot_be_shown_is_still_one_line(
+        comfyui, monkeypatch, caplog):
+    class Unprintable(RuntimeError):
+        def __str__(self):
+            raise ValueError("no text")
+
+    def install():
+        raise Unprintable()
+
+    comfyui_server(monkeypatch)
+    monkeypatch.setattr(adapter, "install", install)
+    warnings = load_entry_failing(comfyui, caplog)
+    assert [w.getMessage() for w in warnings] == [
+        "comfy_standin: not switched on (Unprintable)"]

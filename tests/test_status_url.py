@@ -190,13 +190,17 @@ def good_answer():
             "implementation": "c", "floor": 300 << 20,
             "process_local": False, "graveyard": 0, "held": 1,
             "workers": [{
-                "worker": "<SubprocessWorker pack>", "pid": 4242,
-                "generation": 1, "alive": True, "in_flight": 0,
-                "charge": {"charge": 2 * GiB, "sum_loaded": GiB,
-                           "sum_peak": GiB, "held": GiB, "floor": 0},
+                "worker": "pack", "pid": 4242, "launcher_pid": 4241,
+                "generation": 1, "alive": True, "in_flight": 0, "unlisted": 0,
+                "charge": {"charge": GiB + (300 << 20), "sum_sizes": 2 * GiB,
+                           "sum_loaded": GiB, "sum_peak": GiB, "held": GiB,
+                           "reading": 0, "floor": 300 << 20,
+                           "in_flight": 0, "models": 1, "alive": True,
+                           "held_from_reading": False},
                 "models": [{
                     "model_id": "unet-x", "kind": "unet", "size": 2 * GiB,
-                    "generation": 1, "loaded": GiB, "seq": 3,
+                    "generation": 1, "load_device": "cuda:0",
+                    "loaded": GiB, "seq": 3,
                     "age_seconds": 0.5, "source": "census",
                     "stale": False, "eviction_deferred": False,
                     "bad_replies": 0,
@@ -270,12 +274,14 @@ def test_bad_json_is_one_line(body, says):
 
 
 @pytest.mark.parametrize("url, says", [
-    ("http://HOST:PORT", "not a URL"),
+    ("http://HOST:PORT", "the port 'PORT' is not a number; expected "
+                         "http://HOST[:PORT][/PATH] (PORT defaults to 8188)"),
+    ("http://127.0.0.1:99999", "the port 99999 is not one of 1 to 65535"),
     ("http://", "names no host"),
     ("ftp://127.0.0.1/", "only http:// and https://"),
     ("http://127.0.0.1:8188/\x1b[2J", "not a URL"),
     ("http://user:pw@127.0.0.1:1", "credentials"),
-    ("http://[::1", "not a URL"),
+    ("http://[::1", "an IPv6 address needs both brackets"),
 ])
 def test_an_invalid_url_is_one_line(url, says):
     code, out, err = run("status", "--url", url)
@@ -500,6 +506,7 @@ def test_status_survives_a_worker_whose_repr_raises_or_runs_long(impl):
     class Odd(fakes.FakeWorker):
         def __init__(self, name, text):
             super().__init__(name)
+            self.name = None  # no name: named by its repr
             self.text = text
 
         def __repr__(self):
@@ -511,16 +518,33 @@ def test_status_survives_a_worker_whose_repr_raises_or_runs_long(impl):
         def pid(self):
             raise RuntimeError("no pid")
 
+    class NameRaises(Odd):
+        @property
+        def name(self):
+            raise RuntimeError("no name")
+
+        @name.setter
+        def name(self, value):
+            pass
+
+    class Named(Odd):
+        def __init__(self, name, text):
+            super().__init__(name, text)
+            self.name = name
+
     pool = impl.Pool(process_local=False)
-    kept = [impl.StandIn(worker=Odd(f"w{i}", text), worker_generation=1,
+    workers = [Odd("w0", None), Odd("w1", "x" * (1 << 20)),
+               NameRaises("w2", "by-repr"), Named("p" * 1000, "r")]
+    kept = [impl.StandIn(worker=w, worker_generation=1,
                          model_id="m", model_size=GiB, load_device="cuda:0",
                          offload_device="cpu", pool=pool)
-            for i, text in enumerate([None, "x" * (1 << 20)])]
+            for w in workers]
     data = _status.collect(pool)
     names = sorted(w["worker"] for w in data["workers"])
     assert names == ["<Odd object; its repr raised RuntimeError>",
+                     "by-repr", "p" * _status.TEXT_LIMIT,
                      "x" * _status.TEXT_LIMIT]
-    assert [w["pid"] for w in data["workers"]] == [None, None]
+    assert [w["pid"] for w in data["workers"]] == [None] * 4
     assert "repr raised" in _status.render(data, probe=False)
     del kept
 
@@ -540,3 +564,60 @@ def test_a_library_override_is_shown_not_obeyed(monkeypatch):
         {"cuda": {"loaded": False, "error": "cannot open shared object"}})
     assert "\x1b" not in text
     assert "[COMFY_STANDIN_LIBCUDA=/x\\x1b[2J.so]" in text
+
+
+@pytest.mark.parametrize("given, port", [
+    ("127.0.0.1", 8188), ("http://127.0.0.1", 8188),
+    ("http://127.0.0.1/comfy/", 8188), ("localhost:9000", 9000),
+    ("http://[::1]", 8188), ("http://127.0.0.1:80", 80),
+    ("https://comfy.example/", 443), ("https://comfy.example:8188", 8188),
+])
+def test_a_url_without_a_port_is_comfyuis_port(given, port):
+    """ComfyUI listens on 8188 unless told otherwise: a host, a
+    host:port, or a URL without a port means 8188 (https: a proxy, 443);
+    an explicit port is kept.  The address shown says which."""
+    remote = _status.Remote(given)
+    assert remote.port == port
+    assert f":{port}" in remote.base
+
+
+def test_a_host_alone_reaches_the_server():
+    """``status --url 127.0.0.1:PORT`` (no scheme) reads the server."""
+    with rawhttp.ScriptedServer() as server:
+        server.reply = [(0, rawhttp.json_response(good_answer()))]
+        host_port = server.url.split("://", 1)[1]
+        code, out, err = run("status", "--url", host_port)
+    assert code == 0, err
+    assert out.startswith(f"ComfyUI at http://{host_port}: pid ")
+
+
+def test_an_error_answer_says_what_the_route_said():
+    """The route's own {"error": ...} (a 503 while the pool is busy)
+    is in the line; anything else in an error answer is not read."""
+    body = json.dumps({"error": "the status took over 5 s"}).encode()
+    with rawhttp.ScriptedServer([(0, rawhttp.response(
+            body, "503 Service Unavailable"))]) as server:
+        code, out, err = run("status", "--url", server.url)
+    one_line_failure(code, out, err)
+    assert err.endswith(": HTTP 503 Service Unavailable: the status took "
+                        "over 5 s\n"), err
+    for odd in (b'{"error": 5}', b"[1]", b"{", b'{"error": "\x1b[2J"}'):
+        with rawhttp.ScriptedServer([(0, rawhttp.response(
+                odd, "500 Internal Server Error"))]) as server:
+            code, out, err = run("status", "--url", server.url)
+        one_line_failure(code, out, err)
+        assert "\x1b" not in err
+
+
+def test_json_never_passes_on_an_infinity():
+    """1e999 in a field the client does not check parses to an infinity;
+    --json would print a bare Infinity, which is not JSON: refused."""
+    text = json.dumps(good_answer())
+    body = text.replace('"elapsed_ns": ', '"future_field": 1e999, '
+                        '"elapsed_ns": ')
+    assert body != text
+    with rawhttp.ScriptedServer([(0, rawhttp.response(body.encode()))]) \
+            as server:
+        code, out, err = run("status", "--url", server.url, "--json")
+    one_line_failure(code, out, err)
+    assert "not JSON (1e999 is not a finite number)" in err

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import struct
 import urllib.error
 import urllib.request
@@ -22,12 +23,18 @@ import mock_fixtures
 import pytest
 from browser import READ_PAGE, Browser, ComfyServer
 from test_board import Worker
+from test_status_url import run as run_cli
 
 import comfy_standin as cs
-from comfy_standin import _server_route
+from comfy_standin import _server_route, _status
 
 GiB = 1 << 30
 MiB = 1 << 20
+#: A launcher's pid (no such process: only shown).
+LAUNCHER_PID = 4_000_001
+#: The page's own minimum segment width.
+MIN_SEGMENT_PX = int(re.search(r"MIN_SEGMENT_PX = (\d+);",
+                               _server_route.PAGE_FILE.read_text()).group(1))
 
 
 def get(url, method="GET"):
@@ -120,9 +127,14 @@ def scene(populated=True):
         if populated:
             picture.host_model("SDXL-unet", 5 * GiB, loaded=3 * GiB)
             picture.host_model("clip-l", 1 * GiB)
-            _, a = picture.worker("pack-A", [("unet-hunyuan3d", 6 * GiB,
-                                              4 * GiB),
-                                             ("vae-hunyuan3d", GiB, GiB)])
+            pack_a, a = picture.worker("pack-A", [("unet-hunyuan3d",
+                                                   6 * GiB, 4 * GiB),
+                                                  ("vae-hunyuan3d", GiB,
+                                                   GiB)])
+            # Started through a launcher that runs Python as its child:
+            # comfy-env's process is the launcher, the board's handoff
+            # peer (the publishing process) the worker Python.
+            pack_a.pid = LAUNCHER_PID
             picture.board(a["unet-hunyuan3d"], 3 * GiB)
             b, _ = picture.worker("pack-B", [("sam-2", 2 * GiB, 2 * GiB)])
             b.add_cache(768 * MiB)  # its allocator cache: unlisted
@@ -297,10 +309,18 @@ def check_device(page_device, data):
     assert int(free["bytes"]) == memory["free"]
     total_shown = sum(int(s["bytes"]) for s in segments)
     assert total_shown >= memory["total"]
-    # widths are in proportion to bytes
+    # Each segment is MIN_SEGMENT_PX wide plus its share of the rest of
+    # the bar, in proportion to its bytes: a small model is seen.
+    rest = page_device["barWidth"] - MIN_SEGMENT_PX * len(segments)
     for s in segments:
         share = int(s["bytes"]) / max(total_shown, memory["total"])
-        assert abs(s["width"] - share * page_device["barWidth"]) < 2.5
+        assert s["width"] >= MIN_SEGMENT_PX - 0.5, s
+        assert abs(s["width"] - MIN_SEGMENT_PX - share * rest) < 2.5, s
+    # One legend entry per segment, in the bar's order, with its bytes.
+    assert [(e["kind"], e["bytes"]) for e in page_device["legend"]] == [
+        (s["kind"], s["bytes"]) for s in segments]
+    for entry, s in zip(page_device["legend"], segments, strict=True):
+        assert entry["text"].startswith(s["title"]), (entry, s)
     (reserve,) = page_device["reserveMarks"]
     assert int(reserve["bytes"]) == min(
         data["reserve"]["extra_reserved_vram"], memory["free"])
@@ -326,9 +346,18 @@ def check_workers(page, data):
     assert len(page["workers"]) == len(workers)
     for shown, worker in zip(page["workers"], workers, strict=True):
         assert shown["worker"] == worker["worker"]
+        assert shown["text"].startswith(f"{worker['worker']} pid ")
+        assert shown["pid"] == str(worker["pid"] or "")
+        assert shown["launcherPid"] == str(worker["launcher_pid"] or "")
+        if worker["launcher_pid"] is not None:
+            assert (f"pid {worker['pid']} (started through launcher pid "
+                    f"{worker['launcher_pid']})") in shown["text"]
         assert (shown["alive"] == "true") == worker["alive"]
         assert int(shown["charge"]) == worker["charge"]["charge"]
         assert int(shown["unlisted"]) == worker["unlisted"]
+        assert int(shown["floor"]) == worker["charge"]["floor"]
+        # The line the text status prints, word for word.
+        assert _status.charge_text(worker["charge"]) in shown["text"]
         assert [m["modelId"] for m in shown["models"]] == [
             m["model_id"] for m in worker["models"]]
         for row, model in zip(shown["models"], worker["models"],
@@ -369,6 +398,10 @@ def test_page_with_a_valid_board_then_a_dead_worker(browser, tmp_path):
         check_workers(page, data)
         (device,) = page["devices"]
         check_device(device, data)
+        launched = data["pool"]["workers"][0]
+        assert launched["worker"] == "pack-A"
+        assert launched["launcher_pid"] == LAUNCHER_PID
+        assert launched["pid"] == picture.board_workers[0].pid
         boarded = [m for w in page["workers"] for m in w["models"]
                    if m["boardStatus"]]
         assert [(m["modelId"], m["boardStatus"], m["boardLoaded"])
@@ -397,6 +430,25 @@ def test_page_with_a_valid_board_then_a_dead_worker(browser, tmp_path):
         assert "gone" in gone["text"]
         assert [m["source"] for m in gone["models"]] == ["worker gone"]
         assert [m["loaded"] for m in gone["models"]] == ["0"]
+
+
+@pytest.mark.browser
+def test_a_small_model_is_seen(browser):
+    """8 MiB on a 24 GiB card is a third of a pixel in proportion: its
+    segment is drawn MIN_SEGMENT_PX wide and has a legend entry."""
+    with scene(populated=False) as (server, picture):
+        picture.host_model("SDXL-unet", 5 * GiB)
+        picture.worker("pack-small", [("lora-tiny", 8 * MiB, 8 * MiB)])
+        open_page(browser, server, 'document.querySelector(".worker")')
+        page, data = read(browser), status_json(server)
+    (device,) = page["devices"]
+    check_device(device, data)
+    (tiny,) = [s for s in device["segments"] if s["kind"] == "standin"]
+    assert int(tiny["bytes"]) == 8 * MiB
+    assert tiny["width"] >= MIN_SEGMENT_PX - 0.5
+    (entry,) = [e for e in device["legend"] if e["kind"] == "standin"]
+    assert entry["text"] == ("worker pack-small: lora-tiny (loaded per "
+                             "census): 8 MiB")
 
 
 @pytest.mark.browser
@@ -435,7 +487,37 @@ def test_a_stuck_status_answers_503_and_never_blocks_the_loop(monkeypatch):
             code, _, body = get(server.url + _server_route.ROUTE)
             assert code == 503 and b"took over 0.3 s" in body
             assert get(server.url + _server_route.PAGE_ROUTE)[0] == 200
+            # status --url says what the route said.
+            code, out, err = run_cli("status", "--url", server.url)
+            assert (code, out) == (1, "")
+            assert err.endswith(": HTTP 503 Service Unavailable: the "
+                                "status took over 0.3 s\n"), err
         finally:
             release.set()
         monkeypatch.setattr(_server_route, "payload_json", real)
         assert get(server.url + _server_route.ROUTE)[0] == 200
+
+
+def test_a_non_finite_number_is_an_error_answer_not_bad_json(monkeypatch):
+    """The route never sends a bare Infinity: 500 with {"error": ...}
+    naming the field, which status --url shows."""
+    real = _server_route.payload
+
+    def with_infinity():
+        answer = real()
+        answer["reserve"]["extra_reserved_vram"] = float("inf")
+        return answer
+
+    monkeypatch.setattr(_server_route, "payload", with_infinity)
+    with scene(populated=False) as (server, _):
+        code, headers, body = get(server.url + _server_route.ROUTE)
+        assert code == 500
+        assert headers["Content-Type"].startswith("application/json")
+        assert json.loads(body) == {"error": (
+            "the status cannot be sent: reserve.extra_reserved_vram (inf) "
+            "is not a finite number")}
+        code, out, err = run_cli("status", "--url", server.url)
+    assert (code, out) == (1, "")
+    assert err.endswith("HTTP 500 Internal Server Error: the status cannot "
+                        "be sent: reserve.extra_reserved_vram (inf) is not "
+                        "a finite number\n"), err

@@ -15,9 +15,12 @@ machine for a given tree, so ``--check`` (tests/test_counts.py runs it)
 compares them exactly.
 
 Durations differ by machine: only ``--timed`` writes one, measured here,
-with the machine it was measured on; ``--check`` requires that there is
-one and that the README's figure is the one docs/RELIABILITY.md records
-(inside the suite a timing run measures, only the latter).
+with the machine, the commit and the number of tests it was measured on;
+``--check`` requires that there is one, that the README's figure is the
+one docs/RELIABILITY.md records, and that it is not stale (``stale()``:
+the number of tests moved by more than STALE_TESTS, or more than
+STALE_COMMITS commits changed the code it measures, since); inside the
+suite a timing run measures, only the README's figure is checked.
 
 A merge that conflicts inside a generated block: take either side, then
 ``python tools/counts.py --write``.
@@ -44,6 +47,13 @@ README = ROOT / "README.md"
 
 COUNTS = "counts"
 SUITE_TIME = "suite time"
+#: A recorded suite time is stale when the README's test command runs
+#: more than this share of tests more or fewer than it measured...
+STALE_TESTS = 0.05
+#: ... or when more than this many commits changed what the suite runs
+#: (CODE) since the commit it was measured at.
+STALE_COMMITS = 40
+CODE = ("tests", "python", "src", "include", "meson.build", "pyproject.toml")
 MARKERS = ("comfy_env", "network", "torch_worker")
 
 #: What the suite's collection is asked: the README's test command.
@@ -194,9 +204,21 @@ def machine() -> str:
             f"{os.cpu_count()} CPUs")
 
 
-def timed_run() -> dict[str, object]:
+def git(*args: str) -> str | None:
+    """git's output in this tree, or None (no git, not a checkout, an
+    unknown commit)."""
+    try:
+        done = subprocess.run(["git", "-C", str(ROOT), *args],
+                              capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def timed_run(tests: int) -> dict[str, object]:
     """Runs the README's test command once; its duration and what it ran
-    on (the load average says what else was running)."""
+    on (the load average says what else was running), the commit and the
+    number of `tests` collected."""
     load_before = os.getloadavg()[0]
     started = time.monotonic()
     done = subprocess.run(
@@ -216,6 +238,8 @@ def timed_run() -> dict[str, object]:
         "load": f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after",
         "date": time.strftime("%Y-%m-%d"),
         "summary": done.stdout.strip().splitlines()[-1].strip("= "),
+        "commit": git("rev-parse", "--short=12", "HEAD") or "unknown",
+        "tests": tests,
     }
 
 
@@ -231,8 +255,10 @@ def suite_time_block(run: dict[str, object]) -> str:
         f"installed) took **{minutes(run['seconds'])}** "
         f"({run['seconds']} s; {run['summary']}) on {run['machine']}, "
         f"CPython {run['python']}, load average {run['load']}, "
-        f"{run['date']}: measured by `python tools/counts.py --timed "
-        f"--write`. Other jobs on the machine make it longer.",
+        f"{run['date']}, at commit `{run['commit']}` with "
+        f"{number(int(str(run['tests'])))} tests: measured by `python "
+        f"tools/counts.py --timed --write`. Other jobs on the machine "
+        f"make it longer.",
         end(SUITE_TIME),
     ])
 
@@ -249,16 +275,60 @@ def measured(reliability_block: str) -> re.Match | None:
                      r"CPython", reliability_block)
 
 
+def stamp(reliability_block: str) -> tuple[str, int] | None:
+    """(commit, tests) a recorded suite time was measured at."""
+    got = re.search(r"at commit `([0-9a-f]+|unknown)` with ([\d,]+) tests",
+                    reliability_block)
+    return None if got is None else (got.group(1),
+                                     int(got.group(2).replace(",", "")))
+
+
+def stale(reliability_block: str, tests: int) -> list[str]:
+    """Why the recorded suite time no longer describes this tree (empty:
+    it does).  Without git history only the number of tests is judged."""
+    remedy = "run `python tools/counts.py --timed --write`"
+    got = stamp(reliability_block)
+    if got is None:
+        return [f"the suite time records no commit and test count: "
+                f"{remedy}"]
+    commit, then = got
+    problems = []
+    if abs(tests - then) > STALE_TESTS * then:
+        problems.append(
+            f"the suite time was measured with {number(then)} tests, the "
+            f"README's command now runs {number(tests)} (more than "
+            f"{STALE_TESTS:.0%} apart): {remedy}")
+    if git("rev-parse", "--git-dir") is None:
+        return problems  # not a checkout (an unpacked sdist)
+    if commit == "unknown" or git("merge-base", "--is-ancestor", commit,
+                                  "HEAD") is None:
+        problems.append(f"the suite time was measured at commit "
+                        f"{commit}, which is not in this tree's history: "
+                        f"{remedy}")
+        return problems
+    since = int(git("rev-list", "--count", f"{commit}..HEAD", "--", *CODE)
+                or 0)
+    if since > STALE_COMMITS:
+        problems.append(
+            f"the suite time was measured at commit {commit}; {since} "
+            f"commits have changed {', '.join(CODE)} since (more than "
+            f"{STALE_COMMITS}): {remedy}")
+    return problems
+
+
 def readme_time(reliability_block: str) -> str:
     """The README's sentence, derived from RELIABILITY.md's record."""
     got = measured(reliability_block)
     if got is None:
         return "\n".join([begin(SUITE_TIME), NOT_TIMED, end(SUITE_TIME)])
     shown, _, _, where = got.groups()
+    at = stamp(reliability_block)
+    when = (f", at commit `{at[0]}` with {number(at[1])} tests"
+            if at is not None else "")
     return "\n".join([
         begin(SUITE_TIME),
-        f"The tests (`python -m pytest`) take about {shown} on {where} "
-        f"(measured by "
+        f"The tests (`python -m pytest`) take about {shown} on {where}"
+        f"{when} (measured by "
         f"`tools/counts.py`: [docs/RELIABILITY.md](docs/RELIABILITY.md)).",
         end(SUITE_TIME),
     ])
@@ -300,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         everything = collect(EVERYTHING, Path(scratch))
         default = collect([], Path(scratch))
     new_counts = counts_block(everything, default)
-    run = timed_run() if args.timed else None
+    run = timed_run(default.total) if args.timed else None
     if not (args.write or args.check):
         print(new_counts)
         if run is not None:
@@ -321,9 +391,13 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.check:
         problems = []
-        if measured(time_block) is None and not os.environ.get(TIMING):
-            problems.append("docs/RELIABILITY.md records no suite time: "
-                            "run `python tools/counts.py --timed --write`")
+        if not os.environ.get(TIMING):
+            if measured(time_block) is None:
+                problems.append("docs/RELIABILITY.md records no suite "
+                                "time: run `python tools/counts.py "
+                                "--timed --write`")
+            else:
+                problems += stale(time_block, default.total)
         for path, have, want in ((RELIABILITY, reliability,
                                   wanted_reliability),
                                  (README, readme, wanted_readme)):
@@ -335,8 +409,9 @@ def main(argv: list[str] | None = None) -> int:
                     lineterm="", n=1)
         if problems:
             print("\n".join(problems))
-            print("\nThe docs' generated counts are out of date: run "
-                  "`python tools/counts.py --write` and commit.")
+            print("\nThe docs' generated blocks are out of date: run "
+                  "`python tools/counts.py --write` (a stale suite time: "
+                  "`--timed --write`) and commit.")
             stray = untracked()
             if stray:
                 print("Untracked files count too (tests are parametrized "

@@ -7,20 +7,28 @@ stderr.  docs/cli.md's reference is written from this parser
 (``python -m comfy_standin._clidoc docs/cli.md``).
 
 Adding a subcommand: write ``_add_NAME(sub, common)`` that adds its
-parser (``parents=[common]`` gives it ``--json``/``--quiet``/
-``--verbose``) and sets ``func``; list it in ``SUBCOMMANDS``.
+parser (``parents=[common("what -v adds")]`` gives it ``--json``/
+``--quiet``/``--verbose``) and sets ``func``; list it in ``SUBCOMMANDS``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
 import sys
 from collections.abc import Callable
 from typing import Any, TextIO
+
+from ._text import NotJSON, json_text
+
+#: Makes the parent parser of a subcommand: the options every command
+#: takes, with that command's help for -v (``_common_options``).
+Common = Callable[[str], argparse.ArgumentParser]
+#: ComfyUI's default address (``_status.DEFAULT_URL``; a test holds them
+#: equal): the parser is built without importing the HTTP client.
+_DEFAULT_URL = "http://127.0.0.1:8188"
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -35,13 +43,16 @@ EXIT_TERMINATED = 128 + signal.SIGTERM  # 143
 EXIT_CODES: tuple[tuple[int, str], ...] = (
     (EXIT_OK, "success"),
     (EXIT_FAILED, "a check failed (`demo`, `selfcheck`); `status --url` "
-                  "read nothing usable (nothing answers, no route, a "
-                  "reply that is not a status, the deadline); "
-                  "`install-node` / `uninstall-node` refused"),
+                  "read nothing usable (a URL it cannot read, nothing "
+                  "answers, no route, a reply that is not a status, the "
+                  "deadline); `install-node` / `uninstall-node` refused; "
+                  "a `--json` result with a number JSON cannot carry "
+                  "(NaN, an infinity): one line on stderr"),
     (EXIT_USAGE, "bad usage (unknown option or command, no command, "
                  "`--open` without `--url`): usage and an `error:` line "
                  "on stderr"),
-    (EXIT_NO_GPU, "`probe --require-gpu` found no readable GPU"),
+    (EXIT_NO_GPU, "`probe --require-gpu` found no readable GPU: one line "
+                  "on stderr says why"),
     (EXIT_INTERRUPTED, "interrupted (Ctrl-C, SIGINT), `status --watch` "
                        "included: clean-up, one line on stderr"),
     (EXIT_TERMINATED, "terminated (SIGTERM): the same clean-up"),
@@ -88,8 +99,7 @@ class Output:
         self.stream = stream
 
     def emit_json(self, data: Any) -> None:
-        print(json.dumps(data, indent=2, sort_keys=True, default=str),
-              file=self.stream)
+        print(json_text(data, indent=2, sort_keys=True), file=self.stream)
 
 
 class _QuietPipe:
@@ -164,9 +174,11 @@ def _cmd_demo(args: argparse.Namespace, out: Output) -> int:
     )
 
 
-def _add_demo(sub: Any, common: argparse.ArgumentParser) -> None:
+def _add_demo(sub: Any, common: Common) -> None:
     demo = sub.add_parser(
-        "demo", parents=[common],
+        "demo", parents=[common(
+            "also each command sent to a worker and its reply ([wire]), "
+            "and each board as it is made")],
         help="self-contained run: worker subprocesses, boards, a "
              "ComfyUI-like memory manager under pressure (no GPU needed)",
         description=(
@@ -271,6 +283,9 @@ def _status_remote(args: argparse.Namespace, out: Output) -> int:
         out.emit_json(data)
     else:
         print(text, file=out.stream)
+        if out.verbose:
+            print("raw probe result (ComfyUI's):", file=out.stream)
+            out.emit_json(data["probe"])
     return EXIT_OK
 
 
@@ -293,12 +308,12 @@ def _status_once(args: argparse.Namespace, out: Output) -> int:
         out.emit_json(status)
     elif out.quiet:
         print(_status.summary_line(status, result), file=out.stream)
-    elif not status["workers"] and not status["graveyard"] \
-            and args.watch is None:
-        print(_status.no_workers_line(program_name()), file=out.stream)
-        print(_status.render_probe(result), file=out.stream)
     else:
-        print(_status.render(status, probe=False), file=out.stream)
+        if not status["workers"] and not status["graveyard"] \
+                and args.watch is None:
+            print(_status.no_workers_line(program_name()), file=out.stream)
+        else:
+            print(_status.render(status, probe=False), file=out.stream)
         print(_status.render_probe(result), file=out.stream)
         if out.verbose:
             print("raw probe result:", file=out.stream)
@@ -306,9 +321,11 @@ def _status_once(args: argparse.Namespace, out: Output) -> int:
     return EXIT_OK
 
 
-def _add_status(sub: Any, common: argparse.ArgumentParser) -> None:
+def _add_status(sub: Any, common: Common) -> None:
     status = sub.add_parser(
-        "status", parents=[common],
+        "status", parents=[common(
+            "also the probe's raw result (with --url: ComfyUI's), and "
+            "the package's log on stderr")],
         help="this process's default pool, or a running ComfyUI's "
              "(--url): workers, models, receipts (age, source), boards; "
              "and the probe",
@@ -323,10 +340,10 @@ def _add_status(sub: Any, common: argparse.ArgumentParser) -> None:
     status.add_argument("--impl", choices=("c", "reference"), default="c",
                         help="whose default pool (default: c)")
     status.add_argument(
-        "--url", nargs="?", const="http://127.0.0.1:8188", default=None,
+        "--url", nargs="?", const=_DEFAULT_URL, default=None,
         help="read a running ComfyUI (with the node entry installed) "
-             "instead of this process; URL defaults to "
-             "http://127.0.0.1:8188",
+             f"instead of this process; URL defaults to {_DEFAULT_URL}, "
+             "a URL or HOST[:PORT] without a port to port 8188",
     )
     status.add_argument("--watch", type=_positive_seconds, default=None,
                         metavar="SECONDS",
@@ -367,17 +384,21 @@ def _cmd_probe(args: argparse.Namespace, out: Output) -> int:
             print("raw probe result:", file=out.stream)
             out.emit_json(result)
     if args.require_gpu and not summary["gpu"]:
+        print(f"probe: {_status.no_gpu_reason(summary)}", file=sys.stderr)
         return EXIT_NO_GPU
     return EXIT_OK
 
 
-def _add_probe(sub: Any, common: argparse.ArgumentParser) -> None:
+def _add_probe(sub: Any, common: Common) -> None:
     probe = sub.add_parser(
-        "probe", parents=[common],
+        "probe", parents=[common(
+            "also the raw result as JSON, and the package's log on "
+            "stderr")],
         help="the GPU probe (CUDA driver and NVML through dlopen)",
     )
     probe.add_argument("--require-gpu", action="store_true",
-                       help=f"exit {EXIT_NO_GPU} when no GPU is readable")
+                       help=f"exit {EXIT_NO_GPU} when no GPU is readable, "
+                            f"saying why on stderr")
     probe.set_defaults(func=_cmd_probe)
 
 
@@ -395,9 +416,11 @@ def _cmd_selfcheck(args: argparse.Namespace, out: Output) -> int:
     )
 
 
-def _add_selfcheck(sub: Any, common: argparse.ArgumentParser) -> None:
+def _add_selfcheck(sub: Any, common: Common) -> None:
     selfcheck = sub.add_parser(
-        "selfcheck", parents=[common],
+        "selfcheck", parents=[common(
+            "also every observation of both implementations, step by "
+            "step")],
         help="imports, version, C and reference agree on a scripted "
              "history",
     )
@@ -419,12 +442,14 @@ def _cmd_uninstall_node(args: argparse.Namespace, out: Output) -> int:
     from . import _node
 
     return _node.uninstall(args.comfyui, out.stream, json_output=out.json,
-                           quiet=out.quiet)
+                           quiet=out.quiet, verbose=out.verbose)
 
 
-def _add_node(sub: Any, common: argparse.ArgumentParser) -> None:
+def _add_node(sub: Any, common: Common) -> None:
     install_node = sub.add_parser(
-        "install-node", parents=[common],
+        "install-node", parents=[common(
+            "no more than without it: install-node prints all it did "
+            "already")],
         help="switch comfy_standin on in a ComfyUI: a custom-node entry "
              "that registers no nodes (undo: uninstall-node)",
     )
@@ -433,7 +458,8 @@ def _add_node(sub: Any, common: argparse.ArgumentParser) -> None:
                                    "custom_nodes/)")
     install_node.set_defaults(func=_cmd_install_node)
     uninstall_node = sub.add_parser(
-        "uninstall-node", parents=[common],
+        "uninstall-node", parents=[common(
+            "also each path removed and each kept")],
         help="remove the entry install-node wrote",
     )
     uninstall_node.add_argument("comfyui", metavar="PATH_TO_COMFYUI",
@@ -446,7 +472,7 @@ def _add_node(sub: Any, common: argparse.ArgumentParser) -> None:
 # the parser
 
 #: One entry per subcommand, in --help order.
-SUBCOMMANDS: list[Callable[[Any, argparse.ArgumentParser], None]] = [
+SUBCOMMANDS: list[Callable[[Any, Common], None]] = [
     _add_demo,
     _add_status,
     _add_probe,
@@ -455,7 +481,13 @@ SUBCOMMANDS: list[Callable[[Any, argparse.ArgumentParser], None]] = [
 ]
 
 
-def _common_options() -> argparse.ArgumentParser:
+#: The -v help of the options every command takes (each command's says
+#: what -v adds there).
+VERBOSE_HELP = "more detail (what each command adds: in its own help)"
+
+
+def _common_options(verbose: str = VERBOSE_HELP) -> argparse.ArgumentParser:
+    """--json, --quiet and --verbose, whose help is `verbose`."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true",
                         help="one JSON document on stdout, nothing else")
@@ -463,8 +495,7 @@ def _common_options() -> argparse.ArgumentParser:
     level.add_argument("-q", "--quiet", action="store_true",
                        help="print only the result line")
     level.add_argument("-v", "--verbose", action="store_true",
-                       help="more detail (the demo: every worker command "
-                            "and reply)")
+                       help=verbose)
     return common
 
 
@@ -488,9 +519,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version",
                         version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    common = _common_options()
     for add in SUBCOMMANDS:
-        add(sub, common)
+        add(sub, _common_options)
     return parser
 
 
@@ -533,6 +563,10 @@ def main(argv: list[str] | None = None) -> int:
         out = Output(args, stdout)  # type: ignore[arg-type]
         _configure_logging(out, inline=args.command == "demo")
         return int(args.func(args, out))
+    except NotJSON as exc:
+        print(f"{parser.prog} {args.command}: --json: {exc}; printed "
+              f"nothing (JSON has no such number)", file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt as exc:
         terminated = isinstance(exc, Terminated)
         print(f"{parser.prog}: {'terminated' if terminated else 'interrupted'}"

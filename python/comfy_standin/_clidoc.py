@@ -1,11 +1,13 @@
-"""docs/cli.md's command reference, written from the argparse parser.
+"""docs/cli.md's generated blocks: the command reference, written from
+the argparse parser, and the status answer's fields, written from the
+schema the client checks answers with (``_status.ANSWER``).
 
-``python -m comfy_standin._clidoc docs/cli.md`` rewrites the block
-between ``<!-- BEGIN GENERATED: cli reference -->`` and ``<!-- END
-GENERATED: cli reference -->`` (everything outside it is hand-written);
-``--check`` exits 1 when the block is not what the parser says.  The
-format is this module's own, not argparse's help layout, so it reads the
-same on every Python version.
+``python -m comfy_standin._clidoc docs/cli.md`` rewrites each block
+between ``<!-- BEGIN GENERATED: NAME -->`` and ``<!-- END GENERATED:
+NAME -->`` (everything outside them is hand-written); ``--check`` exits
+1 when a block is not what the code says.  The format is this module's
+own, not argparse's help layout, so it reads the same on every Python
+version.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from typing import Any
 
 BEGIN = "<!-- BEGIN GENERATED: cli reference -->"
 END = "<!-- END GENERATED: cli reference -->"
+SCHEMA_BEGIN = "<!-- BEGIN GENERATED: status answer -->"
+SCHEMA_END = "<!-- END GENERATED: status answer -->"
 PROG = "comfy-standin"
 
 
@@ -63,7 +67,8 @@ def _visible_actions(parser: argparse.ArgumentParser,
                      common: bool = False) -> list[Any]:
     """The options --help lists, with (`common`) or without the ones
     every command takes."""
-    skip = set() if common else _common_dests()
+    # -v's help is each command's own: listed in each command's table.
+    skip = set() if common else _common_dests() - {"verbose"}
     return [a for a in parser._actions
             if a.help != argparse.SUPPRESS and a.dest not in skip
             and not isinstance(a, (argparse._HelpAction,
@@ -75,6 +80,8 @@ def _synopsis(name: str, parser: argparse.ArgumentParser) -> str:
     if name:
         words.append("[--json] [--quiet | --verbose]")
     for action in _visible_actions(parser):
+        if action.dest == "verbose":
+            continue  # in the common options above
         if action.option_strings:
             words.append(f"[{action.option_strings[-1]}"
                          + (f" {_arguments(action)}]"
@@ -137,11 +144,38 @@ def reference() -> str:
     return "\n".join(lines)
 
 
+def schema() -> str:
+    """The status answer's block, markers included: one row per field of
+    ``_status.ANSWER``, depth first."""
+    from . import _status
+
+    lines = [
+        SCHEMA_BEGIN,
+        "<!-- Written by `python -m comfy_standin._clidoc docs/cli.md` "
+        "from the schema in python/comfy_standin/_status.py (ANSWER): "
+        "change it there. -->",
+        "",
+        "| field | type | present | meaning |",
+        "|---|---|---|---|",
+    ]
+    for path, field in _status.ANSWER.fields(""):
+        lines.append(f"| `{path}` | {field.shape.kind} | "
+                     f"{'always' if field.required else 'sometimes'} | "
+                     f"{_cell(field.doc)} |")
+    lines.append(SCHEMA_END)
+    return "\n".join(lines)
+
+
 def rewrite(text: str) -> str:
-    """`text` (docs/cli.md) with its generated block replaced."""
-    start = text.index(BEGIN)
-    end = text.index(END, start) + len(END)
-    return text[:start] + reference() + text[end:]
+    """`text` (docs/cli.md) with each generated block it has replaced."""
+    for begin, end, build in ((BEGIN, END, reference),
+                              (SCHEMA_BEGIN, SCHEMA_END, schema)):
+        if begin not in text:
+            continue
+        start = text.index(begin)
+        stop = text.index(end, start) + len(end)
+        text = text[:start] + build() + text[stop:]
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     new = rewrite(text)
     if args.check:
         if new != text:
-            print(f"{args.path}: the cli reference is stale; run python -m "
+            print(f"{args.path}: a generated block is stale; run python -m "
                   f"comfy_standin._clidoc {args.path}", file=sys.stderr)
             return 1
         return 0

@@ -43,6 +43,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from ._text import json_text
+
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -1340,7 +1342,7 @@ def run_demo(impl_name: str = "c", out: TextIO | None = None,
         verdict = (f"demo ({impl_name}): all {total} checks held; no "
                    f"segment, no process left")
     if mode == "json":
-        print(json.dumps({
+        print(json_text({
             "implementation": impl_name,
             "module": demo.impl.__name__,
             "ok": not checks.failed,
@@ -1348,7 +1350,7 @@ def run_demo(impl_name: str = "c", out: TextIO | None = None,
             "steps": demo.steps,
             "checks": checks.records,
             "crashed": crashed,
-        }, indent=2, default=str), file=out)
+        }, indent=2), file=out)
     else:
         if mode == "text":
             print(file=out)

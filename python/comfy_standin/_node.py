@@ -32,7 +32,6 @@ what they find there as hostile:
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import secrets
@@ -44,7 +43,7 @@ from contextlib import contextmanager, suppress
 from importlib import resources
 from typing import Any, TextIO
 
-from ._text import visible
+from ._text import json_text, visible
 
 #: The folder under custom_nodes.  Not "comfy_standin": ComfyUI imports a
 #: custom node under its folder name, which would shadow the package.
@@ -509,9 +508,10 @@ def _uninstall(comfyui: str) -> dict[str, Any]:
 
 
 def uninstall(comfyui: str, out: TextIO, *, json_output: bool = False,
-              quiet: bool = False, err: TextIO | None = None) -> int:
+              quiet: bool = False, verbose: bool = False,
+              err: TextIO | None = None) -> int:
     """Removes the entry if this command wrote it; idempotent.  Output
-    as for ``install``."""
+    as for ``install``; `verbose`: also every path removed and kept."""
     try:
         result = _uninstall(comfyui)
     except Refused as exc:
@@ -533,6 +533,10 @@ def uninstall(comfyui: str, out: TextIO, *, json_output: bool = False,
         more = f" and {len(names) - 5} more" if len(names) > 5 else ""
         print(f"uninstall-node: removed the entry; {folder} kept (it holds "
               f"other files: {shown}{more})", file=out)
+    if verbose and not quiet:
+        for word in ("removed", "kept"):
+            for path in result[word]:
+                print(f"  {word} {_p(path)}", file=out)
     return EXIT_OK
 
 
@@ -549,7 +553,7 @@ def _refuse(command: str, exc: Refused, err: TextIO | None) -> int:
 def _emit_json(out: TextIO, data: dict[str, Any]) -> None:
     # ensure_ascii: a file name that is not valid UTF-8 (a lone surrogate
     # after os.fsdecode) still makes valid JSON.
-    print(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=True),
+    print(json_text(data, indent=2, sort_keys=True, ensure_ascii=True),
           file=out)
 
 

@@ -5,10 +5,11 @@ refusal, a bad reply, a report and a dead worker)."""
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 from collections.abc import Callable
 from typing import Any
+
+from ._text import json_text
 
 MiB = 1 << 20
 
@@ -135,10 +136,10 @@ def run(out: Any, mode: str = "text", color: bool = False,
         verdict = (f"selfcheck: C and reference agree on all "
                    f"{len(c_trace)} steps")
     if mode == "json":
-        print(json.dumps({
+        print(json_text({
             "version": cs.__version__, "module": cs.__file__,
             "core": cs._core.__file__, "ok": not bad, "steps": steps,
-        }, indent=2, default=str), file=out)
+        }, indent=2), file=out)
     else:
         print(verdict, file=out)
     return 1 if bad else 0

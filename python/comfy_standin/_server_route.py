@@ -24,12 +24,14 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import hashlib
-import json
+import logging
 import os
 import re
 import sys
 from pathlib import Path
 from typing import Any
+
+from ._text import NotJSON, json_text, visible
 
 ROUTE = "/comfy_standin/status"
 #: The live VRAM page (a static file that reads ROUTE).
@@ -49,14 +51,21 @@ def _short(value: object) -> str:
 
 
 def _failed(exc: BaseException) -> str:
-    return _short(f"{type(exc).__name__}: {exc}")
+    """'Type: text' of `exc`, cut short; said even when its str() raises."""
+    try:
+        text = str(exc)
+    except Exception:  # noqa: BLE001 - an exception that cannot say why
+        text = "(its text cannot be read)"
+    return _short(f"{type(exc).__name__}: {text}")
 
 
 def _int_or_none(value: object) -> int | None:
+    """A byte count as the status answer carries one (an integer of at
+    most 64 bits, docs/cli.md), else None."""
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
-        return value
+        return int(value) if -2**64 < value < 2**64 else None
     if isinstance(value, float) and value == value and abs(value) < 2**63:
         return int(value)
     return None
@@ -99,8 +108,10 @@ def _entry_view(index: int, entry: Any) -> dict[str, Any]:
         view["dynamic"] = _call(patcher, "is_dynamic") is True
         view["standin"] = None
         if type(patcher).__module__.startswith("comfy_standin"):
-            view["standin"] = {"worker": _short(repr(patcher.worker)),
-                               "model_id": _short(patcher.model_id)}
+            from ._status import _worker_name
+
+            view["standin"] = {"worker": _short(_worker_name(
+                patcher.worker)), "model_id": _short(patcher.model_id)}
         del patcher
     except Exception as exc:  # noqa: BLE001 - said in its place
         view["error"] = _failed(exc)
@@ -250,7 +261,8 @@ def payload() -> dict[str, Any]:
 
 
 def payload_json() -> bytes:
-    return json.dumps(payload(), sort_keys=True, default=str).encode()
+    """payload() as JSON; NotJSON when a number in it has no JSON form."""
+    return json_text(payload(), sort_keys=True).encode()
 
 
 # ---------------------------------------------------------------------------
@@ -282,12 +294,19 @@ async def handle(request: Any) -> Any:
             loop.run_in_executor(_build_thread(), payload_json),
             BUILD_TIMEOUT)
     except asyncio.TimeoutError:
-        return web.json_response(
-            {"error": f"the status took over {BUILD_TIMEOUT:g} s"},
-            status=503, headers={"Cache-Control": "no-store"})
+        return _error(503, f"the status took over {BUILD_TIMEOUT:g} s")
+    except NotJSON as exc:
+        return _error(500, f"the status cannot be sent: {exc}")
     return web.Response(body=body, content_type="application/json",
                         headers={"Cache-Control": "no-store",
                                  "X-Content-Type-Options": "nosniff"})
+
+
+def _error(status: int, text: str) -> Any:
+    from aiohttp import web
+
+    return web.json_response({"error": text}, status=status,
+                             headers={"Cache-Control": "no-store"})
 
 
 _page: list[tuple[bytes, str]] = []
@@ -332,34 +351,124 @@ async def handle_page(request: Any) -> Any:
                                  "Cache-Control": "no-cache"})
 
 
-def add_routes(routes: Any) -> None:
-    """Both routes on an aiohttp RouteTableDef (ComfyUI's
-    ``PromptServer.instance.routes``), as ComfyUI registers its own: no
-    keywords.  ComfyUI's ``PromptServer.add_routes`` re-adds every route
-    under ``/api`` through ``RouteTableDef.route(method, path)(handler,
-    **route.kwargs)``, whose decorator takes the handler alone, so any
-    keyword here would stop ComfyUI at start.  aiohttp serves HEAD for a
-    GET route, as for ComfyUI's own."""
-    routes.get(ROUTE)(handle)
-    routes.get(PAGE_ROUTE)(handle_page)
+class Refused(Exception):
+    """Why the routes were not added: `kind` (a fixed word, the log-once
+    key) and the text of the log line."""
+
+    def __init__(self, kind: str, text: str) -> None:
+        super().__init__(text)
+        self.kind = kind
+
+
+def _ours(route: Any) -> bool:
+    handler = getattr(route, "handler", None)
+    return getattr(handler, "__module__", None) == __name__ and getattr(
+        handler, "__name__", None) in ("handle", "handle_page")
+
+
+def _as_comfyui_would(defs: list[Any]) -> None:
+    """What ComfyUI's ``PromptServer.add_routes`` does with each route,
+    on an application of our own: the route again under ``/api`` through
+    ``RouteTableDef.route(method, "/api" + path)(handler,
+    **route.kwargs)`` (a decorator that takes the handler alone), then
+    both tables onto the app.  Whatever this aiohttp refuses here would
+    have stopped ComfyUI at start."""
+    from aiohttp import web
+
+    app = web.Application()
+    api = web.RouteTableDef()
+    for route in defs:
+        api.route(route.method, "/api" + route.path)(route.handler,
+                                                      **route.kwargs)
+    app.add_routes(api)
+    app.add_routes(defs)
+
+
+def add_routes(routes: Any) -> bool:
+    """Both routes on ComfyUI's ``PromptServer.instance.routes`` (an
+    aiohttp RouteTableDef), as ComfyUI registers its own: GET, no
+    keywords (aiohttp serves HEAD for a GET route, as for ComfyUI's own).
+    False when they are there already; Refused, with nothing added, when
+    `routes` is not a RouteTableDef, another node serves either path, or
+    this aiohttp would refuse them in ComfyUI's ``add_routes``; an
+    exception while adding takes back what was added."""
+    from aiohttp import web
+
+    if type(routes) is not web.RouteTableDef \
+            or type(getattr(routes, "_items", None)) is not list:
+        raise Refused("table", f"PromptServer.instance.routes is "
+                      f"{visible(type(routes).__qualname__, 80)}, not an "
+                      f"aiohttp RouteTableDef")
+    paths = (ROUTE, PAGE_ROUTE)
+    taken = [r for r in routes if isinstance(r, web.RouteDef)
+             and r.path in paths and r.method in ("GET", "*")]
+    if taken and all(map(_ours, taken)):
+        return False
+    if taken:
+        raise Refused("taken", f"another custom node serves GET "
+                               f"{taken[0].path}")
+    scratch = web.RouteTableDef()
+    scratch.get(ROUTE)(handle)
+    scratch.get(PAGE_ROUTE)(handle_page)
+    try:
+        _as_comfyui_would(list(scratch))
+    except Exception as exc:  # noqa: BLE001 - said, and nothing added
+        raise Refused("aiohttp", f"this aiohttp would refuse them at "
+                      f"ComfyUI's start: {_failed(exc)}") from None
+    items = routes._items
+    before = len(items)
+    try:
+        for route in scratch:
+            routes.route(route.method, route.path)(route.handler)
+    except BaseException:
+        del items[before:]  # none of ours left behind
+        raise
+    return True
+
+
+log = logging.getLogger("comfy_standin")
+_said: set[str] = set()
+
+
+def _refuse(kind: str, why: str) -> bool:
+    """One warning per kind of reason, per process; False."""
+    if kind not in _said:
+        _said.add(kind)
+        log.warning("comfy_standin: no status route (%s)", why)
+    return False
 
 
 def register_with_comfyui() -> bool:
-    """Adds the routes to ComfyUI's server when one is being set up.
+    """Adds the routes to ComfyUI's server when one is being set up;
+    never raises an Exception.
 
-    Returns False (and changes nothing) outside ComfyUI: no ``server``
-    module with a ``PromptServer.instance``.  Never imports ComfyUI."""
-    server = sys.modules.get("server")
-    prompt_server = getattr(getattr(server, "PromptServer", None),
-                            "instance", None)
-    routes = getattr(prompt_server, "routes", None)
-    if routes is None:
-        return False
-    if _registered_on and _registered_on[0] is routes:
-        return True  # once per server: aiohttp refuses a second GET
-    add_routes(routes)
-    _registered_on[:] = [routes]
-    return True
+    False, with nothing added, outside ComfyUI (no ``server`` module
+    with a ``PromptServer``: silently) and when ComfyUI's server cannot
+    take them (one warning line, docs/troubleshooting.md).  Never
+    imports ComfyUI."""
+    try:
+        server = sys.modules.get("server")
+        prompt_server = getattr(server, "PromptServer", None)
+        if prompt_server is None:
+            return False
+        instance = getattr(prompt_server, "instance", None)
+        if instance is None:
+            return _refuse("instance", "ComfyUI's PromptServer has no "
+                           "instance yet: its server is not set up")
+        routes = getattr(instance, "routes", None)
+        if routes is None:
+            return _refuse("routes", "PromptServer.instance has no "
+                           "routes: a ComfyUI server this comfy_standin "
+                           "does not know")
+        if _registered_on and _registered_on[0] is routes:
+            return True  # once per server
+        add_routes(routes)
+        _registered_on[:] = [routes]
+        return True
+    except Refused as exc:
+        return _refuse(exc.kind, str(exc))
+    except Exception as exc:  # noqa: BLE001 - ComfyUI starts either way
+        return _refuse(type(exc).__name__, _failed(exc))
 
 
 _registered_on: list[Any] = []

@@ -17,8 +17,8 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 from . import pool as _pool_module
 
@@ -102,8 +102,16 @@ def _standin_view(s: Any) -> dict[str, Any]:
 
 
 def _worker_name(worker: Any) -> str:
-    """The worker's repr, cut to TEXT_LIMIT; one that raises is named by
-    its type (a worker object is the adapter's or a pack's code)."""
+    """What a user knows the worker by: its ``name`` (comfy-env's
+    SubprocessWorker is named after its pack's folder), else its repr; a
+    worker whose repr raises is named by its type (a worker object is
+    the adapter's or a pack's code)."""
+    try:
+        name = getattr(worker, "name", None)
+    except Exception:  # noqa: BLE001 - a property that raises: no name
+        name = None
+    if type(name) is str and name:
+        return name
     try:
         text = repr(worker)
     except Exception as exc:  # noqa: BLE001 - status must still print
@@ -119,17 +127,34 @@ def _pid_of(worker: Any) -> int | None:
         return None
 
 
+def _python_pid(pool: Any, worker: Any, standins: list[Any]) -> int | None:
+    """The worker Python's own pid, as its board handoff checked it (the
+    peer of the handoff socket): the board the pool holds for `worker`,
+    else one its stand-ins read.  None without a board."""
+    held = pool._boards.get(id(worker))
+    boards = [held[1]] if held is not None and held[0] is worker else []
+    boards += [s.board[0] for s in standins if s.board is not None]
+    for board in boards:
+        if board.closed:
+            continue
+        owner = board.expected_owner
+        if type(owner) is int and owner > 0:
+            return owner
+    return None
+
+
 def collect(pool: Any) -> dict[str, Any]:
     """A JSON-able picture of `pool` (docs/cli.md, ``status``)."""
     by_worker = pool.standins()
     workers = []
     boards: dict[str, dict[str, Any]] = {}
+    unlisted_by_worker = pool.unlisted()
     for worker in pool._ledger.keys():
         books = pool._ledger.find(worker)
         if books is None:
             continue
         charge = books.charge()
-        unlisted = pool.unlisted().get(worker, 0)
+        unlisted = unlisted_by_worker.get(worker, 0)
         standins = sorted(
             by_worker.get(worker, []),
             key=lambda s: (s.worker_generation, s.model_id),
@@ -140,9 +165,15 @@ def collect(pool: Any) -> dict[str, Any]:
                 boards.setdefault(view["name"], view)["models"].append(
                     s.model_id
                 )
+        # Under a launcher that runs Python as its child (pixi, a shell
+        # script that forks), the process comfy-env started is the
+        # launcher: the handoff's peer is the worker Python itself.
+        spawned = _pid_of(worker)
+        pid = _python_pid(pool, worker, standins) or spawned
         workers.append({
             "worker": _worker_name(worker)[:TEXT_LIMIT],
-            "pid": _pid_of(worker),
+            "pid": pid,
+            "launcher_pid": spawned if spawned not in (None, pid) else None,
             "generation": books.generation,
             "alive": books.alive,
             "in_flight": books.in_flight,
@@ -158,6 +189,28 @@ def collect(pool: Any) -> dict[str, Any]:
         "graveyard": pool.graveyard_size(),
         "boards": list(boards.values()),
     }
+
+
+def charge_text(charge: dict[str, Any]) -> str:
+    """A worker's charge and what it is made of (docs/reserve.md): the
+    floor is charged to every live worker however little it holds."""
+    total, floor = charge["charge"], charge["floor"]
+    if not charge["alive"]:
+        return (f"charge {_gib(total)} (gone: its memory went back with "
+                f"its process)")
+    floor_text = (f"floor {_gib(floor)} (per process: CUDA context and "
+                  f"handles, Pool.floor)")
+    if charge["in_flight"]:
+        return (f"charge {_gib(total)} = {floor_text} + sizes "
+                f"{_gib(charge['sum_sizes'])} (in flight: all it could "
+                f"load)")
+    figures = [("loaded", charge["sum_loaded"]),
+               ("peak", charge["sum_peak"]), ("held", charge["held"]),
+               ("reading", charge["reading"])]
+    largest = max(value for _, value in figures)
+    return (f"charge {_gib(total)} = {floor_text} + {_gib(largest)}, the "
+            f"largest of "
+            + ", ".join(f"{name} {_gib(value)}" for name, value in figures))
 
 
 def implementation_name(pool: Any) -> str:
@@ -208,16 +261,17 @@ def render(status: dict[str, Any], probe: bool = True,
             "it inside ComfyUI)"
         ))
     for w in status["workers"]:
-        ch = w["charge"]
         state = "alive" if w["alive"] else "gone"
         if w["in_flight"]:
             state += f", {w['in_flight']} call(s) in flight"
+        launcher = (f" (started through launcher pid {w['launcher_pid']})"
+                    if w.get("launcher_pid") is not None else "")
         lines.append(
-            f"  worker {w['worker']} pid {w['pid']} generation "
-            f"{w['generation']}: {state}; charge {_gib(ch['charge'])} "
-            f"(loaded {_gib(ch['sum_loaded'])}, peak {_gib(ch['sum_peak'])}, "
-            f"held {_gib(ch['held'])}, floor {_gib(ch['floor'])})"
-            + (f"; unlisted {_gib(w['unlisted'])}"
+            f"  worker {w['worker']} pid {w['pid'] or '-'}{launcher} "
+            f"generation {w['generation']}: {state}; "
+            + charge_text(w["charge"])
+            + (f"; unlisted {_gib(w['unlisted'])} (held by the worker, "
+               f"no listed model accounts for it)"
                if w.get("unlisted") else "")
         )
         if not w["models"]:
@@ -231,9 +285,10 @@ def render(status: dict[str, Any], probe: bool = True,
                 f"{board['status']}"
                 if board else "; no board"
             )
+            seq = "no seq yet" if m["seq"] is None else f"seq {m['seq']}"
             lines.append(
                 f"    {m['model_id']:<12} {m['kind']:<8} "
-                f"{_gib(m['loaded'])} of {_gib(m['size'])}, seq {m['seq']}, "
+                f"{_gib(m['loaded'])} of {_gib(m['size'])}, {seq}, "
                 f"{m['age_seconds']:.1f} s ago, source {m['source']}"
                 f"{where}" + (f" [{', '.join(flags)}]" if flags else "")
             )
@@ -318,6 +373,22 @@ def probe_line(summary: dict[str, Any]) -> str:
             + (f" ({', '.join(missing)} not loaded)" if missing else ""))
 
 
+def no_gpu_reason(summary: dict[str, Any]) -> str:
+    """``probe --require-gpu`` without a GPU: why, in one line (each
+    library: not loaded and why, or loaded with no device)."""
+    parts = []
+    for key, lib in summary["libraries"].items():
+        name = _LIBRARIES[key][0]
+        error = lib["error"]
+        if lib["loaded"]:
+            parts.append(f"{name} loaded, no device"
+                         + (f" ({visible(error, 100)})" if error else ""))
+        else:
+            parts.append(f"{name} not loaded "
+                         f"({visible(error or 'unknown reason', 100)})")
+    return "no GPU readable: " + "; ".join(parts)
+
+
 def render_probe(result: dict[str, Any]) -> str:
     """The probe's result as text, every string made `visible`."""
     result = _visible_tree(result)
@@ -398,8 +469,12 @@ def visible(value: object, limit: int = TEXT_LIMIT) -> str:
 # ---------------------------------------------------------------------------
 # a running ComfyUI (status --url)
 
-#: ComfyUI's default --listen address and --port.
-DEFAULT_URL = "http://127.0.0.1:8188"
+#: ComfyUI's default --port, and with its default --listen address.
+DEFAULT_PORT = 8188
+DEFAULT_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
+#: What ``status --url`` takes, said in its errors.
+URL_FORM = (f"http://HOST[:PORT][/PATH] (PORT defaults to {DEFAULT_PORT}), "
+            f"e.g. {DEFAULT_URL}")
 #: Seconds the whole request may take (connect, send, every read).
 DEFAULT_TIMEOUT = 5.0
 #: The largest answer read; a status of 100 workers is about 0.5 MiB.
@@ -419,7 +494,10 @@ class RemoteError(Exception):
 
 class Remote:
     """Where ``status --url`` reads: `base` as the user will recognise it
-    (scheme, host, port, path prefix), and the parts to connect to."""
+    (scheme, host, port, path prefix), and the parts to connect to.  A
+    URL without a port is ComfyUI's own port, 8188 (https: 443, a proxy
+    in front of ComfyUI); any other form is a RemoteError naming the
+    part that is wrong."""
 
     def __init__(self, url: str) -> None:
         import urllib.parse
@@ -427,36 +505,52 @@ class Remote:
         text = url.strip()
         shown = visible(text)
         if not text:
-            raise RemoteError("the URL is empty; e.g. " + DEFAULT_URL)
+            raise RemoteError(f"the URL is empty; expected {URL_FORM}")
         if not text.isprintable() or any(c.isspace() for c in text):
             raise RemoteError(f"{shown}: not a URL (it has spaces or "
-                              f"control characters)")
+                              f"control characters); expected {URL_FORM}")
         if "://" not in text:
             text = "http://" + text
         try:
             parts = urllib.parse.urlsplit(text)
-            port = parts.port
-        except ValueError as exc:
+        except ValueError:
             raise RemoteError(
-                f"{shown}: not a URL ({visible(exc)}); e.g. {DEFAULT_URL}"
-            ) from None
+                f"{shown}: not a URL (an IPv6 address needs both "
+                f"brackets, e.g. http://[::1]:{DEFAULT_PORT}); expected "
+                f"{URL_FORM}") from None
         scheme = parts.scheme.lower()
         if scheme not in ("http", "https"):
             raise RemoteError(f"{shown}: only http:// and https:// URLs "
-                              f"are read")
-        if not parts.hostname:
-            raise RemoteError(f"{shown}: the URL names no host; e.g. "
-                              f"{DEFAULT_URL}")
-        if parts.username is not None or parts.password is not None:
+                              f"are read; expected {URL_FORM}")
+        if "@" in parts.netloc:
             raise RemoteError(f"{shown}: credentials in the URL are not "
                               f"sent; ComfyUI's server asks for none")
+        if not parts.hostname:
+            raise RemoteError(f"{shown}: the URL names no host; expected "
+                              f"{URL_FORM}")
+        # The port is what follows the host (after its brackets, for an
+        # IPv6 address); urlsplit's own error for it names no part.
+        after = parts.netloc.rpartition("]")[2] if "[" in parts.netloc \
+            else parts.netloc
+        _, colon, port_text = after.partition(":")
+        if colon and port_text:
+            if not (port_text.isascii() and port_text.isdigit()):
+                raise RemoteError(
+                    f"{shown}: the port {visible(port_text, 40)!r} is not "
+                    f"a number; expected {URL_FORM}")
+            port = int(port_text)
+            if not 0 < port < 65536:
+                raise RemoteError(
+                    f"{shown}: the port {port} is not one of 1 to 65535; "
+                    f"expected {URL_FORM}")
+        else:
+            port = 443 if scheme == "https" else DEFAULT_PORT
         self.scheme = scheme
         self.host = parts.hostname
-        self.port = port if port is not None else (
-            443 if scheme == "https" else 80)
+        self.port = port
         self.prefix = parts.path.rstrip("/")
-        netloc = parts.netloc
-        self.base = visible(f"{scheme}://{netloc}{self.prefix}")
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        self.base = visible(f"{scheme}://{host}:{port}{self.prefix}")
 
     def url(self, route: str) -> str:
         return f"{self.base}{route}"
@@ -629,8 +723,10 @@ def get(url: str, route: str, timeout: float = DEFAULT_TIMEOUT,
                 f"{visible(where)} (not followed: give that address)"
             )
         if status != 200:
+            said = _error_said(reply)
             raise RemoteError(f"{target}: HTTP {status} "
-                              f"{visible(reply.reason)}")
+                              f"{visible(reply.reason)}"
+                              + (f": {said}" if said else ""))
         kind = _media_type(reply.getheader("Content-Type"))
         if kind != accept:
             raise RemoteError(
@@ -679,6 +775,23 @@ def get(url: str, route: str, timeout: float = DEFAULT_TIMEOUT,
         conn.close()
 
 
+def _error_said(reply: Any) -> str | None:
+    """The route's own ``{"error": TEXT}`` of an error answer (500, 503),
+    read within the request's deadline; None for anything else."""
+    if _media_type(reply.getheader("Content-Type")) != "application/json" \
+            or not 0 < (reply.length or 0) <= _READ_PIECE:
+        return None
+    try:
+        said = json.loads(reply.read(_READ_PIECE),
+                          parse_constant=_reject_constant,
+                          parse_float=_finite)
+    except (OSError, http.client.HTTPException, ValueError,
+            RecursionError):
+        return None
+    error = said.get("error") if type(said) is dict else None
+    return visible(error) if type(error) is str else None
+
+
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, http.client.IncompleteRead):
         return f"{len(exc.partial)} bytes of the promised length"
@@ -686,11 +799,14 @@ def _reason(exc: BaseException) -> str:
     return str(reason) or type(exc).__name__
 
 
-# The shape of a status answer (``_server_route.payload``), checked before
-# anything is rendered.  A checker takes (value, where) and raises
-# RemoteError naming the field; nesting is bounded by the shape itself.
+# The status answer's schema (``_server_route.payload``): one table with
+# three readers.  ``parse_answer`` checks every answer against it before
+# anything is rendered (keys it does not name are let through, so a newer
+# ComfyUI's answer still reads); the route's tests hold every answer the
+# route can build to it strictly (no key it does not name,
+# tests/test_status_schema.py); ``_clidoc`` writes docs/cli.md's field
+# table from it.  Nesting is bounded by the table itself.
 
-Checker = Callable[[Any, str], None]
 _INT_BOUND = 1 << 64
 
 
@@ -705,117 +821,351 @@ def _wrong(where: str, wanted: str, value: Any) -> RemoteError:
                        f"should be {wanted}, is {_kind(value)}")
 
 
-def _integer(value: Any, where: str) -> None:
-    if type(value) is not int or not -_INT_BOUND < value < _INT_BOUND:
-        raise _wrong(where, "an integer of at most 64 bits", value)
+class Shape:
+    """What one JSON value must be.  `kind` names it in docs/cli.md;
+    `check` raises RemoteError naming the field (`where`)."""
+
+    kind = ""
+
+    def check(self, value: Any, where: str, strict: bool) -> None:
+        raise NotImplementedError
+
+    def fields(self, path: str) -> Iterator[tuple[str, Field]]:
+        """(path, field) of every object field inside, depth first."""
+        return iter(())
 
 
-def _number(value: Any, where: str) -> None:
-    if type(value) not in (int, float) or not math.isfinite(value) \
-            or not -_INT_BOUND < value < _INT_BOUND:
-        raise _wrong(where, "a finite number", value)
+class _Scalar(Shape):
+    def __init__(self, kind: str, wanted: str,
+                 test: Callable[[Any], bool]) -> None:
+        self.kind, self.wanted, self.test = kind, wanted, test
+
+    def check(self, value: Any, where: str, strict: bool) -> None:
+        if not self.test(value):
+            raise _wrong(where, self.wanted, value)
 
 
-def _text(value: Any, where: str) -> None:
-    if type(value) is not str:
-        raise _wrong(where, "a string", value)
+INTEGER = _Scalar(
+    "integer", "an integer of at most 64 bits",
+    lambda v: type(v) is int and -_INT_BOUND < v < _INT_BOUND)
+NUMBER = _Scalar(
+    "number", "a finite number",
+    lambda v: type(v) in (int, float) and math.isfinite(v)
+    and -_INT_BOUND < v < _INT_BOUND)
+STRING = _Scalar("string", "a string", lambda v: type(v) is str)
+BOOLEAN = _Scalar("boolean", "true or false", lambda v: type(v) is bool)
 
 
-def _flag(value: Any, where: str) -> None:
-    if type(value) is not bool:
-        raise _wrong(where, "true or false", value)
+class Nullable(Shape):
+    def __init__(self, shape: Shape) -> None:
+        self.shape = shape
+        self.kind = f"{shape.kind} or null"
 
-
-def _maybe(check: Checker) -> Checker:
-    def maybe(value: Any, where: str) -> None:
+    def check(self, value: Any, where: str, strict: bool) -> None:
         if value is not None:
-            check(value, where)
-    return maybe
+            self.shape.check(value, where, strict)
+
+    def fields(self, path: str) -> Iterator[tuple[str, Field]]:
+        return self.shape.fields(path)
 
 
-def _list_of(check: Checker) -> Checker:
-    def each(value: Any, where: str) -> None:
+class ListOf(Shape):
+    def __init__(self, shape: Shape) -> None:
+        self.shape = shape
+        self.kind = "list of " + {"object": "objects", "integer": "integers",
+                                  "string": "strings"}.get(shape.kind,
+                                                           shape.kind)
+
+    def check(self, value: Any, where: str, strict: bool) -> None:
         if type(value) is not list:
             raise _wrong(where, "a list", value)
         for i, item in enumerate(value):
-            check(item, f"{where}[{i}]")
-    return each
+            self.shape.check(item, f"{where}[{i}]", strict)
+
+    def fields(self, path: str) -> Iterator[tuple[str, Field]]:
+        return self.shape.fields(path + "[]")
 
 
-def _object(required: dict[str, Checker],
-            optional: dict[str, Checker] | None = None) -> Checker:
-    def fields(value: Any, where: str) -> None:
-        if type(value) is not dict:
-            raise _wrong(where, "an object", value)
-        for key, check in required.items():
-            if key not in value:
-                raise RemoteError(f"not a comfy_standin status answer: "
-                                  f"{where}.{key} is missing")
-            check(value[key], f"{where}.{key}")
-        for key, check in (optional or {}).items():
-            if key in value:
-                check(value[key], f"{where}.{key}")
-    return fields
+class MapOf(Shape):
+    """An object whose keys are names (`key` in the docs: a device, a
+    pid) and whose values are all `shape`."""
 
+    def __init__(self, key: str, shape: Shape) -> None:
+        self.key, self.shape = key, shape
+        self.kind = f"object of {key}: {shape.kind}"
 
-def _values_of(check: Checker) -> Checker:
-    def each(value: Any, where: str) -> None:
+    def check(self, value: Any, where: str, strict: bool) -> None:
         if type(value) is not dict:
             raise _wrong(where, "an object", value)
         for key, item in value.items():
-            check(item, f"{where}[{visible(key, 40)}]")
-    return each
+            self.shape.check(item, f"{where}[{visible(key, 40)}]", strict)
+
+    def fields(self, path: str) -> Iterator[tuple[str, Field]]:
+        return self.shape.fields(f"{path}.{self.key}")
 
 
-_LIBRARY = _object({"loaded": _flag}, {
-    "path": _maybe(_text), "error": _maybe(_text),
-    "driver_version": _maybe(_integer), "preloaded": _flag,
+class Field(NamedTuple):
+    shape: Shape
+    required: bool
+    doc: str
+
+
+def always(shape: Shape, doc: str) -> Field:
+    return Field(shape, True, doc)
+
+
+def sometimes(shape: Shape, doc: str) -> Field:
+    return Field(shape, False, doc)
+
+
+class Object(Shape):
+    """An object with the named fields; `either`: exactly one of these
+    keys is present."""
+
+    kind = "object"
+
+    def __init__(self, fields: dict[str, Field],
+                 either: tuple[str, ...] = ()) -> None:
+        self.table = fields
+        self.either = either
+
+    def check(self, value: Any, where: str, strict: bool) -> None:
+        if type(value) is not dict:
+            raise _wrong(where, "an object", value)
+        for key, field in self.table.items():
+            if key in value:
+                field.shape.check(value[key], f"{where}.{key}", strict)
+            elif field.required:
+                raise RemoteError(f"not a comfy_standin status answer: "
+                                  f"{where}.{key} is missing")
+        if self.either and sum(k in value for k in self.either) != 1:
+            raise RemoteError(
+                f"not a comfy_standin status answer: {where} should have "
+                f"one of {' or '.join(self.either)}")
+        if strict:
+            for key in value:
+                if key not in self.table:
+                    raise RemoteError(
+                        f"not a comfy_standin status answer: "
+                        f"{where}.{visible(key, 40)} is not in the schema")
+
+    def fields(self, path: str) -> Iterator[tuple[str, Field]]:
+        for key, field in self.table.items():
+            inner = f"{path}.{key}" if path else key
+            yield inner, field
+            yield from field.shape.fields(inner)
+
+
+_BYTES = Nullable(INTEGER)
+
+LIBRARY = Object({
+    "loaded": always(BOOLEAN, "opened and initialised"),
+    "error": always(Nullable(STRING), "why not loaded, or the first "
+                    "library-level failure"),
+    "path": always(Nullable(STRING), "the file it was loaded from"),
+    "driver_version": always(Nullable(INTEGER), "the driver's CUDA "
+                             "version number, e.g. 12040"),
+    "preloaded": always(BOOLEAN, "this process had it loaded already"),
 })
-_DEVICE = _object({}, {
-    "index": _maybe(_integer), "name": _maybe(_text),
-    "uuid": _maybe(_text), "total": _maybe(_integer),
-    "free": _maybe(_integer), "source": _maybe(_text),
-    "error": _maybe(_text),
-    "processes": _maybe(_values_of(_maybe(_integer))),
-    "processes_truncated": _flag,
+DEVICE = Object({
+    "index": always(INTEGER, "the CUDA ordinal (`cuda:N`), else NVML's"),
+    "nvml_index": always(Nullable(INTEGER), "the matching NVML device"),
+    "name": always(Nullable(STRING), "from the driver, else NVML"),
+    "uuid": always(Nullable(STRING), "`GPU-...`"),
+    "total": always(_BYTES, "bytes"),
+    "free": always(_BYTES, "device-wide free bytes"),
+    "source": always(Nullable(STRING), "`nvml` or `cuda`: where total "
+                     "and free came from"),
+    "error": always(Nullable(STRING), "the first failure reading this "
+                    "device"),
+    "processes": always(Nullable(MapOf("PID", _BYTES)), "bytes used per "
+                        "process id (null: hidden by the driver); null "
+                        "when not readable"),
+    "processes_error": always(Nullable(STRING), "why `processes` is "
+                              "null"),
+    "process_entry_size": always(Nullable(INTEGER), "the driver's entry "
+                                 "size measured: 16, 24 or 32"),
+    "processes_truncated": always(BOOLEAN, "more than 128 processes"),
 })
-_PROBE = _object({}, {
-    "cuda": _LIBRARY, "nvml": _LIBRARY, "devices": _list_of(_DEVICE),
-    "devices_truncated": _flag, "elapsed_ns": _maybe(_integer),
+PROBE = Object({
+    "cuda": always(LIBRARY, "the CUDA driver (libcuda.so.1)"),
+    "nvml": always(LIBRARY, "NVML (libnvidia-ml.so.1)"),
+    "devices": always(ListOf(DEVICE), "one per device readable"),
+    "devices_truncated": always(BOOLEAN, "more devices than listed"),
+    "elapsed_ns": always(INTEGER, "how long the probe took"),
 })
-_BOARD_VIEW = _object({"slot": _integer, "status": _text,
-                       "name": _maybe(_text), "loaded": _maybe(_integer)})
-_MODEL = _object({
-    "model_id": _text, "kind": _text, "size": _integer,
-    "loaded": _integer, "seq": _integer, "age_seconds": _number,
-    "source": _text, "stale": _flag, "eviction_deferred": _flag,
-    "board": _maybe(_BOARD_VIEW),
+PROBE_SUMMARY = Object({
+    "gpu": always(BOOLEAN, "a device is readable"),
+    "devices": always(INTEGER, "how many"),
+    "libraries": always(MapOf("LIBRARY", Object({
+        "loaded": always(BOOLEAN, "as in `probe`"),
+        "path": always(Nullable(STRING), "as in `probe`"),
+        "error": always(Nullable(STRING), "as in `probe`"),
+        "explanation": always(Nullable(STRING), "why it did not load, in "
+                              "words (null when loaded)"),
+    })), "`cuda` and `nvml`"),
 })
-_CHARGE = _object({key: _integer for key in (
-    "charge", "sum_loaded", "sum_peak", "held", "floor")})
-_WORKER = _object({
-    "worker": _text, "pid": _maybe(_integer), "generation": _integer,
-    "alive": _flag, "in_flight": _integer, "charge": _CHARGE,
-    "models": _list_of(_MODEL),
-}, {"unlisted": _integer})
-_BOARD = _object({"name": _text, "closed": _flag,
-                  "models": _list_of(_text)}, {
-    "slots": _integer, "generation": _integer,
-    "owner_pid": _maybe(_integer), "expected_owner": _maybe(_integer),
-    "linked": _flag, "worker_gone": _flag,
+BOARD_READING = Object({
+    "name": always(Nullable(STRING), "the board's name (null once closed)"),
+    "slot": always(INTEGER, "the model's slot"),
+    "status": always(STRING, "the slot's reading: `valid`, `not "
+                     "attached`, `stale heartbeat`, `dead owner`, `torn`, "
+                     "`board closed`, ..."),
+    "loaded": always(_BYTES, "the board's bytes when valid, else null"),
 })
-_POOL = _object({
-    "implementation": _text, "floor": _integer, "process_local": _flag,
-    "workers": _list_of(_WORKER), "graveyard": _integer,
-    "boards": _list_of(_BOARD),
-}, {"held": _integer})
-_ANSWER = _object({"pool": _POOL}, {
-    "pid": _maybe(_integer), "comfy_standin": _maybe(_text),
-    "adapter_installed": _flag,
-    "reserve": _object({}, {"extra_reserved_vram": _maybe(_integer),
-                            "worker_charges": _maybe(_integer)}),
-    "probe": _PROBE,
+CHARGE = Object({
+    "charge": always(INTEGER, "what the worker costs the card: 0 when "
+                     "gone; in flight `sum_sizes` + `floor`; idle the "
+                     "largest of `sum_loaded`, `sum_peak`, `held` and "
+                     "`reading`, + `floor`"),
+    "sum_sizes": always(INTEGER, "its models' sizes"),
+    "sum_loaded": always(INTEGER, "what its stand-ins answer as loaded"),
+    "sum_peak": always(INTEGER, "its models' admission peaks"),
+    "held": always(INTEGER, "what the worker last reported holding"),
+    "reading": always(INTEGER, "the probe's per-process reading"),
+    "floor": always(INTEGER, "the per-process floor (CUDA context and "
+                    "handles, `Pool.floor`); 0 when gone"),
+    "in_flight": always(INTEGER, "calls in flight"),
+    "models": always(INTEGER, "models on its books"),
+    "alive": always(BOOLEAN, "as the ledger has it"),
+    "held_from_reading": always(BOOLEAN, "the reading, not the report, "
+                                "set `held`"),
 })
+MODEL = Object({
+    "model_id": always(STRING, "comfy-env's model key"),
+    "kind": always(STRING, "`unet`, `vae`, ... (`other`)"),
+    "size": always(INTEGER, "bytes"),
+    "generation": always(INTEGER, "the worker generation it belongs to"),
+    "load_device": always(STRING, "where it loads"),
+    "loaded": always(INTEGER, "bytes on the card, what ComfyUI reads "
+                     "(`loaded_size()`): the receipt, or the board's "
+                     "reading when `source` is `board`"),
+    "seq": always(Nullable(INTEGER), "the worker's sequence number of "
+                  "the receipt; null before the worker's first word "
+                  "(`source` `registered`)"),
+    "age_seconds": always(NUMBER, "since `loaded` was written"),
+    "source": always(STRING, "who said `loaded`: `registered`, `load "
+                     "echo`, `unload echo`, `detach echo`, `census`, "
+                     "`board`, `assigned`, `worker gone`"),
+    "stale": always(BOOLEAN, "its worker is gone or restarted"),
+    "eviction_deferred": always(BOOLEAN, "the worker refused the last "
+                                "eviction"),
+    "bad_replies": always(INTEGER, "replies refused as malformed"),
+    "board": always(Nullable(BOARD_READING), "its board slot, null with "
+                    "no board"),
+})
+WORKER = Object({
+    "worker": always(STRING, "the worker's name (comfy-env's: the pack's "
+                     "folder name), else its repr"),
+    "pid": always(Nullable(INTEGER), "the worker Python's process id: "
+                  "the board handoff's peer, else the process comfy-env "
+                  "started"),
+    "launcher_pid": always(Nullable(INTEGER), "the process comfy-env "
+                           "started, when it is not the worker Python (a "
+                           "launcher that runs Python as its child)"),
+    "generation": always(INTEGER, "its process generation"),
+    "alive": always(BOOLEAN, "false once it died"),
+    "in_flight": always(INTEGER, "calls in flight"),
+    "charge": always(CHARGE, "its charge and the figures it came from"),
+    "models": always(ListOf(MODEL), "its stand-ins"),
+    "unlisted": sometimes(INTEGER, "bytes the worker holds on the card that "
+                       "none of its listed models accounts for (its "
+                       "`held`, floored by the probe, less `sum_loaded`; "
+                       "`Pool.unlisted`)"),
+})
+BOARD = Object({
+    "name": always(STRING, "the board's name"),
+    "closed": always(BOOLEAN, "closed (its worker gone)"),
+    "models": always(ListOf(STRING), "model ids on it"),
+    "slots": sometimes(INTEGER, "slots (not when closed)"),
+    "generation": sometimes(INTEGER, "the worker generation it is for"),
+    "owner_pid": sometimes(Nullable(INTEGER), "the pid the worker wrote "
+                           "in its header"),
+    "expected_owner": sometimes(Nullable(INTEGER), "the pid the host "
+                                "checked at the handoff"),
+    "attached": sometimes(BOOLEAN, "the worker has mapped it"),
+    "linked": sometimes(BOOLEAN, "the host still holds a way in"),
+    "worker_gone": sometimes(BOOLEAN, "the host marked its worker gone"),
+})
+POOL = Object({
+    "implementation": always(STRING, "`c` or `reference`"),
+    "floor": always(INTEGER, "the per-process floor each live worker is "
+                    "charged (CUDA context and handles)"),
+    "process_local": always(BOOLEAN, "free memory is per process (WDDM)"),
+    "workers": always(ListOf(WORKER), "one per worker on the books"),
+    "graveyard": always(INTEGER, "stand-ins of dead or restarted workers "
+                        "kept until the next boundary"),
+    "boards": always(ListOf(BOARD), "boards the stand-ins are attached "
+                     "to"),
+    "held": sometimes(INTEGER, "registrations held for ComfyUI (the "
+                      "route's answer only)"),
+    "probe": sometimes(PROBE, "the probe (`status --json` only)"),
+    "probe_summary": sometimes(PROBE_SUMMARY, "the probe in words "
+                               "(`status --json` only)"),
+})
+ENTRY = Object({
+    "index": always(INTEGER, "its index in `current_loaded_models`"),
+    "device": sometimes(STRING, "its device"),
+    "currently_used": sometimes(BOOLEAN, "ComfyUI's flag"),
+    "dead": sometimes(BOOLEAN, "its model was collected"),
+    "size": sometimes(_BYTES, "`model_memory()`"),
+    "loaded": sometimes(_BYTES, "`model_loaded_memory()`"),
+    "offloaded": sometimes(_BYTES, "`model_offloaded_memory()`"),
+    "patcher": sometimes(Nullable(STRING), "the patcher's class"),
+    "model": sometimes(Nullable(STRING), "the model's class"),
+    "dynamic": sometimes(BOOLEAN, "`is_dynamic()`"),
+    "refcount": sometimes(Nullable(INTEGER), "references to the patcher, "
+                          "counted at this request"),
+    "standin": sometimes(Nullable(Object({
+        "worker": always(STRING, "as `pool.workers[].worker`"),
+        "model_id": always(STRING, "as `pool.workers[].models[].model_id`"),
+    })), "a comfy_standin stand-in's worker and model id, else null"),
+    "error": sometimes(STRING, "why the rest could not be read"),
+})
+COMFYUI = Object({
+    "available": always(BOOLEAN, "`comfy.model_management` was read"),
+    "why": sometimes(STRING, "why not (when not available)"),
+    "models": sometimes(ListOf(ENTRY), "`current_loaded_models`, the "
+                        "first 256"),
+    "models_truncated": sometimes(BOOLEAN, "there were more"),
+    "devices": sometimes(MapOf("DEVICE", Object({
+        "free": always(_BYTES, "`get_free_memory(device)`"),
+        "total": always(_BYTES, "`get_total_memory(device)`"),
+        "free_error": sometimes(STRING, "why free is null"),
+        "total_error": sometimes(STRING, "why total is null"),
+    })), "memory per device its models are on"),
+    "eviction": sometimes(MapOf("DEVICE", Object({
+        "order": always(ListOf(INTEGER), "indexes in the order "
+                        "`free_memory` tries them"),
+        "next": always(INTEGER, "the first"),
+        "why": always(STRING, "why it is first"),
+    })), "the eviction order per device"),
+})
+ANSWER = Object({
+    "format": always(INTEGER, "1"),
+    "comfy_standin": always(STRING, "the version ComfyUI runs"),
+    "pid": always(INTEGER, "ComfyUI's process id"),
+    "adapter_installed": always(BOOLEAN, "comfy-env builds comfy_standin "
+                                "stand-ins"),
+    "pool": sometimes(POOL, "the default pool, as `status --json` shows "
+                      "it"),
+    "pool_error": sometimes(STRING, "why the pool could not be read "
+                            "(instead of `pool`)"),
+    "reserve": always(Object({
+        "extra_reserved_vram": always(_BYTES, "ComfyUI's published "
+                                      "`EXTRA_RESERVED_VRAM`"),
+        "worker_charges": always(_BYTES, "the sum of worker charges"),
+    }), "the reserve"),
+    "probe": always(PROBE, "the GPU probe (docs/probe.md)"),
+    "probe_summary": always(PROBE_SUMMARY, "the probe in words"),
+    "comfyui": always(COMFYUI, "a read of `comfy.model_management`"),
+}, either=("pool", "pool_error"))
+
+
+def check_answer(data: Any, strict: bool = False) -> None:
+    """RemoteError unless `data` is of the status shape; `strict`: also
+    unless every key in it is one the schema names."""
+    ANSWER.check(data, "answer", strict)
 
 
 def _depth_within(data: Any, limit: int) -> bool:
@@ -841,6 +1191,13 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999: a JSON number, but no float
+        raise ValueError(f"{text[:24]} is not a finite number")
+    return value
+
+
 def parse_answer(body: bytes, where: str) -> dict[str, Any]:
     """A status answer from raw bytes: JSON (no NaN or Infinity), nested
     at most MAX_DEPTH deep, of the status shape; else RemoteError."""
@@ -849,7 +1206,8 @@ def parse_answer(body: bytes, where: str) -> dict[str, Any]:
                           f"{MAX_CONTAINERS} lists and objects; not a "
                           f"status")
     try:
-        data = json.loads(body, parse_constant=_reject_constant)
+        data = json.loads(body, parse_constant=_reject_constant,
+                          parse_float=_finite)
     except RecursionError:
         raise RemoteError(f"{where}: the answer is nested too deeply "
                           f"to be a status") from None
@@ -860,7 +1218,7 @@ def parse_answer(body: bytes, where: str) -> dict[str, Any]:
         raise RemoteError(f"{where}: the answer is nested deeper than "
                           f"{MAX_DEPTH} levels; not a status")
     try:
-        _ANSWER(data, "answer")
+        check_answer(data)
     except RemoteError as exc:
         raise RemoteError(f"{where}: {exc}") from None
     return data  # type: ignore[no-any-return]
@@ -898,20 +1256,24 @@ def render_remote(data: dict[str, Any], url: str) -> str:
     """A running ComfyUI's status (checked by `parse_answer`), printed
     like the local one, every string made `visible`."""
     data = _visible_tree(data)
-    reserve = data.get("reserve") or {}
-    pool = data["pool"]
+    reserve = data["reserve"]
+    pool = data.get("pool")
+    held = f"{pool.get('held', 0)} registered stand-in(s) held" \
+        if pool is not None else "its pool not readable"
     lines = [
-        f"ComfyUI at {visible(url)}: pid {data.get('pid')}, comfy_standin "
-        f"{data.get('comfy_standin')}, adapter "
-        f"{'installed' if data.get('adapter_installed') else 'NOT installed'}"
-        f"; reserve published {_gib(reserve.get('extra_reserved_vram'))}, "
-        f"worker charges {_gib(reserve.get('worker_charges'))}; "
-        f"{pool.get('held', 0)} registered stand-in(s) held",
-        render(pool, probe=False, no_workers=(
+        f"ComfyUI at {Remote(url).base}: pid {data['pid']}, comfy_standin "
+        f"{data['comfy_standin']}, adapter "
+        f"{'installed' if data['adapter_installed'] else 'NOT installed'}"
+        f"; reserve published {_gib(reserve['extra_reserved_vram'])}, "
+        f"worker charges {_gib(reserve['worker_charges'])}; {held}",
+    ]
+    if pool is None:
+        lines.append(f"  the pool could not be read in ComfyUI's process: "
+                     f"{data['pool_error']}")
+    else:
+        lines.append(render(pool, probe=False, no_workers=(
             "  no workers yet: no comfy-env node has registered a model "
             "in this ComfyUI since it started"
-        )),
-    ]
-    if isinstance(data.get("probe"), dict):
-        lines.append(render_probe(data["probe"]))
+        )))
+    lines.append(render_probe(data["probe"]))
     return "\n".join(lines)

@@ -5,14 +5,18 @@ from a shared folder: any of it may be huge, span lines, or carry
 terminal escapes (a screen clear, an OSC 52 clipboard write, a bidi
 override that reorders what a reader sees).  ``visible()`` turns such a
 value into a bounded, single-line, printable string before it reaches a
-log record, a status answer or a terminal.
+log record, a status answer or a terminal.  ``json_text()`` is the one
+way the package writes JSON: never a bare ``NaN`` or ``Infinity``.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import reprlib
+from typing import Any
 
-__all__ = ["LOG_TEXT_LIMIT", "visible"]
+__all__ = ["LOG_TEXT_LIMIT", "NotJSON", "json_text", "visible"]
 
 #: Characters of outside text kept in one log line or status field.
 LOG_TEXT_LIMIT = 200
@@ -93,3 +97,35 @@ def visible(value: object, limit: int = LOG_TEXT_LIMIT, *,
     end, end_covered = _shown(text, tail, stop=covered)
     cut = len(text) - covered - end_covered
     return "".join(head) + f"...[+{cut} chars]" + "".join(end)
+
+
+class NotJSON(ValueError):
+    """Data with a number JSON has no form for (NaN, an infinity)."""
+
+
+def _non_finite(data: Any, where: str = "") -> str | None:
+    """The path of the first non-finite float in `data`, else None."""
+    stack = [(data, where)]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"{path or 'the value'} ({value!r})"
+        if isinstance(value, dict):
+            stack.extend((v, f"{path}.{visible(k, 40)}" if path
+                          else visible(k, 40)) for k, v in value.items())
+        elif isinstance(value, (list, tuple)):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(value))
+    return None
+
+
+def json_text(data: Any, **options: Any) -> str:
+    """`data` as JSON (``json.dumps`` `options`; ``default=str``), or
+    NotJSON naming where a non-finite number is: JSON has none, and a
+    bare ``Infinity`` is not JSON to any other reader."""
+    try:
+        return json.dumps(data, allow_nan=False, default=str, **options)
+    except ValueError:
+        where = _non_finite(data)
+        if where is None:
+            raise
+        raise NotJSON(f"{where} is not a finite number") from None
