@@ -46,6 +46,8 @@ from comfy_env_harness import fake_pixi, make_pack_env, other_pythons
 
 pytestmark = [
     pytest.mark.comfyui,
+    # comfy-env is ComfyUI's here; -m "not comfy_env" leaves these out
+    pytest.mark.comfy_env,
     # the pack environment's torch comes from PyPI
     pytest.mark.network,
     pytest.mark.skipif(not sys.platform.startswith("linux"),
