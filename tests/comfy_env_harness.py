@@ -276,14 +276,21 @@ def make_pack_env(root: pathlib.Path, python: str, pack: str,
     `python` with `packages` (numpy at least: comfy-env's worker imports
     it) and nothing of comfy_standin.  Returns the environment's
     directory."""
-    env = root / "envs" / pack / ".pixi" / "envs" / "default"
+    env = make_venv(root / "envs" / pack / ".pixi" / "envs" / "default",
+                    python, packages)
+    (root / "envs" / pack / "pixi.toml").write_text("# comfy-env's manifest "
+                                                    "(read by no one here)\n")
+    return env
+
+
+def make_venv(env: pathlib.Path, python: str,
+              packages: tuple[str, ...]) -> pathlib.Path:
+    """A venv of `python` at `env` with `packages` installed by pip."""
     subprocess.run([python, "-m", "venv", str(env)], check=True,
                    timeout=300)
     subprocess.run([str(env / "bin" / "python"), "-m", "pip", "install",
                     "-q", "--disable-pip-version-check", *packages],
                    check=True, timeout=900)
-    (root / "envs" / pack / "pixi.toml").write_text("# comfy-env's manifest "
-                                                    "(read by no one here)\n")
     return env
 
 

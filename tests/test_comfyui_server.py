@@ -42,7 +42,12 @@ from typing import Any
 
 import pytest
 from browser import READ_PAGE, Browser
-from comfy_env_harness import fake_pixi, make_pack_env, other_pythons
+from comfy_env_harness import (
+    fake_pixi,
+    make_pack_env,
+    make_venv,
+    other_pythons,
+)
 
 pytestmark = [
     pytest.mark.comfyui,
@@ -142,6 +147,16 @@ def copy_tree(source: Path, target: Path) -> None:
     (target / "custom_nodes").mkdir()
 
 
+def has_torch(venv: Path, version: str) -> bool:
+    """Whether the venv imports numpy and torch of that version."""
+    python = venv / "bin" / "python"
+    if not python.exists():
+        return False
+    done = run([str(python), "-c",
+                "import numpy, torch; print(torch.__version__)"])
+    return done.returncode == 0 and done.stdout.startswith(version)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -202,23 +217,26 @@ class Setup:
         }
 
     def _make_pack_env(self, python: str) -> None:
-        """The pack's environment where comfy-env looks for it: made here,
-        or once in the folder COMFY_STANDIN_PACK_ENVS names (reruns then
-        skip the torch download) and linked there."""
-        torch = "torch==" + self.about["torch"].split("+")[0]
-        name = self.pack_env.parents[2].name
+        """The pack's environment where comfy-env looks for it: made
+        there, or linked there from the folder COMFY_STANDIN_PACK_ENVS
+        names, which keeps one venv per Python and torch
+        (``3.13-torch==2.14.1``) for the next run (made there when it is
+        missing or does not import numpy and that torch)."""
+        version = self.about["torch"].split("+")[0]
+        packages = ("numpy", f"torch=={version}")
         kept = os.environ.get(KEEP_ENVS)
-        root = self.base / "comfy-env"
-        if kept:
-            root = Path(kept).expanduser().resolve() / (
-                f"{self.pack_minor}-{torch}")
-        made = root / "envs" / name / ".pixi" / "envs" / "default"
-        if not (made / "bin" / "python").exists():
-            made = make_pack_env(root, python, name,
-                                 packages=("numpy", torch))
-        if made != self.pack_env:
-            self.pack_env.parents[3].mkdir(parents=True, exist_ok=True)
-            self.pack_env.parents[2].symlink_to(made.parents[2])
+        if not kept:
+            made = make_pack_env(self.base / "comfy-env", python,
+                                 self.pack_env.parents[2].name, packages)
+            assert made == self.pack_env, (made, self.pack_env)
+            return
+        venv = Path(kept).expanduser().resolve() / (
+            f"{self.pack_minor}-torch=={version}")
+        if not has_torch(venv, version):
+            shutil.rmtree(venv, ignore_errors=True)
+            make_venv(venv, python, packages)
+        self.pack_env.parent.mkdir(parents=True)
+        self.pack_env.symlink_to(venv, target_is_directory=True)
 
     def _pack_python(self) -> tuple[str, str]:
         """The newest CPython minor other than ComfyUI's this machine has
