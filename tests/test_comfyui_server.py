@@ -338,7 +338,7 @@ class ComfyUI:
         what its worker said about itself once the prompt has run."""
         graph = {"1": {"class_type": "StandinE2ELoad", "inputs": {
             "model_id": "e2e-unet", "megabytes": 8, "kind": "fake",
-            "move_when": "", **inputs}}}
+            "register": True, "move_when": "", **inputs}}}
         code, _, body = self.request("POST", "/prompt", {
             "prompt": graph, "client_id": uuid.uuid4().hex})
         assert code == 200, body[:2000]
@@ -515,8 +515,12 @@ def test_a_users_comfyui_with_the_node_entry(setup, start, launcher,
     assert received(comfyui.worker_log()) == before
 
     # A torch model on the CPU: comfy-env registers a module by itself
-    # only when it lands on CUDA, so the pack registers it; comfy-env
-    # counts nothing of it on the card, and neither does the board.
+    # only when it lands on CUDA (nothing new is listed), so the pack
+    # registers it; comfy-env counts nothing of it on the card, and
+    # neither does the board.
+    comfyui.prompt(model_id="e2e-torch-unregistered", megabytes=1,
+                   kind="torch", register=False)
+    assert sorted(listed(comfyui.status())) == ["e2e-unet"]
     comfyui.prompt(model_id="e2e-torch", megabytes=1, kind="torch")
     torch_model = wait_until(
         lambda: (m := model_of(comfyui.status(), "e2e-torch"))
@@ -580,6 +584,9 @@ def check_the_page(setup: Setup, comfyui: ComfyUI, worker_pid: int,
         browser.goto(comfyui.url + "/comfy_standin/")
         assert browser.wait_for(
             'document.getElementById("conn").dataset.state === "up"')
+        path = os.environ.get(SCREENSHOT)
+        if screenshot and path:
+            browser.screenshot(path)
         page = browser.evaluate(READ_PAGE)
         (shown,) = page["workers"]
         text = shown["text"]
@@ -590,9 +597,6 @@ def check_the_page(setup: Setup, comfyui: ComfyUI, worker_pid: int,
         assert str(launcher_pid) not in numbers, text
         assert sorted(m["modelId"] for m in shown["models"]) == [
             "e2e-torch", "e2e-unet", "e2e-unet-2"], shown["models"]
-        path = os.environ.get(SCREENSHOT)
-        if screenshot and path:
-            browser.screenshot(path)
     finally:
         browser.close()
 

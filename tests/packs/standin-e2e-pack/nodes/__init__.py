@@ -1,15 +1,16 @@
 """One node, run in comfy-env's worker: it loads a model, registers it
-with comfy-env, and can move it off the card later with no message.
+with comfy-env (unless ``register`` is off), and can move it off the card
+later with no message.
 
 Two kinds of model:
 
-- ``fake`` (numpy-only environments): an object with the parameter
-  interface comfy-env's worker reads (``parameters()``, ``buffers()``,
-  ``to()``) whose one parameter says it is on ``cuda``, so comfy-env
-  counts it resident with no GPU and no torch;
-- ``torch``: a ``torch.nn.Linear`` on the CPU, registered by the pack
-  itself (comfy-env registers a module on its own only when it lands on
-  CUDA).
+- ``fake``: an object with the parameter interface comfy-env's worker
+  reads (``parameters()``, ``buffers()``, ``to()``) whose one parameter
+  says it is on ``cuda``, so comfy-env counts it resident with no GPU;
+- ``torch``: a ``torch.nn.Linear`` put on the CPU with ``.to("cpu")``
+  (comfy-env's worker hooks ``Module.to`` and registers a module by
+  itself only when it lands on CUDA, so on the CPU the pack registers
+  it).
 
 ``move_when`` names a file: once it exists, a thread of the worker moves
 the model to the CPU (the node has returned by then; nothing tells the
@@ -83,15 +84,19 @@ class StandinE2ELoad:
             "model_id": ("STRING", {"default": "e2e-unet"}),
             "megabytes": ("INT", {"default": 8, "min": 1, "max": 1024}),
             "kind": (["fake", "torch"],),
+            "register": ("BOOLEAN", {"default": True}),
             "move_when": ("STRING", {"default": ""}),
         }}
 
-    def load(self, model_id, megabytes, kind, move_when):
+    def load(self, model_id, megabytes, kind, register, move_when):
         import comfy_worker
 
         module = _model(kind, megabytes << 20)
+        if kind == "torch":
+            module.to("cpu")
         _KEEP[model_id] = module
-        comfy_worker.register_model(model_id, module, kind="unet")
+        if register:
+            comfy_worker.register_model(model_id, module, kind="unet")
         if move_when:
             threading.Thread(target=_move_when, args=(move_when, module),
                              daemon=True).start()
