@@ -219,12 +219,14 @@ PACK = textwrap.dedent('''
             environ = open(f"/proc/{victim_pid}/environ", "rb").read()
             for item in environ.split(b"\\0"):
                 if item.startswith(b"COMFY_STANDIN_BOARD="):
-                    _, name, token = item.split(b"=", 1)[1].split(b":")
+                    spec = item.split(b"=", 1)[1]
+                    path, _, token = spec.partition(b":")[2].rpartition(
+                        b":")
                     sock = socket.socket(socket.AF_UNIX,
                                          socket.SOCK_SEQPACKET)
                     try:
                         sock.settimeout(2)
-                        sock.connect(b"\\0" + name)
+                        sock.connect(path)
                         sock.send(token)
                         won.append("connected to the victim's handoff")
                     except OSError:

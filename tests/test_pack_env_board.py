@@ -11,9 +11,10 @@ has (numpy only: comfy-env's worker imports it), in comfy-env's layout, and
 descriptor or passes every one on (tests/comfy_env_harness.py).
 
 Also here: who can reach a board (the worker that made it, and the host
-read-only; nobody through /proc, nobody through the handoff socket), the
-synchronous publish before the worker asks the host for VRAM, and the
-board's generation from the start.
+read-only; nobody through /proc, nobody through the handoff socket, and
+no other user can keep it out by flooding that socket), the synchronous
+publish before the worker asks the host for VRAM, and the board's
+generation from the start.
 
 A machine without another CPython minor version fails these tests with a
 message saying which to install; it never skips them.
@@ -24,11 +25,13 @@ from __future__ import annotations
 import logging
 import os
 import pathlib
+import re
 import sys
 
 import pytest
 
 import comfy_standin as cs
+from comfy_standin._handoff import Handoff
 from comfy_standin.integrations import comfy_env as adapter
 
 from comfy_env_harness import (
@@ -40,6 +43,7 @@ from comfy_env_harness import (
     standin_of,
     wait_for,
 )
+from flooder import Flooder
 
 pytestmark = [
     pytest.mark.skipif(not sys.platform.startswith("linux"),
@@ -211,6 +215,39 @@ def test_a_layout_mismatch_is_one_line_and_receipts(launch, monkeypatch,
     assert s.receipt()[3] == "census" and s.loaded_size() == MiB
 
 
+def test_no_place_for_the_handoff_socket_is_one_line_and_receipts(
+        launch, monkeypatch, tmp_path, caplog):
+    """Every place for the handoff's private directory is too deep for a
+    socket path (sun_path): no handoff is made, one log line says why for
+    each place, the worker is never told of a handoff and runs on
+    receipts; nothing raises into comfy-env or the worker."""
+    from comfy_standin import _handoff
+
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    monkeypatch.setattr(_handoff, "_parents", lambda: [str(deep)])
+    minor = _chosen_pythons()[0]
+    with caplog.at_level(logging.WARNING, logger="comfy_standin"):
+        adapter.install()
+        host = launch(minor)
+        host.call("load", model_id="a", nbytes=MiB)
+        host.call("load", model_id="b", nbytes=MiB)
+    lines = [r.getMessage() for r in caplog.records
+             if "receipts only" in r.getMessage()]
+    assert len(lines) == 1 and re.fullmatch(
+        re.escape("comfy_standin: cannot make a board handoff socket (no "
+                  f"private directory for the handoff socket ({deep}: a "
+                  "socket path there has ") + r"\d+"
+        + re.escape(" bytes, more than 107)): stand-ins use receipts only"),
+        lines[0]), lines
+    assert os.listdir(deep) == []
+    (about,) = host.call("about")
+    assert not about["handoff_in_environ"]
+    s = standin_of(host.mm, "a")
+    assert s.board is None
+    assert s.receipt()[3] == "census" and s.loaded_size() == MiB
+
+
 def test_no_process_but_the_worker_can_write_its_board(launch):
     """Two workers, each with its board.  Worker A, knowing everything in
     B's environment and the host's pid, tries every way in: B's and the
@@ -240,6 +277,43 @@ def test_no_process_but_the_worker_can_write_its_board(launch):
     assert won == [], won
     assert board_b.status(slot_b) == "valid"
     assert board_b.read(slot_b)[0] == 3 * MiB
+
+
+@pytest.mark.other_uid
+def test_another_user_flooding_the_handoff_cannot_keep_the_board_out(
+        launch, monkeypatch):
+    """A process of another uid (nobody) floods every handoff socket it
+    finds in /proc/net/unix, connecting as often as it can, from before
+    comfy-env spawns the worker (each handoff made waits until the flooder
+    has flooded it) until the board is taken.  comfy-env's real worker,
+    started through a launcher that closes inherited descriptors, still
+    hands its board over, and the flooder never got a connection."""
+    minor = _chosen_pythons()[0]
+    flooded: list[dict] = []
+    with Flooder() as flooder:
+
+        class FloodedFirst(Handoff):
+            def __init__(self) -> None:
+                super().__init__()
+                flooded.append(flooder.flooded(self.path))
+
+        monkeypatch.setattr(adapter, "Handoff", FloodedFirst)
+        adapter.install()
+        host = launch(minor, "pixi-close")
+        host.call("load", model_id="f", nbytes=2 * MiB)
+        s = standin_of(host.mm, "f")
+        assert s.board is not None, "the worker's board was kept out"
+        board, slot = s.board
+        wait_for(lambda: board.status(slot) == "valid", "the reading")
+        assert board.read(slot)[0] == 2 * MiB
+        summary = flooder.stop()
+    assert len(flooded) == 1, flooded
+    path = flooded[0]["address"]
+    assert flooded[0] == {"address": path, "connected": 0,
+                          "error": "EACCES"}
+    # EACCES, or ENOENT once the host had removed the path.
+    assert summary[path]["connected"] == 0
+    assert set(summary[path]["errors"]) <= {"EACCES", "ENOENT"}, summary
 
 
 def test_the_attack_finds_a_board_that_is_not_write_sealed(launch):

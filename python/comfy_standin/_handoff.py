@@ -3,27 +3,33 @@ nobody else's board does (docs/board.md, "The handoff").
 
 One handoff per spawned worker process:
 
-1. Before the spawn, :class:`Handoff` binds a Unix socket of type
-   SOCK_SEQPACKET under a random abstract name (128 bits; no file, so no
-   directory anyone could enter) and makes a one-time token (256 bits).
-   :attr:`Handoff.spec` goes into that worker's environment only
-   (``COMFY_STANDIN_BOARD=<protocol>:<name>:<token>``); the worker-side
-   publisher removes it from its own environment once read.
+1. Before the spawn, :class:`Handoff` makes a fresh directory of mode 0700
+   (``mkdtemp`` under the user's runtime directory, else the temporary
+   directory), binds a Unix socket of type SOCK_SEQPACKET in it and makes
+   a one-time token (256 bits).  No other user can enter the directory, so
+   none can connect, fill the listen backlog or see what goes over it;
+   the socket's path (listed in /proc/net/unix for everyone) is no way
+   in.  :attr:`Handoff.spec` goes into that worker's environment only
+   (``COMFY_STANDIN_BOARD=<protocol>:<socket path>:<token>``); the
+   worker-side publisher removes it from its own environment once read.
 2. The worker makes its board (a memfd only it can write) and sends the
    descriptor with the token, in one message, then closes its copy.
-3. After the worker answered, :meth:`Handoff.collect` takes every
-   connection waiting on the socket, without waiting for any: the first
-   whose peer (SO_PEERCRED, taken by the kernel at connect time) runs as
-   this user and is the spawned process or one of its descendants (a
-   launcher such as ``pixi run`` sits in between), that sent exactly the
-   token and exactly one descriptor, is adopted (``Board.adopt``: seals,
-   length and layout checked, mapped read-only, the descriptor closed at
-   once).  Everything else -- another process, a wrong token, a second
-   connection, one that sent nothing yet, extra descriptors -- is refused
-   and its descriptors closed.  Then the socket is closed: no thread, no
-   descriptor and no name are left, whatever happened.
+3. After the worker answered, :meth:`Handoff.collect` removes the socket's
+   path and directory (no connection can start after that) and takes
+   every connection waiting on the socket, without waiting for any: the
+   first whose peer (SO_PEERCRED, taken by the kernel at connect time)
+   runs as this user and is the spawned process or one of its descendants
+   (a launcher such as ``pixi run`` sits in between), that sent exactly
+   the token and exactly one descriptor, is adopted (``Board.adopt``:
+   seals, length and layout checked, mapped read-only, the descriptor
+   closed at once).  Everything else -- another process, a wrong token, a
+   second connection, one that sent nothing yet, extra descriptors -- is
+   refused and its descriptors closed.  Then the socket is closed: no
+   thread, no descriptor, no file and no directory are left, whatever
+   happened (a handoff dropped without collect() or close() goes with
+   its last reference, or at exit).
 
-The token is not what keeps strangers out (a same-user process can read
+The token is not what keeps processes of this user out (one can read
 another's environment through /proc/<pid>/environ): the peer check is.  The
 token makes the handoff one-shot and ties a message to this spawn.
 """
@@ -36,19 +42,29 @@ import hmac
 import os
 import secrets
 import socket
+import stat
 import struct
+import tempfile
+import weakref
 from typing import Any, Callable
 
 __all__ = ["Handoff", "HandoffRefused", "PROTOCOL"]
 
 #: Must equal the publisher's PROTOCOL
 #: (python/comfy_standin/_worker_side/_comfy_standin_publisher.py).
-PROTOCOL = 1
+PROTOCOL = 2
 # How many processes up from the peer the spawned one may be (python under
 # pixi run under ...): a bound on the walk, not a policy.
 _MAX_DEPTH = 8
 _TOKEN_BYTES = 32
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+#: The handoff directory's name begins with this; the socket in it is
+#: SOCKET_NAME.  The publisher checks both.
+DIR_PREFIX = "comfy-standin-handoff-"
+SOCKET_NAME = "board"
+#: The longest socket path: sizeof(sun_path) on Linux (108) less the
+#: terminating NUL that C clients expect.
+SUN_PATH_MAX = 107
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,33 +110,104 @@ def in_tree(pid: int, root: int) -> bool:
     return False
 
 
+def _parents() -> list[str]:
+    """Where a handoff directory may go, best first: the user's runtime
+    directory when it is this user's alone, the temporary directory, and
+    /tmp (short where TMPDIR is long)."""
+    found = []
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    if os.path.isabs(runtime):
+        try:
+            st = os.stat(runtime)
+        except OSError:
+            st = None
+        if st is not None and stat.S_ISDIR(st.st_mode) \
+                and st.st_uid == os.geteuid() and not st.st_mode & 0o077:
+            found.append(runtime)
+    try:
+        found.append(tempfile.gettempdir())
+    except OSError:
+        pass
+    if "/tmp" not in found:
+        found.append("/tmp")
+    return found
+
+
+def _private_directory() -> tuple[str, str]:
+    """(directory, socket path): a fresh directory of mode 0700 whose
+    socket path fits in sun_path, or OSError saying why not for every
+    place tried."""
+    why = []
+    for parent in _parents():
+        try:
+            directory = tempfile.mkdtemp(prefix=DIR_PREFIX, dir=parent)
+        except OSError as exc:
+            why.append(f"{parent}: {exc.strerror or exc}")
+            continue
+        path = os.path.join(directory, SOCKET_NAME)
+        length = len(os.fsencode(path))
+        if length <= SUN_PATH_MAX:
+            return directory, path
+        _remove(path, directory, os.getpid())
+        why.append(f"{parent}: a socket path there has {length} bytes, "
+                   f"more than {SUN_PATH_MAX}")
+    raise OSError("no private directory for the handoff socket ("
+                  + "; ".join(why) + ")")
+
+
+def _remove(path: str, directory: str, maker: int) -> None:
+    """Removes the socket's path and its directory, in the process that
+    made them only (a fork() child's copy of a handoff leaves them)."""
+    if os.getpid() != maker:
+        return
+    for remove, name in ((os.unlink, path), (os.rmdir, directory)):
+        try:
+            remove(name)
+        except OSError:
+            pass  # gone already; nothing here may raise into a close
+
+
+def _close(sock: socket.socket, path: str, directory: str,
+           maker: int) -> None:
+    sock.close()
+    _remove(path, directory, maker)
+
+
 class Handoff:
     """A one-shot, private socket for one spawned worker's board."""
 
     def __init__(self) -> None:
-        self.name = f"comfy-standin-{secrets.token_hex(16)}"
         self.token = secrets.token_hex(_TOKEN_BYTES)
-        self.spec = f"{PROTOCOL}:{self.name}:{self.token}"
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.directory, self.path = _private_directory()
+        self.spec = f"{PROTOCOL}:{self.path}:{self.token}"
+        self._maker = maker = os.getpid()
         try:
-            sock.bind("\0" + self.name)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        except BaseException:
+            _remove(self.path, self.directory, maker)
+            raise
+        try:
+            sock.bind(self.path)
             sock.listen(16)
             sock.setblocking(False)
         except BaseException:
-            sock.close()
+            _close(sock, self.path, self.directory, maker)
             raise
         self._sock: socket.socket | None = sock
+        # Closes the socket and removes its path, once: on close(), when
+        # the last reference goes, or at exit.
+        self._finalizer = weakref.finalize(self, _close, sock, self.path,
+                                           self.directory, maker)
 
     @property
     def closed(self) -> bool:
         return self._sock is None
 
     def close(self) -> None:
-        """Closes the socket; connections still queued are refused by the
-        kernel.  Idempotent."""
-        sock, self._sock = self._sock, None
-        if sock is not None:
-            sock.close()
+        """Closes the socket (connections still queued are refused by the
+        kernel) and removes its path and directory.  Idempotent."""
+        self._sock = None
+        self._finalizer()
 
     def __enter__(self) -> Handoff:
         return self
@@ -138,6 +225,9 @@ class Handoff:
         adopted: tuple[Any, int] | None = None
         sock = self._sock
         try:
+            # No connection can start once the path is gone: what is
+            # queued now is all there is.
+            _remove(self.path, self.directory, self._maker)
             while sock is not None:
                 try:
                     conn, _ = sock.accept()

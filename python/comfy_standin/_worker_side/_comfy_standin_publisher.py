@@ -23,7 +23,8 @@ What the host calls, over comfy-env's command channel
   named below), loads the library and checks its layout version against
   the host's, makes the board (a sealed memfd only this process can write,
   ``cs_board_make``) and sends its descriptor to the host over the private
-  Unix socket named in ``COMFY_STANDIN_BOARD`` (with that variable's
+  Unix socket named in ``COMFY_STANDIN_BOARD`` (a path in a directory only
+  this user can enter, which it checks first; with that variable's
   one-time token; the host checks the peer with SO_PEERCRED), then closes
   its own copy of the descriptor and deletes the variable;
 - :func:`bind`, at node boundaries: the (slot, tag) the host chose for each
@@ -56,20 +57,26 @@ import ctypes
 import os
 import re
 import socket
+import stat
 import sys
 import threading
 import time
 
 __all__ = ["ENV_VAR", "PROTOCOL", "attach", "bind", "state"]
 
-#: The variable naming the host's handoff: ``<protocol>:<socket>:<token>``.
+#: The variable naming the host's handoff:
+#: ``<protocol>:<socket path>:<token>`` (the path may hold ':').
 ENV_VAR = "COMFY_STANDIN_BOARD"
 #: What this module and the host's adapter agree on (the calls, their
 #: arguments, the handoff message).  The host sends its own; a mismatch is
 #: refused with a reason, which the host logs once.
-PROTOCOL = 1
+PROTOCOL = 2
 
-_SOCKET_NAME = re.compile(r"^comfy-standin-[0-9a-f]{32}$")
+# The host's socket path (comfy_standin._handoff): <parent>/<DIR_PREFIX +
+# mkdtemp's letters>/board, at most 107 bytes.
+_HANDOFF_DIR = re.compile(r"^comfy-standin-handoff-[A-Za-z0-9_]+$")
+_HANDOFF_SOCKET = "board"
+_SUN_PATH_MAX = 107
 _TOKEN = re.compile(r"^[0-9a-f]{64}$")
 _HANDOFF_TIMEOUT = 5.0
 # A synchronous pass waits this long for a pass of the sampler thread to
@@ -209,22 +216,46 @@ def _load_library(path, layout):
 
 
 def _parse_spec(spec):
-    """(socket name, token) from the variable, or why not (str)."""
+    """(socket path, token) from the variable, or why not (str)."""
     if not spec:
         return f"no board handoff ({ENV_VAR} is not set)"
-    parts = spec.split(":")
-    if len(parts) != 3 or parts[0] != str(PROTOCOL) \
-            or not _SOCKET_NAME.match(parts[1]) or not _TOKEN.match(parts[2]):
+    protocol, _, rest = spec.partition(":")
+    path, _, token = rest.rpartition(":")
+    directory, name = os.path.split(path)
+    if protocol != str(PROTOCOL) or not _TOKEN.match(token) \
+            or not os.path.isabs(path) or name != _HANDOFF_SOCKET \
+            or not _HANDOFF_DIR.match(os.path.basename(directory)) \
+            or len(os.fsencode(path)) > _SUN_PATH_MAX:
         return f"{ENV_VAR} is not a handoff of protocol {PROTOCOL}"
-    return parts[1], parts[2]
+    return path, token
 
 
-def _send_board(name, token, fd):
+def _not_private(directory):
+    """Why `directory` is not a directory of this user's that nobody else
+    may enter, or None.  The board goes only into a socket there: one in a
+    directory another user could enter (or had swapped in) is theirs."""
+    try:
+        st = os.lstat(directory)
+    except OSError as exc:
+        return f"cannot see the handoff directory {directory}: {exc}"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"the handoff directory {directory} is not a directory"
+    if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        return (f"the handoff directory {directory} is not this user's "
+                f"alone (uid {st.st_uid}, mode "
+                f"{oct(stat.S_IMODE(st.st_mode))})")
+    return None
+
+
+def _send_board(path, token, fd):
     """Sends `fd` with the token to the host's socket, or says why not."""
+    why = _not_private(os.path.dirname(path))
+    if why is not None:
+        return f"cannot hand the board to the host: {why}"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         sock.settimeout(_HANDOFF_TIMEOUT)
-        sock.connect("\0" + name)
+        sock.connect(path)
         rights = array.array("i", [fd]).tobytes()
         sock.sendmsg([token.encode("ascii")],
                      [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)])
