@@ -88,7 +88,7 @@ import comfy_standin
 from comfy_standin.integrations import comfy_env as adapter
 print(json.dumps({
     "minor": "%d.%d" % sys.version_info[:2],
-    "comfy_standin": comfy_standin.__file__,
+    "comfy_standin": comfy_standin.__version__,
     "comfy_env": md.version("comfy-env"),
     "supported": list(adapter.SUPPORTED_COMFY_ENV),
     "torch": md.version("torch"),
@@ -195,12 +195,15 @@ class Setup:
         self.tmp = base / "tmp"
         self.home.mkdir()
         self.tmp.mkdir()
-        self.env = dict(os.environ, HOME=str(self.home), TMPDIR=str(self.tmp),
+        # Nothing of this run's own settings (COMFY_STANDIN_*, pytest's)
+        # reaches ComfyUI: a user's COMFY_STANDIN_NO_BOARD would turn
+        # boards off.
+        self.env = {k: v for k, v in os.environ.items()
+                    if not k.startswith("COMFY_STANDIN_")
+                    and k not in ("PYTEST_ADDOPTS", "PYTHONPATH")}
+        self.env.update(HOME=str(self.home), TMPDIR=str(self.tmp),
                         COMFY_ENV_ROOT=str(base / "comfy-env"),
                         PYTHONUNBUFFERED="1")
-        for name in ("PYTEST_ADDOPTS", "PYTHONPATH", PYTHON, TREE,
-                     SCREENSHOT, KEEP_ENVS):
-            self.env.pop(name, None)
         where = run([self.python, "-c", ASK_COMFY_ENV,
                      str(self.tree / "custom_nodes" / PACK)], env=self.env)
         assert where.returncode == 0, where.stderr
@@ -291,6 +294,8 @@ class ComfyUI:
                 cwd=setup.tree, env=setup.env, stdin=subprocess.DEVNULL,
                 stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True)
+
+    def wait_up(self) -> None:
         wait_until(self._up, "GET /system_stats answer 200", self.log)
 
     def _up(self) -> bool:
@@ -421,6 +426,7 @@ def start(setup: Setup, request: pytest.FixtureRequest) -> Any:
             (f"ComfyUI's log ({comfyui.log_path})", comfyui.log),
             ("comfy-env's worker log", lambda: comfyui.worker_log()[-20000:]),
         ]
+        comfyui.wait_up()
         return comfyui
 
     yield begin
