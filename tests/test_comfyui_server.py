@@ -393,6 +393,12 @@ class ComfyUI:
                 self.process.wait(30)
                 raise AssertionError(
                     "ComfyUI did not stop on SIGINT") from None
+        try:  # nothing of its process group outlives it
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        else:
+            raise AssertionError("a process of ComfyUI's group outlived it")
         left = []
         for pid in self.workers:
             try:
