@@ -1,9 +1,10 @@
-"""Real parts for the live VRAM page's tests: ComfyUI's aiohttp server
-with the node entry's routes, and a headless Chromium driven over the
-DevTools protocol (a websocket, through aiohttp's client).
+"""Real parts for the live VRAM page's tests: an aiohttp server built as
+ComfyUI's ``PromptServer`` builds its own, with the node entry's routes,
+and a headless Chromium driven over the DevTools protocol (a websocket,
+through aiohttp's client).
 
-``python tests/browser.py docs/img/vram-page.png`` writes the README's
-screenshot from the scene ``scene()`` builds.
+The README's screenshot comes from ComfyUI itself
+(tests/test_comfyui_server.py), not from here.
 """
 
 from __future__ import annotations
@@ -71,13 +72,16 @@ class LoopThread:
         self.loop.close()
 
 
-def add_routes_as_comfyui(app: Any, routes: Any) -> None:
+def add_routes_as_comfyui(app: Any, routes: Any,
+                          web_root: str | None = None) -> None:
     """What ComfyUI's ``PromptServer.add_routes`` (server.py) does with
     ``PromptServer.instance.routes`` once every custom node has loaded:
     each ``web.RouteDef`` is added again under ``/api`` by calling
     ``RouteTableDef.route(method, "/api" + path)`` and passing the handler
     and the route's keywords to the decorator it returns (which takes the
-    handler only), then both tables go onto the app."""
+    handler only), then both tables go onto the app; last, the frontend's
+    folder is served as static files from ``/`` (`web_root`), behind
+    every route added before it."""
     api_routes = web.RouteTableDef()
     for route in routes:
         if isinstance(route, web.RouteDef):
@@ -85,16 +89,109 @@ def add_routes_as_comfyui(app: Any, routes: Any) -> None:
                 route.handler, **route.kwargs)
     app.add_routes(api_routes)
     app.add_routes(routes)
+    if web_root is not None:
+        app.add_routes([web.static("/", web_root)])
+
+
+#: Paths whose responses ComfyUI's cache-control middleware gives a
+#: Cache-Control header (when the handler set none).
+_SCRIPTS = (".js", ".css")
+_IMAGES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif",
+           ".tiff", ".webp")
+
+
+@web.middleware
+async def cache_control(request: Any, handler: Any) -> Any:
+    """ComfyUI's first middleware: scripts, styles and ``index*.json``
+    get ``no-cache``, images a day (an hour for a 404) or ``no-cache``
+    for a temporary redirect; any other response is left as it is.  A
+    header the handler set is never replaced."""
+    response = await handler(request)
+    path = request.path
+    name = path.rsplit("/", 1)[-1]
+    if path.endswith(_SCRIPTS) or (name.startswith("index")
+                                   and name.endswith(".json")):
+        response.headers.setdefault("Cache-Control", "no-cache")
+    elif path.lower().endswith(_IMAGES):
+        if response.status == 404:
+            response.headers.setdefault("Cache-Control",
+                                        "public, max-age=3600")
+        elif response.status in (200, 201, 202, 203, 204, 205, 206, 301,
+                                 308):
+            response.headers.setdefault("Cache-Control",
+                                        "public, max-age=86400")
+        elif response.status in (302, 303, 307):
+            response.headers.setdefault("Cache-Control", "no-cache")
+    return response
+
+
+@web.middleware
+async def compress_body(request: Any, handler: Any) -> Any:
+    """``--enable-compress-response-body``: a JSON or plain-text
+    response with a body is gzipped for a client that accepts gzip."""
+    response = await handler(request)
+    if (isinstance(response, web.Response)
+            and response.content_type in ("application/json",
+                                          "text/plain")
+            and response.body
+            and "gzip" in request.headers.get("Accept-Encoding", "")):
+        response.enable_compression()
+    return response
+
+
+def _loopback(host: str | None) -> bool:
+    import ipaddress
+
+    if not host:
+        return False
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+@web.middleware
+async def origin_only(request: Any, handler: Any) -> Any:
+    """ComfyUI's guard without ``--enable-cors-header``: a request to a
+    loopback Host whose Origin names another host is answered 403 (ports
+    compared only when both carry one); OPTIONS is answered 200, empty."""
+    from urllib.parse import urlsplit
+
+    host, origin = request.headers.get("Host"), request.headers.get(
+        "Origin")
+    if host and origin:
+        to, by = urlsplit("//" + host.lower()), urlsplit(origin.lower())
+        mine = to.hostname if by.port is None else host.lower()
+        theirs = by.hostname if to.port is None else by.netloc
+        if _loopback(to.hostname) and mine and theirs and mine != theirs:
+            return web.Response(status=403)
+    if request.method == "OPTIONS":
+        return web.Response()
+    return await handler(request)
+
+
+def comfyui_middlewares(compress: bool = False) -> list[Any]:
+    """The middlewares ComfyUI's ``PromptServer.__init__`` puts on its
+    application, in its order (without ``--enable-cors-header``)."""
+    return [cache_control, *([compress_body] if compress else []),
+            origin_only]
 
 
 class ComfyServer:
-    """An aiohttp server on 127.0.0.1 whose routes are a RouteTableDef
-    that the node entry's ``register_with_comfyui()`` filled, as ComfyUI's
-    ``PromptServer.instance.routes`` is."""
+    """An aiohttp server on 127.0.0.1 built as ComfyUI builds its own:
+    ComfyUI's middlewares, a RouteTableDef that the node entry's
+    ``register_with_comfyui()`` filled (as ComfyUI's
+    ``PromptServer.instance.routes`` is), added as ``add_routes`` adds
+    it, and a frontend folder served from ``/`` behind it.
+    ``compress``: as ``--enable-compress-response-body``."""
 
-    def __init__(self) -> None:
+    def __init__(self, compress: bool = False) -> None:
         from comfy_standin import _server_route
 
+        self.compress = compress
+        self.web_root = tempfile.mkdtemp(prefix="cs-web-root-")
+        with open(os.path.join(self.web_root, "index.html"), "w") as f:
+            f.write("<!doctype html><title>ComfyUI</title>\n")
         self.routes = web.RouteTableDef()
         server = types.ModuleType("server")
         server.PromptServer = types.SimpleNamespace(  # type: ignore
@@ -113,8 +210,9 @@ class ComfyServer:
         self.loop.run(self._start())
 
     async def _start(self) -> None:
-        app = web.Application()
-        add_routes_as_comfyui(app, self.routes)
+        app = web.Application(
+            middlewares=comfyui_middlewares(self.compress))
+        add_routes_as_comfyui(app, self.routes, self.web_root)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
@@ -128,6 +226,7 @@ class ComfyServer:
             self.loop.run(self.runner.cleanup())
             self.loop.close()
             self.loop = None  # type: ignore[assignment]
+            shutil.rmtree(self.web_root, ignore_errors=True)
 
 
 class Browser:
@@ -275,26 +374,3 @@ READ_PAGE = """(() => {
     noWorkers: document.getElementById("no-workers") !== null,
   };
 })()"""
-
-
-def main(argv: list[str]) -> int:
-    """Write the README's screenshot of the page (see scene())."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from test_vram_page import scene
-
-    with scene() as (server, _):
-        browser = Browser(1100, 820)
-        try:
-            browser.goto(server.url + "/comfy_standin/")
-            assert browser.wait_for(
-                'document.getElementById("conn").dataset.state === "up"')
-            browser.screenshot(argv[0])
-        finally:
-            browser.close()
-            server.stop()
-    print(argv[0])
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

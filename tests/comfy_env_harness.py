@@ -9,8 +9,9 @@ tests/test_pack_env_board.py).
 - :func:`other_pythons`: CPythons of other minor versions than this one's
   (pyenv's, or on PATH), for pack environments like comfy-env's.
 - :func:`make_pack_env`: a pack environment of such a Python with nothing
-  of comfy_standin in it (numpy only: comfy-env's worker imports it), laid
-  out as comfy-env lays out its pixi environments.
+  of comfy_standin in it (numpy, which comfy-env's worker imports, and
+  whatever else is asked), laid out as comfy-env lays out its pixi
+  environments.
 - :func:`fake_pixi`: a launcher standing where ``pixi run`` stands: it
   starts the environment's Python as a child (pixi does not exec), either
   closing every inherited descriptor or passing every one on.
@@ -331,18 +332,27 @@ def other_pythons() -> dict[str, str]:
     return found
 
 
-def make_pack_env(root: pathlib.Path, python: str, pack: str) -> pathlib.Path:
+def make_pack_env(root: pathlib.Path, python: str, pack: str,
+                  packages: tuple[str, ...] = ("numpy",)) -> pathlib.Path:
     """comfy-env's layout: <root>/envs/<pack>/.pixi/envs/default, a venv of
-    `python` with numpy (comfy-env's worker imports it) and nothing of
-    comfy_standin.  Returns the environment's directory."""
-    env = root / "envs" / pack / ".pixi" / "envs" / "default"
+    `python` with `packages` (numpy at least: comfy-env's worker imports
+    it) and nothing of comfy_standin.  Returns the environment's
+    directory."""
+    env = make_venv(root / "envs" / pack / ".pixi" / "envs" / "default",
+                    python, packages)
+    (root / "envs" / pack / "pixi.toml").write_text("# comfy-env's manifest "
+                                                    "(read by no one here)\n")
+    return env
+
+
+def make_venv(env: pathlib.Path, python: str,
+              packages: tuple[str, ...]) -> pathlib.Path:
+    """A venv of `python` at `env` with `packages` installed by pip."""
     subprocess.run([python, "-m", "venv", str(env)], check=True,
                    timeout=300)
     subprocess.run([str(env / "bin" / "python"), "-m", "pip", "install",
-                    "-q", "--disable-pip-version-check", "numpy"],
-                   check=True, timeout=600)
-    (root / "envs" / pack / "pixi.toml").write_text("# comfy-env's manifest "
-                                                    "(read by no one here)\n")
+                    "-q", "--disable-pip-version-check", *packages],
+                   check=True, timeout=900)
     return env
 
 

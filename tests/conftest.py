@@ -13,7 +13,13 @@ Markers (registered in pyproject.toml) say what a test needs beyond the
 PyPI (the ``test-comfy-env`` extra): where it is missing the test FAILS
 with a line saying so, it is never skipped; ``-m "not comfy_env"``
 deselects those tests, and every other test file imports and runs
-without comfy-env.
+without comfy-env.  A test marked ``comfyui`` (deselected unless asked
+for with ``-m comfyui``) needs a ComfyUI tree named by
+``COMFY_STANDIN_COMFYUI``: unset, the test fails saying so.
+
+A fixture that runs something whose log explains a failure (ComfyUI's
+own) appends ``(title, read)`` to ``request.node.logs_on_failure``; a
+failed test's report then carries each log as a section of its own.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import itertools
+import os
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -41,6 +48,18 @@ COMFY_ENV_MISSING = (
 )
 
 
+#: What a test marked ``comfyui`` is told when no ComfyUI tree is named.
+COMFYUI_MISSING = (
+    "COMFY_STANDIN_COMFYUI is not set: this test is marked comfyui and "
+    "starts ComfyUI's own main.py.  Set it to a ComfyUI folder (it is "
+    "copied, never written: COMFY_STANDIN_COMFYUI=/path/to/ComfyUI) and "
+    "run pytest with the Python that runs that ComfyUI (with comfy-env "
+    "and comfy-standin installed), or name that Python in "
+    "COMFY_STANDIN_COMFYUI_PYTHON; or leave these tests out (they are, "
+    "unless -m comfyui asks for them)."
+)
+
+
 def comfy_env_version() -> str:
     """The installed comfy-env's version; fails the calling test (never
     skips it) with COMFY_ENV_MISSING when comfy-env cannot be imported."""
@@ -56,6 +75,22 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     # before its fixtures import anything.
     if item.get_closest_marker("comfy_env") is not None:
         comfy_env_version()
+    if (item.get_closest_marker("comfyui") is not None
+            and not os.environ.get("COMFY_STANDIN_COMFYUI")):
+        pytest.fail(COMFYUI_MISSING, pytrace=False)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: Any) -> Any:
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for title, read in getattr(item, "logs_on_failure", ()):
+            try:
+                text = read()
+            except Exception as exc:  # noqa: BLE001 - said in its place
+                text = f"(could not be read: {exc!r})"
+            report.sections.append((title, text))
 
 
 @pytest.fixture

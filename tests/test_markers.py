@@ -87,8 +87,8 @@ def test_without_comfy_env_every_test_file_collects(tmp_path):
     selected, total, deselected = map(int, found.groups())
     assert selected + deselected == total and deselected >= 20, summary
     assert selected > 1000, summary
-    # what was left out is what is marked comfy_env (or torch_worker,
-    # which is marked comfy_env too): no file lost tests by accident
+    # what was left out is what is marked comfy_env (or torch_worker or
+    # comfyui, marked comfy_env too): no file lost tests by accident
     listed = pytest_without_comfy_env(tmp_path, "-q", "--co",
                                       "-m", "comfy_env")
     assert listed.returncode == 0, listed.stdout[-3000:]
@@ -104,6 +104,7 @@ def test_without_comfy_env_every_test_file_collects(tmp_path):
                        "tests/test_comfy_env_matrix.py",
                        "tests/test_comfy_env_reach.py",
                        "tests/test_pack_env_board.py",
+                       "tests/test_comfyui_server.py",
                        "tests/test_bench_regret_smoke.py",
                        "tests/test_bench_edges_smoke.py",
                        "tests/test_shutdown.py"}
@@ -112,6 +113,7 @@ def test_without_comfy_env_every_test_file_collects(tmp_path):
         "tests/test_comfy_env_e2e.py", "tests/test_comfy_env_matrix.py",
         "tests/test_node_install.py", "tests/test_comfy_env_reach.py",
         "tests/test_pack_env_board.py", "tests/test_edges.py",
+        "tests/test_comfyui_server.py",
         "tests/test_bench_regret_smoke.py", "tests/test_bench_edges_smoke.py",
         "tests/test_shutdown.py",
     }
@@ -144,7 +146,8 @@ def test_the_rest_of_a_mixed_file_runs_without_comfy_env(tmp_path):
 def test_every_marker_is_registered_with_what_it_needs(pytestconfig):
     assert "--strict-markers" in pytestconfig.getini("addopts")
     markers = dict(m.split(":", 1) for m in pytestconfig.getini("markers"))
-    assert {"comfy_env", "network", "torch_worker"} <= set(markers)
+    assert {"comfy_env", "comfyui", "network", "torch_worker"} <= set(
+        markers)
     assert all(len(text.strip()) > 20 for text in markers.values())
     # the test-core extra needs no comfy-env; the test extra adds it
     # (read from pyproject.toml: tomllib is not in 3.10's library)
@@ -155,3 +158,19 @@ def test_every_marker_is_registered_with_what_it_needs(pytestconfig):
     assert re.search(
         r'^test = \["comfy-standin\[test-core,test-comfy-env\]"\]', text,
         re.M)
+
+
+def test_a_comfyui_test_fails_when_no_tree_is_named():
+    """The tests against ComfyUI itself, asked for with no ComfyUI tree
+    named: each fails saying what to set, none is skipped."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTEST_ADDOPTS", "COMFY_STANDIN_COMFYUI")}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rA", "-p",
+         "no:cacheprovider", "-m", "comfyui",
+         "tests/test_comfyui_server.py"],
+        capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT, env=env)
+    assert done.returncode == 1, done.stdout[-3000:]
+    assert "skipped" not in done.stdout.lower(), done.stdout[-3000:]
+    assert "3 errors" in done.stdout, done.stdout[-3000:]
+    assert done.stdout.count("COMFY_STANDIN_COMFYUI is not set") >= 3

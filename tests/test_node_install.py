@@ -1,8 +1,9 @@
 """``install-node`` / ``uninstall-node`` and the node entry they write.
 
 The entry is loaded here the way ComfyUI loads a custom node (a module
-spec from the folder's ``__init__.py`` under the folder's name), with the
-mock ``comfy`` package (tests/mockcomfy) and the real comfy-env.
+spec from the folder's ``__init__.py``, named by the folder's path), with
+the mock ``comfy`` package (tests/mockcomfy) and the real comfy-env;
+tests/test_comfyui_server.py loads it in ComfyUI itself.
 """
 
 from __future__ import annotations
@@ -124,12 +125,12 @@ def test_uninstall_keeps_files_it_did_not_write(comfyui):
 
 
 def load_like_comfyui(folder):
-    """ComfyUI's custom-node import: a spec from the folder's __init__."""
-    name = os.path.basename(folder)
+    """ComfyUI's custom-node import (nodes.py, load_custom_node): a spec
+    from the folder's __init__.py, named by the folder's whole path with
+    every "." made "_x_", in sys.modules before it runs."""
+    name = str(folder).replace(".", "_x_")
     spec = importlib.util.spec_from_file_location(
-        name, os.path.join(folder, "__init__.py"),
-        submodule_search_locations=[str(folder)],
-    )
+        name, os.path.join(folder, "__init__.py"))
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:

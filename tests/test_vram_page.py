@@ -12,6 +12,8 @@ worker, and the server gone.
 from __future__ import annotations
 
 import contextlib
+import gzip
+import io
 import json
 import re
 import struct
@@ -116,13 +118,14 @@ class Scene:
 
 
 @contextlib.contextmanager
-def scene(populated=True):
-    """A ComfyServer over a Scene (populated: what the README's
-    screenshot shows)."""
+def scene(populated=True, compress=False):
+    """A ComfyServer over a Scene (populated: host models and stand-ins
+    of two workers, one with a board); `compress` as ComfyUI's
+    --enable-compress-response-body."""
     saved = cs._default_pool
     picture = Scene()
     cs._default_pool = picture.pool
-    server = ComfyServer()
+    server = ComfyServer(compress=compress)
     try:
         if populated:
             picture.host_model("SDXL-unet", 5 * GiB, loaded=3 * GiB)
@@ -179,6 +182,37 @@ def test_the_status_route_runs_in_aiohttp():
         code, _, api_body = get(server.url + "/api" + _server_route.ROUTE)
         assert code == 200 and json.loads(api_body)["pid"] == data["pid"]
         assert get(server.url + "/api" + _server_route.PAGE_ROUTE)[0] == 200
+
+
+def test_the_routes_under_comfyuis_middlewares():
+    """ComfyUI's middlewares stand in front of the routes as in front of
+    its own: a body compressed for a client that asks (the status
+    client does not, and reads it), headers of ours kept, a foreign
+    Origin refused, the frontend's static root behind the page."""
+    from comfy_standin import __main__ as cli
+
+    with scene(compress=True) as (server, _):
+        url = server.url + _server_route.ROUTE
+        request = urllib.request.Request(
+            url, headers={"Accept-Encoding": "gzip"})
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            assert reply.headers["Content-Encoding"] == "gzip"
+            data = json.loads(gzip.decompress(reply.read()))
+        assert data["format"] == 1
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert cli.main(["status", "--url", server.url, "--json"]) == 0
+        assert json.loads(out.getvalue())["pid"] == data["pid"]
+        code, headers, body = get(server.url + _server_route.PAGE_ROUTE)
+        assert code == 200 and headers["Cache-Control"] == "no-cache"
+        assert body == _server_route.PAGE_FILE.read_bytes()
+        request = urllib.request.Request(
+            url, headers={"Origin": "http://elsewhere.example"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        assert refused.value.code == 403
+        code, _, body = get(server.url + "/index.html")
+        assert code == 200 and b"<title>ComfyUI</title>" in body
 
 
 def test_the_eviction_order_is_free_memorys():

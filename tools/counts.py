@@ -54,13 +54,14 @@ STALE_TESTS = 0.05
 #: (CODE) since the commit it was measured at.
 STALE_COMMITS = 40
 CODE = ("tests", "python", "src", "include", "meson.build", "pyproject.toml")
-MARKERS = ("comfy_env", "network", "torch_worker")
+MARKERS = ("comfy_env", "network", "torch_worker", "comfyui")
 
 #: What the suite's collection is asked: the README's test command.
 COLLECT = [sys.executable, "-m", "pytest", "--collect-only", "-q",
            "-p", "no:cacheprovider"]
-#: Every test, torch_worker ones too (deselected by default).
-EVERYTHING = ["-m", "torch_worker or not torch_worker"]
+#: Every test, torch_worker and comfyui ones too (deselected by default).
+EVERYTHING = ["-m", "torch_worker or comfyui or not (torch_worker or "
+              "comfyui)"]
 
 
 def begin(name: str) -> str:
@@ -147,14 +148,15 @@ def counts_block(everything: Collected, default: Collected) -> str:
         f"command (`python -m pytest`); "
         f"{number(everything.total)} are collected in all: "
         f"{number(everything.total - default.total)} more, marked "
-        f"`torch_worker`, run in a CI step of their own.",
+        f"`torch_worker` or `comfyui`, run in CI steps of their own.",
         f"- {number(c)} run on the C type and {number(ref)} on the "
         f"pure-Python reference (the `impl` fixture); the rest are "
         f"C programs, tooling, the command line, typing and docs checks.",
         f"- Marked `comfy_env` (left out by `-m \"not comfy_env\"`): "
         f"{number(marked['comfy_env'])}; `network`: "
         f"{number(marked['network'])}; `torch_worker`: "
-        f"{number(marked['torch_worker'])}.",
+        f"{number(marked['torch_worker'])}; `comfyui`: "
+        f"{number(marked['comfyui'])}.",
         f"- {len(sources)} C source files in `src/` (static analysis); "
         f"{len(harnesses)} libFuzzer harnesses in `tests/fuzz/` "
         f"({', '.join(harnesses)}).",
