@@ -90,7 +90,8 @@ print(json.dumps({
     "minor": "%d.%d" % sys.version_info[:2],
     "comfy_standin": comfy_standin.__version__,
     "comfy_env": md.version("comfy-env"),
-    "supported": list(adapter.SUPPORTED_COMFY_ENV),
+    "supported": [v for v, what in adapter.TESTED_COMFY_ENV.items()
+                  if what == "full"],
     "torch": md.version("torch"),
 }))
 """

@@ -29,6 +29,7 @@ mm = types.ModuleType("comfy.model_management")
 mm.get_torch_device = lambda: types.SimpleNamespace(type="cpu")
 mm.get_total_memory = lambda dev: 0
 mm.get_free_memory = lambda dev: 0
+mm.free_memory = lambda memory_required, device, keep_loaded=[]: []
 comfy_pkg = types.ModuleType("comfy")
 comfy_pkg.model_management = mm
 sys.modules["comfy"] = comfy_pkg
