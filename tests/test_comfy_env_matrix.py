@@ -202,6 +202,28 @@ def test_the_node_entry_says_one_line(fresh, tmp_path, caplog, monkeypatch):
     assert adapter.installed() is (TIER != "refused")
 
 
+def test_a_name_set_after_construction_is_one_instances_have(monkeypatch):
+    """comfy-env 0.4.40 to 0.4.42 set ``_last_vram_report`` on a worker's
+    first frame, not in ``__init__``: the adapter reads it with a default,
+    so the check takes a name any function of the class assigns."""
+
+    class Worker:
+        def __init__(self):
+            self.name = "w"
+
+        def _on_frame(self, report):
+            self._last_vram_report = report
+
+    module = type(sys)("standin_shapes_probe")
+    module.Worker = Worker
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    hook = _shapes.Hook(module.__name__, "Worker", "class",
+                        reads=("name", "_last_vram_report"))
+    assert _shapes.mismatch(hook) is None
+    assert _shapes.mismatch(hook._replace(reads=("sys_path",))) == (
+        "instances have no sys_path")
+
+
 if TIER != "refused":
     # ---- the checks, each made to fail (where the adapter installs) ----
 

@@ -15,7 +15,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-__all__ = ["Hook", "defined", "mismatch", "resolve", "signature", "where"]
+__all__ = ["Hook", "assigned", "defined", "mismatch", "resolve", "signature",
+           "where"]
 
 
 class Hook(NamedTuple):
@@ -34,8 +35,8 @@ class Hook(NamedTuple):
     #: leaves the stand-ins on receipts; any other refuses the install.
     board: bool = False
     #: The adapter reads these: of a class, attributes its instances
-    #: have (set by its ``__init__``, or class attributes); of a function,
-    #: its local variables (read by a frame walk).
+    #: have (class attributes, or set by one of its functions); of a
+    #: function, its local variables (read by a frame walk).
     reads: tuple[str, ...] = ()
     #: Of a class: every attribute it defines is one of these (a new one
     #: may be read off the objects comfy_standin puts in its place).
@@ -84,6 +85,18 @@ def defined(cls: type) -> set[str]:
     return names
 
 
+def assigned(cls: type) -> set[str]:
+    """What instances of `cls` may have: ``defined(cls)`` and what any
+    function of it or of its bases assigns (comfy-env 0.4.40 sets
+    ``_last_vram_report`` on its first frame, not in ``__init__``; the
+    adapter reads such names with a default)."""
+    names = defined(cls)
+    for base in cls.__mro__:
+        for value in vars(base).values():
+            names |= _stored(getattr(value, "__func__", value))
+    return names
+
+
 def mismatch(hook: Hook) -> str | None:
     """Why `hook` does not hold in the installed comfy-env, or None."""
     try:
@@ -114,7 +127,7 @@ def mismatch(hook: Hook) -> str | None:
             return f"is {found}, not {hook.shape}"
     if hook.reads:
         if isinstance(value, type):
-            have = defined(value)
+            have = assigned(value)
             what = "instances have no"
         else:
             code = getattr(value, "__code__", None)
