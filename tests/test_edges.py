@@ -10,8 +10,8 @@ checks what must hold for any input:
 - the comfy-env adapter's ``state_sync`` wrappers, called as comfy-env
   calls them: never raise; the receipts end as if only the valid entries
   had been applied; every log line is one bounded printable line;
-- ``holders.PoolHolder``: never raises; a release frees no more than was
-  held; a worker found dead is gone from the books and never counted
+- ``Pool.reclaim``: never raises; it counts no more than the worker
+  held; a worker found dead is gone from the books and never asked
   again;
 - ``Pool.release_idle_on_pressure``: never more than one ask in flight
   per worker, never more than ``PRESSURE_MAX_ASKS`` asking threads;
@@ -31,12 +31,11 @@ from typing import Any
 
 import fakes
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from mock_fixtures import mock_mm as mm
 
 import comfy_standin as cs
-from comfy_standin import holders
 from comfy_standin import pool as pool_module
 from comfy_standin._text import LOG_TEXT_LIMIT
 from comfy_standin.integrations import comfy_env as adapter
@@ -211,7 +210,7 @@ def test_log_once_set_stays_small(monkeypatch, calls, caplog):
 
 
 # ---------------------------------------------------------------------------
-# the pool as a memory holder
+# reclaim: idle workers asked for bytes no listed model accounts for
 
 receipts = st.one_of(values, st.fixed_dictionaries({}, optional={
     key: st.one_of(st.integers(-5, 2**66), values)
@@ -261,32 +260,30 @@ class Scripted(fakes.FakeWorker):
 @HOSTILE
 @given(script=st.lists(answers, max_size=6),
        flags=st.tuples(st.booleans(), st.booleans(), st.booleans()),
-       asks=st.lists(st.tuples(st.sampled_from(["cuda", "cpu"]),
-                               st.integers(0, 8 * GiB)),
-                     min_size=1, max_size=5))
-def test_pool_holder_against_any_answer(impl, mm_module, script, flags,
-                                        asks, caplog):
+       asks=st.lists(st.integers(0, 8 * GiB), min_size=1, max_size=5))
+@example(script=[("reply", {"receipt": {"freed_bytes": 2**40}})],
+         flags=(True, False, False), asks=[GiB])  # says more than it held
+@example(script=[("die", None)], flags=(True, False, False),
+         asks=[GiB, GiB])
+def test_reclaim_against_any_answer(impl, mm_module, script, flags, asks,
+                                    caplog):
     pool = impl.Pool(floor=0, process_local=False)
     w = Scripted("w", script, flags)
     w.add_model("m", 2 * GiB, resident=2 * GiB)
     s = impl.StandIn(w, 1, "m", 2 * GiB, mm.CUDA0, mm.CPU, pool=pool)
     impl.apply_residency({"m": s}, w.census())
-    pool.report(w, {"held": 2 * GiB, "pinned": 512 * MiB})
-    holder = holders.PoolHolder(pool)
+    pool.report(w, {"held": 3 * GiB, "pinned": 512 * MiB})
     with caplog.at_level(logging.DEBUG, logger="comfy_standin"):
-        for where, size in asks:
-            device = mm.CUDA0 if where == "cuda" else "cpu"
-            held = holder.held_memory(device)
-            freed = holder.release_memory(device, size)
-            assert isinstance(freed, int) and 0 <= freed <= held
+        for size in asks:
+            held = pool.charge_details().get(w, {}).get("held", 0)
+            got = pool.reclaim(size)
+            assert isinstance(got, int) and 0 <= got <= held
             books = pool._ledger.find(w)
             if not w.alive:  # a death seen, or the next ask sees it
-                holder.release_memory(device, size)
-                assert not books.alive
-                assert holder.held_memory(mm.CUDA0) == 0
-                assert holder.held_memory("cpu") == 0
-                assert holder.release_memory(device, size) == 0
-            assert holder.reserved_memory(device) >= 0
+                pool.reclaim(size)
+                assert books is None or not books.alive
+                assert pool.unlisted().get(w, 0) == 0
+                assert pool.reclaim(size) == 0
     assert w.asked_after_death <= 1  # the one ask that found it dead
     for record in caplog.records:
         if record.name.startswith("comfy_standin") and \
