@@ -13,8 +13,6 @@ checks what must hold for any input:
 - ``Pool.reclaim``: never raises; it counts no more than the worker
   held; a worker found dead is gone from the books and never asked
   again;
-- ``Pool.release_idle_on_pressure``: never more than one ask in flight
-  per worker, never more than ``PRESSURE_MAX_ASKS`` asking threads;
 - the adapter's log-once set: keyed by fixed kinds, bounded.
 
 ``install-node`` / ``uninstall-node`` have their own harness in
@@ -25,8 +23,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import threading
-import time
 from typing import Any
 
 import fakes
@@ -36,7 +32,6 @@ from hypothesis import strategies as st
 from mock_fixtures import mock_mm as mm
 
 import comfy_standin as cs
-from comfy_standin import pool as pool_module
 from comfy_standin._text import LOG_TEXT_LIMIT
 from comfy_standin.integrations import comfy_env as adapter
 
@@ -291,91 +286,3 @@ def test_reclaim_against_any_answer(impl, mm_module, script, flags, asks,
             assert "\x1b" not in record.getMessage()
             assert len(record.getMessage()) < 4000
     pool.boundary()
-
-
-# ---------------------------------------------------------------------------
-# the pressure thread
-
-behaviours = st.sampled_from(["stuck", "healthy", "dead", "raise",
-                              "garbage"])
-
-
-class Pressured(fakes.FakeWorker):
-    supports_partial_release = True
-    supports_release_pins = True
-
-    def __init__(self, name: str, behaviour: str, sim: Any) -> None:
-        super().__init__(name, sim=sim)
-        self.behaviour = behaviour
-        self.let_go = threading.Event()
-        self.inside = 0
-        self.most_inside = 0
-        self.lock = threading.Lock()
-
-    def send_command_no_spawn(self, command, size, lock_timeout):
-        with self.lock:
-            self.inside += 1
-            self.most_inside = max(self.most_inside, self.inside)
-        try:
-            if self.behaviour == "stuck":
-                self.let_go.wait(120)
-            if self.behaviour == "dead":
-                self.alive = False
-                return "dead"
-            if self.behaviour == "raise":
-                raise RuntimeError(HUGE)
-            if self.behaviour == "garbage":
-                return {"receipt": {"freed_bytes": 2**66}}
-            return {"receipt": {"freed_bytes": min(size, 64 * MiB)}}
-        finally:
-            with self.lock:
-                self.inside -= 1
-
-
-def pressure_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate()
-            if t.name == "comfy-standin-pressure"]
-
-
-@settings(max_examples=25, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                 HealthCheck.too_slow])
-@given(kinds=st.lists(behaviours, min_size=1, max_size=6),
-       notices=st.integers(1, 25))
-def test_pressure_asks_are_bounded_per_worker_and_in_all(impl, mm_module,
-                                                        kinds, notices):
-    pool = impl.Pool(floor=0, process_local=False)
-    pool.release_idle_on_pressure(debounce=0)
-    workers, keep = [], []
-    sim = mm.Sim()  # a machine per example
-    for i, kind in enumerate(kinds):
-        w = Pressured(f"p{i}", kind, sim)
-        w.add_model(f"m{i}", (i + 1) * 64 * MiB, resident=(i + 1) * 64 * MiB)
-        s = impl.StandIn(w, 1, f"m{i}", (i + 1) * 64 * MiB, "cuda:0", "cpu",
-                         pool=pool)
-        impl.apply_residency({f"m{i}": s}, w.census())
-        workers.append(w)
-        keep.append(s)
-    try:
-        for _ in range(notices):
-            pool.on_pressure(8 * GiB)
-            assert len(pressure_threads()) <= pool_module.PRESSURE_MAX_ASKS
-        deadline = time.monotonic() + 60
-        stuck = sum(1 for k in kinds if k == "stuck")
-        # Rounds not held by a stuck worker end; at most one thread per
-        # stuck worker stays.
-        while len(pressure_threads()) > min(stuck,
-                                            pool_module.PRESSURE_MAX_ASKS):
-            assert time.monotonic() < deadline, "pressure rounds never end"
-            time.sleep(0.005)
-        assert all(w.most_inside <= 1 for w in workers)
-        for w in workers:
-            if w.behaviour == "dead" and w.most_inside:  # it was asked
-                books = pool._ledger.find(w)
-                assert books is None or not books.alive
-    finally:
-        for w in workers:
-            w.let_go.set()
-        for t in pressure_threads():
-            t.join(timeout=120)
-    assert pressure_threads() == []

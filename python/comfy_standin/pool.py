@@ -28,7 +28,6 @@ import logging
 import math
 import sys
 import threading
-import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import ModuleType
@@ -41,16 +40,6 @@ __all__ = ["DEFAULT_FLOOR", "Pool", "WorkerMap"]
 #: CUDA context and handles of one worker process: comfy-env measured
 #: 276-300 MiB per live worker before any model (docs/comfyui.md).
 DEFAULT_FLOOR = 300 << 20
-
-#: Two pressure notices inside this window are one event (comfy-env's
-#: pool uses the same 2 s): ComfyUI's eviction loop may ask several
-#: stand-ins in one pass, and each ask is the same news.
-PRESSURE_DEBOUNCE_SECONDS = 2.0
-#: Pressure asks in flight at once, over all workers: each asking thread
-#: has at most one ask in flight, so this bounds the threads too.
-PRESSURE_MAX_ASKS = 4
-#: comfy-aimdo's compiled-in headroom when ComfyUI seeds none.
-AIMDO_DEFAULT_HEADROOM = 256 << 20
 
 _VALUE_MAX = 2**63 - 1
 _REPORT_FIGURES = ("held", "pinned", "overhead")
@@ -179,21 +168,10 @@ class Pool:
         # stand-in holds its books, so they live exactly as long as one of
         # them does (and hold the worker, so the id stays that worker's).
         self._forgotten: dict[int, list[weakref.ref[Any]]] = {}
-        # publish_reserve(): ComfyUI's own reserve, read once; the value
-        # last written there and into comfy-aimdo's headroom.
-        self._reserve_base: int | None = None
-        self._published: int | None = None
-        self._headroom_written: int | None = None
-        # release_idle_on_pressure(): debounce, the last asking thread, the
-        # asking threads running, and id(worker) -> worker for each worker
-        # with an ask in flight (held, so the id stays that worker's).
-        self._pressure_debounce = PRESSURE_DEBOUNCE_SECONDS
-        self._last_pressure_ask: float | None = None
-        self._pressure_thread: threading.Thread | None = None
-        self._pressure_rounds = 0
-        self._pressure_asking: dict[int, Any] = {}
-        # reclaim(): workers that said they cannot release (once each; held
-        # so the id stays that worker's).
+        # reclaim(): id(worker) -> worker, for the workers being asked and
+        # for those that said they cannot release (held, so each id stays
+        # that worker's).
+        self._asking: dict[int, Any] = {}
         self._said_cannot_release: dict[int, Any] = {}
 
     def __repr__(self) -> str:
@@ -671,154 +649,6 @@ class Pool:
                 books.set_reading(0)
         return WorkerMap(readings)
 
-    # ---- standalone parity with comfy-env's pool ---------------------------
-
-    def publish_reserve(
-        self, mm: Any, device: Any = None, total: int | None = None
-    ) -> int:
-        """Writes ``reserve()`` into ComfyUI's ``mm.EXTRA_RESERVED_VRAM``
-        and forwards it to comfy-aimdo's pager headroom, for a pool used
-        without comfy-env (which publishes its own).  Call it at a
-        boundary.  ComfyUI's own reserve is read once, at the first call,
-        as the base (re-reading it would add the last reserve back).
-
-        The pager ignores EXTRA_RESERVED_VRAM, so when ComfyUI runs it the
-        headroom becomes ComfyUI's seed plus what the pool added on top of
-        the base (never the base again: the seed already carries it), set
-        with ``set_simple_vram_headroom`` only when it changed.  Returns
-        the reserve published."""
-        if self._reserve_base is None:
-            self._reserve_base = int(mm.EXTRA_RESERVED_VRAM)
-        base = self._reserve_base
-        if device is None:
-            device = mm.get_torch_device()
-        value = self.reserve(device, base, total)
-        if value != self._published:
-            mm.EXTRA_RESERVED_VRAM = value
-            self._published = value
-        setter = _aimdo_setter()
-        if setter is not None:
-            headroom = _aimdo_seed() + max(0, value - base)
-            if headroom != self._headroom_written:
-                try:
-                    setter(int(headroom))
-                    self._headroom_written = headroom
-                except Exception:  # noqa: BLE001 - never fail a boundary
-                    log.warning("comfy_standin: pager headroom not set",
-                                exc_info=True)
-        return value
-
-    def release_idle_on_pressure(
-        self, debounce: float = PRESSURE_DEBOUNCE_SECONDS
-    ) -> None:
-        """Sets ``on_pressure`` so that a stand-in freeing less than
-        ComfyUI asked makes idle workers give VRAM back, as comfy-env's
-        pool does: ``partial_release(size=...)`` to every idle worker that
-        advertises it (``supports_partial_release``), largest holder
-        first, each asked only for what is still missing; then
-        ``release_pins(size=pinned)`` to those advertising
-        ``supports_release_pins`` with pinned bytes reported.
-
-        Notices inside `debounce` seconds of the last ask are one event.
-        The stand-in calls ``on_pressure`` inside ComfyUI's
-        ``free_memory``: nothing is sent there, a daemon thread asks (a
-        comfy-env worker through ``send_command_no_spawn(...,
-        lock_timeout=2.0)``; a busy one answers "busy" and is skipped).
-
-        A worker that does not answer holds only its own ask: a worker
-        with an ask in flight is skipped until that ask returns, and at
-        most ``PRESSURE_MAX_ASKS`` threads ask at once (a notice beyond
-        that is dropped).  A worker found dead while asked is marked gone
-        (``worker_gone``)."""
-        self._pressure_debounce = float(debounce)
-        self.on_pressure = self._pressure_noticed
-
-    def _pressure_noticed(self, shortfall: object) -> None:
-        want = _shortfall_bytes(shortfall)
-        if want <= 0:
-            return
-        now = time.monotonic()
-        with self._lock:
-            last = self._last_pressure_ask
-            if last is not None and now - last < self._pressure_debounce:
-                return
-            if self._pressure_rounds >= PRESSURE_MAX_ASKS:
-                return  # the asks in flight are stuck: nothing more to add
-            self._last_pressure_ask = now
-            self._pressure_rounds += 1
-        thread = threading.Thread(
-            target=self._pressure_round, args=(want,),
-            name="comfy-standin-pressure", daemon=True,
-        )
-        self._pressure_thread = thread
-        try:
-            thread.start()
-        except BaseException:  # no thread (RuntimeError): no round
-            with self._lock:
-                self._pressure_rounds -= 1
-            raise
-
-    def _pressure_round(self, shortfall: int) -> None:
-        try:
-            self._ask_idle_workers(shortfall)
-        except Exception:  # noqa: BLE001 - a daemon thread has no caller
-            log.warning("comfy_standin: pressure round failed",
-                        exc_info=True)
-        finally:
-            with self._lock:
-                self._pressure_rounds -= 1
-
-    def _claim_for_ask(self, worker: Any) -> bool:
-        """Marks `worker` as being asked; False when an ask to it is
-        already in flight."""
-        with self._lock:
-            if id(worker) in self._pressure_asking:
-                return False
-            self._pressure_asking[id(worker)] = worker
-            return True
-
-    def _ask_idle_workers(self, shortfall: int) -> int:
-        """Runs on the pressure thread; returns the bytes given back."""
-        candidates = []
-        for worker in self._ledger.keys():
-            books = self._ledger.find(worker)
-            if books is None or not books.alive or books.in_flight:
-                continue
-            charge = books.charge()
-            held = max(charge.get("held", 0), charge.get("sum_loaded", 0))
-            candidates.append((held, _pinned_of(books), worker))
-        candidates.sort(key=lambda c: -c[0])
-        remaining, freed = shortfall, 0
-        for held, pinned, worker in candidates:
-            wants_vram = remaining > 0 and held > 0 and getattr(
-                worker, "supports_partial_release", False)
-            wants_pins = pinned > 0 and getattr(
-                worker, "supports_release_pins", False)
-            if not (wants_vram or wants_pins):
-                continue
-            if not self._claim_for_ask(worker):
-                continue  # its last ask has not returned: not again
-            try:
-                if wants_vram:
-                    reply = self._pressure_ask(
-                        worker, "partial_release", min(held, remaining))
-                    # Read from the dicts' storage: a dict subclass's own
-                    # get() never runs on this thread.
-                    receipt = dict.get(reply, "receipt") if isinstance(
-                        reply, dict) else None
-                    got = dict.get(receipt, "freed_bytes") if isinstance(
-                        receipt, dict) else None
-                    if _is_byte_value(got):
-                        got = min(got, held)  # no more than it held
-                        freed += got
-                        remaining -= min(remaining, got)
-                if wants_pins:
-                    self._pressure_ask(worker, "release_pins", pinned)
-            finally:
-                with self._lock:
-                    self._pressure_asking.pop(id(worker), None)
-        return freed
-
     # ---- unlisted bytes (docs/architecture.md, "Unlisted bytes") ----------
 
     def unlisted(self) -> WorkerMap:
@@ -850,11 +680,11 @@ class Pool:
         Call it where ComfyUI iterates no list (after ``free_memory``)."""
         want = _shortfall_bytes(shortfall)
         got = 0
-        holders = sorted(
+        candidates = sorted(
             ((n, w) for w, n in self.unlisted().items() if n > 0),
             key=lambda item: -item[0],
         )
-        for unlisted, worker in holders:
+        for unlisted, worker in candidates:
             if got >= want:
                 break
             books = self._ledger.find(worker)
@@ -865,14 +695,14 @@ class Pool:
                 self._cannot_release(worker, unlisted,
                                      "it has no partial_release")
                 continue
-            if not self._claim_for_ask(worker):
-                continue  # a pressure ask to it is still out
+            if not self._claim(worker):
+                continue  # another thread is asking it
             try:
                 reply, dead = _ask(worker, "partial_release",
-                                   min(unlisted, want - got), 0.0)
+                                   min(unlisted, want - got))
             finally:
                 with self._lock:
-                    self._pressure_asking.pop(id(worker), None)
+                    self._asking.pop(id(worker), None)
             if dead:
                 self.worker_gone(worker)
                 continue
@@ -890,6 +720,14 @@ class Pool:
                 got += freed
         return got
 
+    def _claim(self, worker: Any) -> bool:
+        """Marks `worker` as being asked; False when another thread is."""
+        with self._lock:
+            if id(worker) in self._asking:
+                return False
+            self._asking[id(worker)] = worker
+            return True
+
     def _cannot_release(self, worker: Any, unlisted: int, why: str) -> None:
         with self._lock:
             if id(worker) in self._said_cannot_release:
@@ -899,18 +737,6 @@ class Pool:
                     "accounts for and cannot release them (%s): ComfyUI "
                     "cannot reach them", visible(worker), unlisted >> 20,
                     visible(why))
-
-    def _pressure_ask(self, worker: Any, command: str, size: int) -> object:
-        """One ask; a death it reveals goes to the pool at once."""
-        reply, dead = _ask(worker, command, size)
-        if dead:
-            books = self._ledger.find(worker)
-            if books is not None and books.alive:
-                log.info("comfy_standin: %s died (found during %s); "
-                         "marked gone", visible(worker), command)
-                self.worker_gone(worker)
-            return None
-        return reply
 
     def reserve(self, device: Any, base: int, total: int | None = None) -> int:
         """The EXTRA_RESERVED_VRAM to publish for `device`.
@@ -926,47 +752,6 @@ class Pool:
         return self._ledger.reserve(
             base, 0 if total is None else total, self._process_local
         )
-
-
-def _aimdo_setter() -> Callable[[int], object] | None:
-    """comfy-aimdo's ``set_simple_vram_headroom`` when ComfyUI runs the
-    pager (``comfy.memory_management.aimdo_enabled``), else None.  The
-    module-level wrapper first, then the C export on ``control.lib``
-    (older wheels ship only that), as comfy-env 0.4.46 looks it up.
-
-    Only modules ComfyUI has already imported are read (``sys.modules``):
-    ComfyUI imports both before it turns the pager on, and an import from
-    here would scan ``sys.path`` on every call outside ComfyUI (and
-    allocate as it fails) or run a module's import-time code."""
-    try:
-        cmm = sys.modules.get("comfy.memory_management")
-        if cmm is None or not getattr(cmm, "aimdo_enabled", False):
-            return None
-        control = sys.modules.get("comfy_aimdo.control")
-        if control is None:
-            return None
-        setter = getattr(control, "set_simple_vram_headroom", None)
-        if setter is None:
-            setter = getattr(getattr(control, "lib", None),
-                             "set_simple_vram_headroom", None)
-    except Exception:  # noqa: BLE001 - a broken module: nothing to forward
-        return None
-    return setter if callable(setter) else None
-
-
-def _aimdo_seed() -> int:
-    """The headroom ComfyUI seeded the pager with: ``--reserve-vram`` GiB
-    in bytes, else comfy-aimdo's default.  ``comfy.cli_args`` is read from
-    ``sys.modules`` only: importing it parses ``sys.argv``."""
-    try:
-        cli_args = sys.modules.get("comfy.cli_args")
-        value = getattr(getattr(cli_args, "args", None), "reserve_vram",
-                        None)
-        if value is not None:
-            return max(0, int(float(value) * (1 << 30)))
-    except Exception:  # noqa: BLE001 - unreadable args: the default
-        pass
-    return AIMDO_DEFAULT_HEADROOM
 
 
 def _has_standins(books: Any) -> bool:
@@ -1033,16 +818,6 @@ def _release_error(reply: object) -> str:
     return f"it answered {reply!r}"
 
 
-def _pinned_of(books: Any) -> int:
-    """The pinned bytes of the worker's last report (C: ``report``;
-    the reference keeps it as ``_pinned``)."""
-    report = getattr(books, "report", None)
-    if isinstance(report, tuple) and len(report) == 3:
-        return int(report[1])
-    value = getattr(books, "_pinned", 0)
-    return value if _is_byte_value(value) else 0
-
-
 def _shortfall_bytes(value: object) -> int:
     """A shortfall as bytes: an int (not a bool) or a finite float, else
     0 (nothing to ask for)."""
@@ -1055,15 +830,13 @@ def _shortfall_bytes(value: object) -> int:
     return 0
 
 
-def _ask(worker: Any, command: str, size: int,
-         lock_timeout: float = 2.0) -> tuple[object, bool]:
-    """One release ask: (reply, the worker is dead).  Never raises an
-    ``Exception``."""
+def _ask(worker: Any, command: str, size: int) -> tuple[object, bool]:
+    """One release ask that never waits for the worker's command lock:
+    (reply, the worker is dead).  Never raises an ``Exception``."""
     try:
         no_spawn = getattr(worker, "send_command_no_spawn", None)
         if callable(no_spawn):
-            reply = no_spawn(command, size=int(size),
-                             lock_timeout=lock_timeout)
+            reply = no_spawn(command, size=int(size), lock_timeout=0.0)
         else:
             reply = worker.send_command(command, size=int(size))
     except Exception as exc:  # noqa: BLE001 - an ask is best effort
