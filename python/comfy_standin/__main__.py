@@ -294,13 +294,7 @@ def _status_once(args: argparse.Namespace, out: Output) -> int:
 
     from . import _status
 
-    if args.impl == "c":
-        pool = cs.default_pool()
-    else:
-        from . import _reference
-
-        pool = _reference.default_pool()
-    status = _status.collect(pool)
+    status = _status.collect(cs.default_pool())
     result = cs.probe()
     if out.json:
         status["probe"] = result
@@ -337,8 +331,6 @@ def _add_status(sub: Any, common: Common) -> None:
             "its GET /comfy_standin/status."
         ),
     )
-    status.add_argument("--impl", choices=("c", "reference"), default="c",
-                        help="whose default pool (default: c)")
     status.add_argument(
         "--url", nargs="?", const=_DEFAULT_URL, default=None,
         help="read a running ComfyUI (with the node entry installed) "

@@ -214,8 +214,7 @@ def charge_text(charge: dict[str, Any]) -> str:
 
 
 def implementation_name(pool: Any) -> str:
-    """``c`` or ``reference``: the names ``demo --impl`` and ``status
-    --impl`` take."""
+    """``c`` or ``reference``: the names ``demo --impl`` takes."""
     impl = getattr(pool, "_impl", None)
     name = getattr(impl, "__name__", "")
     return "reference" if name.endswith("._reference") else "c"
