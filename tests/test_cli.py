@@ -602,9 +602,11 @@ def test_verbose_says_more():
 def test_verbose_help_says_what_it_does_for_the_command(sub):
     """Each command's -v help is its own; the demo's wire log is the
     demo's alone."""
-    from comfy_standin import __main__ as main
-    from comfy_standin import _clidoc
+    from benchload import TOOLS_DIR, load_bench
 
+    from comfy_standin import __main__ as main
+
+    _clidoc = load_bench("clidoc", folder=TOOLS_DIR)
     helps = {name: next(a.help for a in parser._actions
                         if a.dest == "verbose")
              for name, (parser, _) in _clidoc.subcommands(

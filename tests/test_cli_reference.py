@@ -11,9 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from benchload import TOOLS_DIR, load_bench
 
 from comfy_standin import __main__ as cli
-from comfy_standin import _clidoc
+
+_clidoc = load_bench("clidoc", folder=TOOLS_DIR)
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "cli.md"
 TIMEOUT = 120
@@ -63,7 +65,7 @@ def help_options(*command):
 def test_the_generated_block_is_current():
     text = DOC.read_text()
     assert _clidoc.rewrite(text) == text, (
-        "docs/cli.md is stale: run python -m comfy_standin._clidoc "
+        "docs/cli.md is stale: run python tools/clidoc.py "
         "docs/cli.md")
 
 

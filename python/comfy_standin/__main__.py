@@ -4,7 +4,7 @@ COMMAND`` (docs/cli.md).
 Exit codes: ``EXIT_CODES`` below.  SIGINT and SIGTERM run the same
 clean-up (worker processes ended, boards closed) and end with one line on
 stderr.  docs/cli.md's reference is written from this parser
-(``python -m comfy_standin._clidoc docs/cli.md``).
+(``python tools/clidoc.py docs/cli.md``).
 
 Adding a subcommand: write ``_add_NAME(sub, common)`` that adds its
 parser (``parents=[common("what -v adds")]`` gives it ``--json``/

@@ -803,7 +803,7 @@ def _reason(exc: BaseException) -> str:
 # anything is rendered (keys it does not name are let through, so a newer
 # ComfyUI's answer still reads); the route's tests hold every answer the
 # route can build to it strictly (no key it does not name,
-# tests/test_status_schema.py); ``_clidoc`` writes docs/cli.md's field
+# tests/test_status_schema.py); tools/clidoc.py writes docs/cli.md's field
 # table from it.  Nesting is bounded by the table itself.
 
 _INT_BOUND = 1 << 64
