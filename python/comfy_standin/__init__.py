@@ -25,7 +25,7 @@ from ._core import (
     probe,
     raise_peak,
 )
-from ._register import register
+from .pool import register
 
 __version__ = "0.1.0"
 

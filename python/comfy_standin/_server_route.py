@@ -31,11 +31,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import comfy_standin as cs
+
+from ._status import (
+    PAGE_ROUTE,
+    ROUTE,
+    _gib,
+    _worker_name,
+    collect,
+    probe_summary,
+)
 from ._text import NotJSON, json_text, visible
 
-ROUTE = "/comfy_standin/status"
-#: The live VRAM page (a static file that reads ROUTE).
-PAGE_ROUTE = "/comfy_standin/"
 PAGE_FILE = Path(__file__).with_name("page") / "vram.html"
 
 #: Entries of current_loaded_models read per request.
@@ -108,8 +115,6 @@ def _entry_view(index: int, entry: Any) -> dict[str, Any]:
         view["dynamic"] = _call(patcher, "is_dynamic") is True
         view["standin"] = None
         if type(patcher).__module__.startswith("comfy_standin"):
-            from ._status import _worker_name
-
             view["standin"] = {"worker": _short(_worker_name(
                 patcher.worker)), "model_id": _short(patcher.model_id)}
         del patcher
@@ -122,8 +127,6 @@ def _why_first(first: dict[str, Any], second: dict[str, Any] | None) -> str:
     """Why free_memory's sort puts `first` ahead of `second`."""
     if second is None:
         return "the only model ComfyUI could evict on this device"
-    from ._status import _gib
-
     a, b = first["key"], second["key"]
     if a[0] != b[0]:
         return (f"the most offloaded ({_gib(-a[0])} offloaded, the next "
@@ -222,10 +225,6 @@ def comfyui_view() -> dict[str, Any]:
 def payload() -> dict[str, Any]:
     """What the status route answers; also what ``status --url``
     renders.  Never raises: a part that fails is ``{"error": ...}``."""
-    import comfy_standin as cs
-
-    from . import _status
-
     answer: dict[str, Any] = {
         "format": 1,
         "comfy_standin": cs.__version__,
@@ -239,7 +238,7 @@ def payload() -> dict[str, Any]:
         answer["adapter_installed"] = False
     try:
         pool = cs.default_pool()
-        status = _status.collect(pool)
+        status = collect(pool)
         status["held"] = len(pool.held())
         answer["pool"] = status
         charges = sum(w["charge"]["charge"] for w in status["workers"])
@@ -252,7 +251,7 @@ def payload() -> dict[str, Any]:
                          "worker_charges": charges}
     probe = cs.probe()
     answer["probe"] = probe
-    answer["probe_summary"] = _status.probe_summary(probe)
+    answer["probe_summary"] = probe_summary(probe)
     try:
         answer["comfyui"] = comfyui_view()
     except Exception as exc:  # noqa: BLE001 - said in its place

@@ -468,6 +468,10 @@ def visible(value: object, limit: int = TEXT_LIMIT) -> str:
 # ---------------------------------------------------------------------------
 # a running ComfyUI (status --url)
 
+#: What the node entry serves on ComfyUI's server (_server_route.py): the
+#: status answer, and the live VRAM page that reads it.
+ROUTE = "/comfy_standin/status"
+PAGE_ROUTE = "/comfy_standin/"
 #: ComfyUI's default --port, and with its default --listen address.
 DEFAULT_PORT = 8188
 DEFAULT_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
@@ -1226,16 +1230,12 @@ def parse_answer(body: bytes, where: str) -> dict[str, Any]:
 def fetch(url: str, timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
     """GET ``URL/comfy_standin/status`` and check its shape; RemoteError
     says why not, in one line."""
-    from ._server_route import ROUTE
-
     body = get(url, ROUTE, timeout)
     return parse_answer(body, Remote(url).url(ROUTE))
 
 
 def page_address(url: str) -> str:
     """Where the live VRAM page of the ComfyUI at `url` is served."""
-    from ._server_route import PAGE_ROUTE
-
     return Remote(url).url(PAGE_ROUTE)
 
 

@@ -35,7 +35,7 @@ from typing import Any
 
 from ._text import visible
 
-__all__ = ["DEFAULT_FLOOR", "Pool", "WorkerMap"]
+__all__ = ["DEFAULT_FLOOR", "Pool", "WorkerMap", "register"]
 
 #: CUDA context and handles of one worker process: comfy-env measured
 #: 276-300 MiB per live worker before any model (docs/comfyui.md).
@@ -280,8 +280,6 @@ class Pool:
         Call it where ComfyUI iterates no list: at a node boundary
         (``boundary`` does) and before a ``free_memory`` run on a worker's
         behalf, never inside ``free_memory``'s loop."""
-        from ._register import register
-
         listed = {id(entry.model) for entry in list(mm.current_loaded_models)}
         held = {key for key, _ in self._held_items()}
         restored: list[Any] = []
@@ -752,6 +750,48 @@ class Pool:
         return self._ledger.reserve(
             base, 0 if total is None else total, self._process_local
         )
+
+
+def register(mm: Any, s: Any) -> Any:
+    """Insert stand-in `s` into ``mm.current_loaded_models`` (``comfy.
+    model_management`` or a faithful mock) and return its ``LoadedModel``.
+
+    A stand-in already listed gets its entry back, ``currently_used``
+    reset to False, instead of a second one.  ``currently_used`` is False
+    unconditionally: six of the seven readers of the list outside
+    model_management filter on it, which keeps the stand-in's size out of
+    their arithmetic (docs/architecture.md, inaccuracy 3).  The entry gets
+    ``real_model`` and a ``model_finalizer`` as ``LoadedModel.model_load``
+    would set them, because ``model_unload`` detaches the finalizer
+    unconditionally; its ``atexit`` is off, since at interpreter exit
+    ``cleanup_models`` may find model_management half torn down.
+
+    ComfyUI's entry holds its model only weakly, so the stand-in's pool
+    holds it from here on, lists it again at each ``boundary()`` while its
+    model is on the card, and lets it go at the first boundary after its
+    worker lost the model, died or restarted; never inside
+    ``free_memory`` (docs/semantics.md, "The pool").  A patcher that is not
+    a comfy_standin stand-in is kept by whoever made it.
+    """
+    try:
+        owner = getattr(s, "pool", None)
+    except Exception:  # noqa: BLE001 - a foreign patcher's __getattr__
+        owner = None
+    if isinstance(owner, Pool):
+        owner._hold(s)
+    for entry in list(mm.current_loaded_models):
+        if getattr(entry, "model", None) is s:
+            entry.currently_used = False
+            return entry
+    inner = s.model
+    entry = mm.LoadedModel(s)
+    entry.currently_used = False
+    entry.real_model = weakref.ref(inner)
+    finalizer = weakref.finalize(inner, mm.cleanup_models)
+    finalizer.atexit = False
+    entry.model_finalizer = finalizer
+    mm.current_loaded_models.insert(0, entry)
+    return entry
 
 
 def _has_standins(books: Any) -> bool:
