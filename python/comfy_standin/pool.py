@@ -1,23 +1,16 @@
-"""The pool: what every worker costs the card, and the graveyard.
+"""The pool (what every worker costs the card) and ``register``.
 
-One Python class shared by both implementations (docs/reserve.md,
-docs/semantics.md "The pool").  All arithmetic and state of charges live
-in the implementation's ``Ledger`` (the C core or the pure-Python
-reference), and so does the roster of each worker's stand-ins, in the
-worker's books (docs/architecture.md, "One owner for each fact").  This
-class keeps the Python-object logic around them: the graveyard that keeps
-stand-ins of a dead or restarted worker alive until the next node
-boundary, so no ``weakref.finalize`` on their inner module fires inside
-ComfyUI's index-based ``free_memory`` loop, and the registrations it
-holds for ComfyUI.
+One class over either implementation's ``Ledger`` (the C core or the
+pure-Python reference; docs/reserve.md, docs/semantics.md "The pool").
+The ledger keeps each worker's ``WorkerBooks``: its charge figures and the
+list of its live stand-ins.  The pool adds what needs Python objects: the
+stand-ins it holds for ComfyUI, whose list holds them only weakly, and
+those of dead or restarted workers kept until the next node boundary, so
+no ``weakref.finalize`` fires inside ComfyUI's ``free_memory`` loop.
 
-An implementation binds the class to itself with a subclass::
-
-    class Pool(pool.Pool):
-        _impl = sys.modules[__name__]
-
-or per instance with ``Pool(..., _impl=module)``.  The module must provide
-``Ledger`` and ``EchoError``.
+An implementation binds the class with a subclass whose ``_impl`` is the
+implementation's module (which provides ``Ledger`` and ``EchoError``), or
+per instance with ``Pool(..., _impl=module)``.
 """
 
 from __future__ import annotations
@@ -42,7 +35,7 @@ __all__ = ["DEFAULT_FLOOR", "Pool", "WorkerMap", "register"]
 DEFAULT_FLOOR = 300 << 20
 
 _VALUE_MAX = 2**63 - 1
-_REPORT_FIGURES = ("held", "pinned", "overhead")
+_REPORT_FIELDS = ("held", "pinned", "overhead")
 
 log = logging.getLogger("comfy_standin")
 
@@ -56,22 +49,15 @@ def _is_byte_value(value: object) -> bool:
 
 
 class WorkerMap(Mapping[Any, Any]):
-    """``{worker: value}`` keyed by identity, as the pool keys its books.
-
-    What ``Pool.worker_charges()``, ``charge_details()``,
-    ``update_readings()`` and ``standins()`` return: a read-only mapping
-    that works for workers that cannot be hashed (a ``@dataclass`` worker)
-    and never merges two distinct workers that compare equal.  Lookups,
-    ``in``, ``get``, iteration and ``items()`` behave as a dict's; it
-    compares equal to any mapping with the same workers (by identity) and
-    equal values, so ``charges == {w: 42}`` still holds for hashable
-    workers.  ``dict(m)`` works only when every worker is hashable."""
+    """A read-only ``{worker: value}`` keyed by identity, as the ledger keys
+    workers: an unhashable worker works, and two workers that compare
+    equal stay two.  It compares equal to any mapping with the same
+    workers (by identity) and equal values."""
 
     __slots__ = ("_items",)
 
     def __init__(self, pairs: Iterable[tuple[Any, Any]] = ()) -> None:
-        # id(worker) -> (worker, value); the worker is held, so its id
-        # cannot be reused while it is here.
+        # id(worker) -> (worker, value): holding the worker keeps its id.
         self._items: dict[int, tuple[Any, Any]] = {}
         for worker, value in pairs:
             self._items[id(worker)] = (worker, value)
@@ -113,9 +99,9 @@ class WorkerMap(Mapping[Any, Any]):
 class Pool:
     """Per-worker charges over one ledger, and the reserve they size.
 
-    ``on_pressure``: None or a callable taking the shortfall in bytes when
-    a stand-in's ``partially_unload`` freed less than ComfyUI asked
-    (comfy-env uses it to ask idle sibling workers to shrink).  It must not
+    ``on_pressure``: None, or a callable a stand-in calls with the
+    shortfall in bytes when its ``partially_unload`` freed less than
+    ComfyUI asked (comfy-env asks idle workers to shrink).  It must not
     block; its exceptions are logged, never raised into ComfyUI.
     """
 
@@ -143,34 +129,24 @@ class Pool:
         self._impl = impl
         self._ledger = impl.Ledger(floor)
         self._process_local = process_local
-        # Reentrant: a finalizer (any allocation may run the collector)
-        # may call back into the pool on a thread that holds the lock.  A
-        # worker's stand-ins are not here: the roster lives in the worker's
-        # books, in the ledger (docs/architecture.md, "One owner for each
-        # fact").
+        # Reentrant: any allocation may run the collector, and a finalizer
+        # may call back in on the thread that holds the lock.
         self._lock = threading.RLock()
-        # Strong references to stand-ins of dead or restarted workers,
-        # dropped at the next boundary().
+        # Stand-ins of dead or restarted workers, dropped at boundary().
         self._graveyard: dict[int, Any] = {}
-        # Strong references to registered stand-ins (register()): ComfyUI's
-        # list holds its models only weakly, so without this a stand-in
-        # whose caller dropped it would leave the list with no command
-        # reaching its worker.  Released at a boundary() once its worker
-        # lost the model ("not registered") or is gone or restarted, never
-        # because ComfyUI unloaded it (docs/semantics.md "The pool").
+        # Registered stand-ins (ComfyUI's list holds them only weakly),
+        # released once the worker lost the model, died or restarted.
         self._held: dict[int, Any] = {}
         self.on_pressure: Callable[[int], object] | None = None
         # id(worker) -> (worker, the host side of its residency board).
         self._boards: dict[int, tuple[Any, Any]] = {}
-        # id(worker) -> weak references to the books forget() took off
-        # the ledger while some of their stand-ins were alive: worker_gone()
-        # still reaches those stand-ins through their roster.  Each listed
-        # stand-in holds its books, so they live exactly as long as one of
-        # them does (and hold the worker, so the id stays that worker's).
+        # id(worker) -> weak references to books forget() took off the
+        # ledger, so worker_gone() still reaches their stand-ins.  Each
+        # stand-in holds its books, and books hold their worker (the id
+        # stays that worker's).
         self._forgotten: dict[int, list[weakref.ref[Any]]] = {}
-        # reclaim(): id(worker) -> worker, for the workers being asked and
-        # for those that said they cannot release (held, so each id stays
-        # that worker's).
+        # reclaim(): the workers being asked, and those that said they
+        # cannot release (held, so each id stays that worker's).
         self._asking: dict[int, Any] = {}
         self._said_cannot_release: dict[int, Any] = {}
 
@@ -192,14 +168,11 @@ class Pool:
     # ---- stand-ins --------------------------------------------------------
 
     def _bury(self, worker: Any, doomed: Callable[[Any], bool]) -> None:
-        """Moves the worker's stand-ins that are `doomed` to the graveyard.
+        """Moves the worker's `doomed` stand-ins to the graveyard.
 
-        The doomed stay on their roster too: it is how boundary() knows
-        whether anyone still holds a stand-in of a gone worker.  The
-        graveyard is a dict so burying twice keeps one reference.  The
-        roster is read under the lock, as forget() drops it (the lock is
-        reentrant: the snapshot allocates, and a collection may run a
-        finalizer that calls back in on this thread)."""
+        They stay on their books' list too: boundary() reads it to know
+        whether anyone still holds a stand-in of a gone worker.  The list
+        is read under the lock, as forget() drops it."""
         with self._lock:
             books = self._ledger.find(worker)
             members = [] if books is None else books.standins()
@@ -208,10 +181,8 @@ class Pool:
                     self._graveyard[id(standin)] = standin
 
     def standins(self) -> WorkerMap:
-        """{worker: its stand-ins still alive}, those of dead or restarted
-        workers included (they may sit in the graveyard until the next
-        boundary).  For status displays; a snapshot, keyed by identity
-        (``WorkerMap``).  A view of the rosters the workers' books keep."""
+        """{worker: its live stand-ins}, dead or restarted workers
+        included; a snapshot, for status displays."""
         return WorkerMap(
             (books.key, books.standins()) for books in self._ledger.books()
         )
@@ -222,8 +193,7 @@ class Pool:
             return len(self._graveyard)
 
     def _hold(self, standin: Any) -> None:
-        """Called by ``register()``: keep `standin` alive while ComfyUI
-        lists it (see ``boundary``).  Idempotent."""
+        """Keeps a registered `standin` alive (see ``boundary``)."""
         with self._lock:
             self._held[id(standin)] = standin
 
@@ -237,8 +207,8 @@ class Pool:
             return list(self._held.items())
 
     def _dead_workers_held(self) -> list[Any]:
-        """Workers of live held stand-ins whose ``is_alive()`` says False
-        (a raising probe counts as alive, as in the stand-in)."""
+        """Workers of held stand-ins whose ``is_alive()`` says False (one
+        that raises counts as alive, as in the stand-in)."""
         seen: dict[int, Any] = {}
         for _, s in self._held_items():
             try:
@@ -257,29 +227,23 @@ class Pool:
         return dead
 
     def _release_held_locked(self, doomed: Callable[[Any], bool]) -> None:
-        """Moves held stand-ins to the graveyard (dropped at the next
-        boundary, so no finalizer runs inside ``free_memory``)."""
+        """Moves `doomed` held stand-ins to the graveyard."""
         for key, standin in list(self._held.items()):
             if doomed(standin):
                 del self._held[key]
                 self._graveyard[key] = standin
 
     def relist(self, mm: Any) -> list[Any]:
-        """Lists again, in ``mm.current_loaded_models`` (``comfy.
-        model_management``), every live stand-in whose model is on the card
-        by the newest true word (``loaded_size() > 0``: a valid board
-        reading, else the receipt) that ComfyUI no longer lists: a held
-        (registered) one, or one whose eviction a live worker refused
-        (``eviction_deferred``).  ComfyUI pops an entry after every
-        ``model_unload``, and a worker may load the model back in any later
-        call with no new registration (comfy-env dedups on the module), so
-        without this its bytes would sit on the card where ``free_memory``
-        cannot reach them.  Each is listed once, ``currently_used`` False,
-        through ``register``.  Returns them.
+        """Registers again every held or ``eviction_deferred`` stand-in
+        that ComfyUI no longer lists and whose model is on the card
+        (``loaded_size() > 0``); returns them.
 
-        Call it where ComfyUI iterates no list: at a node boundary
-        (``boundary`` does) and before a ``free_memory`` run on a worker's
-        behalf, never inside ``free_memory``'s loop."""
+        ComfyUI pops an entry after every ``model_unload``, and a worker
+        may load the model back in any later call without registering it
+        again (comfy-env dedups on the module): unlisted, its bytes would be
+        out of ``free_memory``'s reach.  Call it at a node boundary or
+        before a ``free_memory`` run on a worker's behalf, never inside
+        ``free_memory``'s loop."""
         listed = {id(entry.model) for entry in list(mm.current_loaded_models)}
         held = {key for key, _ in self._held_items()}
         restored: list[Any] = []
@@ -296,15 +260,13 @@ class Pool:
 
     def census_at_creation(self, created: Mapping[str, Any],
                            census: object) -> int:
-        """Applies a reply frame's census (its ``_vram_report``'s
-        ``residency``) to the stand-ins that frame's registrations made:
-        `created` maps model id -> stand-in.  comfy-env applies a frame's
-        census before it makes that frame's stand-ins, and makes them at
-        full size (their registration said "on cuda"); a model partly
-        resident by then would register at its full size until the next
-        census.  Entries of other ids are ignored, a bad entry is skipped
-        (comfy-env's census never fails a boundary).  Returns the entries
-        applied."""
+        """Applies a reply frame's census to the stand-ins that frame made
+        (`created`: model id -> stand-in); returns the entries applied.
+
+        comfy-env applies the census before it makes the frame's stand-ins,
+        at full size: a partly resident model would otherwise read its full
+        size until the next census.  Other ids are ignored and a bad entry
+        is skipped, as comfy-env's census never fails a boundary."""
         if not created or not isinstance(census, (list, tuple)):
             return 0
         applied = 0
@@ -320,26 +282,17 @@ class Pool:
         return applied
 
     def boundary(self, mm: Any = None) -> list[Any]:
-        """Node-boundary housekeeping.  Call it between nodes, never inside
-        ComfyUI's ``free_memory`` (its loop pops entries by index).
+        """Housekeeping between two nodes, never inside ComfyUI's
+        ``free_memory`` (its loop pops entries by index).
 
-        - Marks gone the workers of held stand-ins whose ``is_alive()``
-          now says False (``worker_gone``).
-        - With `mm` (``comfy.model_management``): ``relist(mm)``, every
-          stand-in ComfyUI dropped whose model is still on the card is
-          listed again.  Returns those stand-ins.
-        - Releases registered stand-ins (``register()`` holds them) only
-          when the worker reports the model gone: they are stale (the
-          worker died or restarted) or their receipt source is "worker
-          gone" (it answered "not registered").  A stand-in ComfyUI
-          unloaded stays held: its worker may load the model back.
-        - Drops the graveyard, then the books of gone workers nobody holds
-          a stand-in of any more (a restart under a new worker object
-          would otherwise keep every dead one on the books forever).
-        """
+        Marks gone the workers of held stand-ins that are no longer alive;
+        with `mm` (``comfy.model_management``), ``relist(mm)`` and returns
+        what it listed; releases held stand-ins whose worker reported the
+        model gone ("not registered"), died or restarted (one ComfyUI
+        unloaded stays held: its worker may load the model back); drops the
+        graveyard, then the books of gone workers nobody holds a stand-in
+        of."""
         restored: list[Any] = []
-        # A worker that died since its last command: its held stand-ins
-        # would otherwise stay listed until ComfyUI happens to evict them.
         for worker in self._dead_workers_held():
             self.worker_gone(worker)
         if mm is not None:
@@ -351,26 +304,24 @@ class Pool:
         with self._lock:
             self._release_held_locked(lambda s: id(s) in done)
             buried, self._graveyard = self._graveyard, {}
-            # Keys first (reading them allocates nothing), then entries: a
-            # finalizer run by an allocation here may call back in.
+            # Keys first, then entries: a finalizer run by an allocation
+            # here may call back in.
             forgotten = [
-                (key, shelf) for key in list(self._forgotten)
-                if (shelf := self._forgotten.get(key)) is not None
+                (key, refs) for key in list(self._forgotten)
+                if (refs := self._forgotten.get(key)) is not None
             ]
-        # Finalizers (mm.cleanup_models) may run here, outside the lock.
-        del buried
-        for key, shelf in forgotten:
-            # Read outside the lock (a roster read allocates).  Books with
-            # no stand-in left never gain one (they are off the ledger), so
-            # they leave the shelf in place: a forget() that shelves more
-            # meanwhile appends to the same list, and keeps its entry.
-            dead = [ref for ref in list(shelf) if not _has_standins(ref())]
+        del buried  # finalizers (mm.cleanup_models) run here, unlocked
+        for key, refs in forgotten:
+            # Read unlocked (reading the stand-ins allocates).  Books off the
+            # ledger never gain a stand-in, so they leave in place: a
+            # forget() meanwhile appends to the same list.
+            dead = [ref for ref in list(refs) if not _has_standins(ref())]
             if not dead:
                 continue
             gone = {id(ref) for ref in dead}
             with self._lock:
-                shelf[:] = [ref for ref in shelf if id(ref) not in gone]
-                if not shelf and self._forgotten.get(key) is shelf:
+                refs[:] = [ref for ref in refs if id(ref) not in gone]
+                if not refs and self._forgotten.get(key) is refs:
                     del self._forgotten[key]
         for books in self._ledger.books():
             if books.alive or books.standins():
@@ -442,20 +393,20 @@ class Pool:
 
     def worker_gone(self, worker: Any) -> None:
         """The worker's process died: its stand-ins read 0, never raise.
-        Reaches the stand-ins of a worker forgotten before it died too:
-        the books and the shelf of forgotten ones are read, and every
-        stand-in marked, in one locked step (as forget() moves books from
-        one to the other), so a second call never returns while the first
-        is still marking."""
+
+        Those of books forget() took off the ledger too.  The books are
+        read and every stand-in marked in one locked step (forget() moves
+        books in one), so a second call never returns before the first has
+        marked them all."""
         with self._lock:
             books = self._ledger.find(worker)
             members = []
             if books is not None:
                 books.gone()
                 members = books.standins()
-            shelf = self._forgotten.pop(id(worker), ())
+            refs = self._forgotten.pop(id(worker), ())
             orphans = [
-                s for ref in shelf for s in _standins_of(ref(), worker)
+                s for ref in refs for s in _standins_of(ref(), worker)
             ]
             for standin in orphans:
                 standin._worker_gone()
@@ -481,15 +432,13 @@ class Pool:
         self._close_board(worker)  # the old process's board
 
     def forget(self, worker: Any) -> None:
-        """Drop the worker's books: it is no longer charged.  Its stand-ins
-        still held keep their receipts and learn of the worker's death from
-        ``worker_gone()`` or their own ``is_alive()`` checks.  The books
-        leave the ledger with their roster in one step, so no stand-in made
-        meanwhile is left on a roster the pool no longer sees; they go on
-        the shelf worker_gone() reads in the same locked step, even with
-        no stand-in listed (one still being made on this thread, by a
-        finalizer that ran this, joins them after; boundary() drops books
-        nobody holds a stand-in of)."""
+        """Drops the worker's books: it is no longer charged.
+
+        Its stand-ins keep their receipts; ``worker_gone()`` still reaches
+        them.  The books leave the ledger with their stand-ins in one step
+        and are kept, weakly, in the same locked step, even with no
+        stand-in yet (one a finalizer is making on this thread joins them
+        after); boundary() drops those nobody holds a stand-in of."""
         with self._lock:
             books = self._ledger.forget(worker)
             if books is not None:
@@ -515,8 +464,7 @@ class Pool:
         """``with pool.call(worker):`` brackets one call into the worker.
 
         A restart or death during the call already cleared the in-flight
-        count, so the exit does not end a call the books no longer hold.
-        """
+        count: the exit then ends nothing."""
         books = self._ledger.find(worker)
         if books is None:
             yield
@@ -540,9 +488,9 @@ class Pool:
                     )
 
     def report(self, worker: Any, vram_report: Mapping[str, Any]) -> int:
-        """Apply a reply frame's ``_vram_report``; returns census entries
-        applied.  The whole report is validated before anything changes;
-        any problem raises ``EchoError`` and changes nothing."""
+        """Applies a reply frame's ``_vram_report``; returns the census
+        entries applied.  Validated whole first: any problem raises
+        ``EchoError`` and changes nothing."""
         echo_error = self._impl.EchoError
         books = self._ledger.find(worker)
         if books is None:
@@ -554,8 +502,8 @@ class Pool:
             raise echo_error(
                 f"vram_report: expected a mapping, got {vram_report!r}"
             )
-        figures: dict[str, int] = {}
-        for name in _REPORT_FIGURES:
+        fields: dict[str, int] = {}
+        for name in _REPORT_FIELDS:
             value = vram_report.get(name)
             if value is None:
                 continue
@@ -563,21 +511,20 @@ class Pool:
                 raise echo_error(
                     f"{name}: expected an int in [0, 2**63-1], got {value!r}"
                 )
-            figures[name] = value
+            fields[name] = value
         applied = 0
         residency = vram_report.get("residency")
         if residency is not None:
-            # All or nothing on its own; the figures cannot fail any more.
+            # All or nothing; the fields, checked above, cannot fail.
             applied = books.apply_census(residency)
-        if figures:
-            books.set_report(**figures)
+        if fields:
+            books.set_report(**fields)
         return applied
 
     # ---- charges ----------------------------------------------------------
 
     def worker_charges(self) -> WorkerMap:
-        """{worker: bytes it costs the card} (docs/reserve.md), keyed by
-        identity (``WorkerMap``: unhashable workers work too)."""
+        """{worker: bytes it costs the card} (docs/reserve.md)."""
         charges: list[tuple[Any, int]] = []
         for worker in self._ledger.keys():
             books = self._ledger.find(worker)
@@ -586,12 +533,9 @@ class Pool:
         return WorkerMap(charges)
 
     def charge_details(self) -> WorkerMap:
-        """{worker: the charge and the figures it came from}, keyed by
-        identity (``WorkerMap``).
-
-        ``held_from_reading`` says the probe's per-pid reading (taken
-        without the worker talking), not the worker's report, set the
-        held figure; ``reading`` and ``held`` give both."""
+        """{worker: ``books.charge()``}: the charge and what it came from
+        (``held_from_reading``: the probe's per-process reading, not the
+        worker's report, set the held figure)."""
         details: list[tuple[Any, dict[str, Any]]] = []
         for worker in self._ledger.keys():
             books = self._ledger.find(worker)
@@ -604,25 +548,17 @@ class Pool:
         probe_result: Mapping[str, Any] | None = None,
         pid_of: Callable[[Any], int | None] | None = None,
     ) -> WorkerMap:
-        """Floors every worker's held figure with the probe's per-pid
-        reading: the VRAM the driver says the worker's process uses, summed
-        over devices.  Returns {worker: reading} for the workers read
-        (a ``WorkerMap``, keyed by identity).
+        """Floors every worker's held figure with the VRAM the driver says
+        its process uses, summed over devices; returns {worker: reading}
+        for the workers read.
 
-        `probe_result` defaults to a fresh ``probe()`` of this pool's
-        implementation.  `pid_of(worker)` gives a worker's process id;
-        the default reads ``worker.pid``, then ``worker.process.pid`` and
-        ``worker._process.pid`` (comfy-env keeps its Popen there).  A worker
-        whose pid is unknown, or whose usage the driver hides, keeps its
-        last reading.  Never raises for a missing GPU: no devices, no
-        readings.
-
-        A device with no per-process readings (``processes`` None: NVML
-        absent, or a list the probe refused, see ``processes_error``; or
-        a truncated list) cannot say what a worker holds there: a worker
-        found on no readable list then loses its reading (0, no floor),
-        so its charge is its own held figure, never a stale or garbled
-        floor."""
+        `probe_result` defaults to a fresh ``probe()``; `pid_of(worker)`
+        defaults to ``worker.pid``, ``worker.process.pid`` or
+        ``worker._process.pid`` (comfy-env's Popen).  A worker whose pid is
+        unknown or hidden keeps its last reading.  Where a device has no
+        readable per-process list (NVML absent, a refused or truncated
+        list), a worker found on no list reads 0: its charge is then its
+        own held figure, never a stale floor."""
         if probe_result is None:
             probe_result = _probe(self._impl)
         used: dict[int, int] = {}
@@ -651,11 +587,9 @@ class Pool:
 
     def unlisted(self) -> WorkerMap:
         """{worker: bytes it holds on the card that none of its models
-        accounts for}: its held figure (the worker's last report, floored
-        by the probe's per-process reading) minus what its stand-ins answer
-        (``sum_loaded``: receipts, or newer board readings).  Its allocator
-        cache, and what it allocated past the ``.to()``/``.cuda()`` hooks
-        (comfy-env registers no model for those).  0 for a gone worker."""
+        accounts for}: its held figure less what its stand-ins answer (its
+        allocator cache, allocations past comfy-env's ``.to()`` hooks); 0
+        for a gone worker."""
         out: list[tuple[Any, int]] = []
         for worker in self._ledger.keys():
             books = self._ledger.find(worker)
@@ -664,18 +598,15 @@ class Pool:
         return WorkerMap(out)
 
     def reclaim(self, shortfall: object) -> int:
-        """ComfyUI is still `shortfall` bytes short after its own eviction:
-        asks idle workers holding unlisted bytes, most first, to give back
-        what is still missing (``partial_release(size=...)``, comfy-env's
-        release through the worker's own manager), on this thread, through
-        ``send_command_no_spawn(..., lock_timeout=0.0)``: a worker another
-        thread is in answers "busy" and is skipped, a worker in a call (its
-        own budget request) is not asked.  Returns the bytes that came
-        back, as each worker measured them (its receipt's ``freed_bytes``,
-        no more than it held); the worker's held figure drops by them.  A
-        worker with unlisted bytes that cannot release (no
-        ``supports_partial_release``, an error receipt) says so once.
-        Call it where ComfyUI iterates no list (after ``free_memory``)."""
+        """Asks idle workers with unlisted bytes, most first, to give back
+        the `shortfall` ComfyUI's own eviction left (comfy-env's
+        ``partial_release``); returns the bytes that came back, as each
+        worker measured them and no more than it held.
+
+        Asks run on this thread and never wait: a worker another thread is
+        in answers "busy" and is skipped, a worker in a call is not asked.
+        A worker that cannot release says so once.  Call it after
+        ``free_memory``, never inside its loop."""
         want = _shortfall_bytes(shortfall)
         got = 0
         candidates = sorted(
@@ -739,12 +670,10 @@ class Pool:
     def reserve(self, device: Any, base: int, total: int | None = None) -> int:
         """The EXTRA_RESERVED_VRAM to publish for `device`.
 
-        `total` is the card's size (None or 0: no cap yet; the probe
-        supplies it).  Device-wide free memory (Linux): `base`.
-        Process-local (Windows WDDM): `base` plus every worker's charge,
-        capped at 75% of the card, growing at once and shrinking only
-        after a release.
-        """
+        Where free memory is device-wide (Linux): `base`.  Where it is
+        per process (WDDM): `base` plus every worker's charge, capped at
+        75% of `total` (the card's size; None: the probe's), growing at
+        once and shrinking only after a release."""
         if total is None and self._process_local:
             total = _card_total(self._impl, device)
         return self._ledger.reserve(
@@ -799,16 +728,14 @@ def _has_standins(books: Any) -> bool:
 
 
 def _standins_of(books: Any, worker: Any) -> list[Any]:
-    """The stand-ins on forgotten `books` of `worker` (none once the books
-    are gone)."""
+    """The stand-ins on `worker`'s forgotten `books`, if still alive."""
     if books is None or books.key is not worker:
         return []
     return list(books.standins())
 
 
 def _still_resident(s: Any) -> bool:
-    """Whether the stand-in's model is on the card by the newest true word
-    (``loaded_size()``: a valid board reading, else the receipt) and its
+    """Whether `s`'s model is on the card (``loaded_size() > 0``) and its
     worker has not reported it gone."""
     try:
         return s.loaded_size() > 0 and s.receipt()[3] != "worker gone"
@@ -859,8 +786,7 @@ def _release_error(reply: object) -> str:
 
 
 def _shortfall_bytes(value: object) -> int:
-    """A shortfall as bytes: an int (not a bool) or a finite float, else
-    0 (nothing to ask for)."""
+    """A shortfall as bytes: an int (not a bool) or a finite float; else 0."""
     if isinstance(value, bool):
         return 0
     if isinstance(value, int):
@@ -896,8 +822,8 @@ def _alive(worker: Any) -> bool:
 
 
 def _probe(impl: ModuleType) -> Mapping[str, Any]:
-    """The GPU probe: the implementation's, else the C one (the probe is
-    dlopen and driver calls; the pure-Python reference has no other)."""
+    """The implementation's GPU probe; the C one for the reference, which
+    has none of its own."""
     probe = getattr(impl, "probe", None)
     if probe is None:
         probe = importlib.import_module("comfy_standin._core").probe
@@ -910,9 +836,8 @@ _PID_PATHS = (("pid",), ("process", "pid"), ("_process", "pid"),
 
 def _default_pid_of(worker: Any) -> int | None:
     """comfy-env's SubprocessWorker and plain Popen-like objects."""
-    # The names are literals (interned): a name built at run time (a
-    # split) is a fresh str each call, and Python 3.10/3.11's attribute
-    # cache keeps a reference to every name it caches.
+    # Literal (interned) names: 3.10 and 3.11's attribute cache keeps a
+    # reference to every name it caches, so a name built per call leaks.
     for path in _PID_PATHS:
         obj = worker
         try:
