@@ -1,20 +1,18 @@
-"""Two read-only routes on ComfyUI's own HTTP server.
+"""Two read-only GET routes on ComfyUI's own HTTP server.
 
 The node entry (``install-node``) calls ``register_with_comfyui()`` while
 ComfyUI loads custom nodes; the routes are added the way custom nodes add
-theirs, through ``server.PromptServer.instance.routes``, GET only:
+theirs, on ``server.PromptServer.instance.routes``:
 
-- ``GET /comfy_standin/status``: ``payload()`` as JSON: this process's
-  default pool (workers, charges, stand-ins with their receipts, boards,
-  holds), ComfyUI's published reserve, the GPU probe, and a read of
+- ``GET /comfy_standin/status``: ``payload()`` as JSON: the default pool,
+  ComfyUI's published reserve, the GPU probe, and a read of
   ``comfy.model_management`` (its loaded models, free memory per device,
   the order its ``free_memory`` would evict in);
-- ``GET /comfy_standin/``: the live VRAM page (``page/vram.html``), a
-  static file that reads the status every two seconds.
+- ``GET /comfy_standin/``: the live VRAM page (``page/vram.html``), a file
+  that reads the status every two seconds.
 
-Nothing is written and nothing secret is served: no environment, no IPC
-keys, only what ComfyUI's process already holds (docs/cli.md, "What
-ComfyUI's server answers").  The status is built off the event loop, in
+Nothing is written and nothing secret is served (docs/cli.md, "What
+ComfyUI's server answers").  The answer is built off the event loop, on
 one thread of its own, and never raises: a part that cannot be read says
 why in its place.
 """

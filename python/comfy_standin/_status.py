@@ -1,10 +1,13 @@
-"""What ``python -m comfy_standin status`` and ``probe`` print.
+"""The status of a pool and of the GPU probe, here or in a running ComfyUI.
 
-``collect(pool)`` gathers a pool's workers, their charges, their
-stand-ins' receipts (age and source) and the boards attached, as plain
-JSON-able data; ``render`` makes it readable.  ``probe_summary`` and
-``render_probe`` do the same for ``comfy_standin.probe()``, saying which
-library failed to load and why when there is no GPU.
+- ``collect(pool)``: a pool's workers, charges, stand-ins' receipts and
+  boards as JSON-able data (what ``status --json`` prints and the status
+  route serves); ``render`` makes it text.
+- ``probe_summary`` and ``render_probe``: ``comfy_standin.probe()`` in
+  words, saying which library did not load and why.
+- ``fetch`` and ``render_remote`` (``status --url``): a running ComfyUI's
+  status route read within one deadline, size and depth bounded, and
+  checked against ``ANSWER``, the answer's schema.
 """
 
 from __future__ import annotations
