@@ -228,11 +228,10 @@ class Scripted(fakes.FakeWorker):
     """Answers each release ask with the next scripted answer."""
 
     def __init__(self, name: str, script: list[tuple[str, Any]],
-                 flags: tuple[bool, bool, bool]) -> None:
+                 releases: bool) -> None:
         super().__init__(name, sim=mm.Sim())  # a machine per example
         self.script = list(script)
-        (self.supports_partial_release, self.supports_full_release,
-         self.supports_release_pins) = flags
+        self.supports_partial_release = releases
         self.asked_after_death = 0
 
     def send_command_no_spawn(self, command, lock_timeout, **params):
@@ -254,16 +253,15 @@ class Scripted(fakes.FakeWorker):
 
 @HOSTILE
 @given(script=st.lists(answers, max_size=6),
-       flags=st.tuples(st.booleans(), st.booleans(), st.booleans()),
+       releases=st.booleans(),
        asks=st.lists(st.integers(0, 8 * GiB), min_size=1, max_size=5))
 @example(script=[("reply", {"receipt": {"freed_bytes": 2**40}})],
-         flags=(True, False, False), asks=[GiB])  # says more than it held
-@example(script=[("die", None)], flags=(True, False, False),
-         asks=[GiB, GiB])
-def test_reclaim_against_any_answer(impl, mm_module, script, flags, asks,
+         releases=True, asks=[GiB])  # says more than it held
+@example(script=[("die", None)], releases=True, asks=[GiB, GiB])
+def test_reclaim_against_any_answer(impl, mm_module, script, releases, asks,
                                     caplog):
     pool = impl.Pool(floor=0, process_local=False)
-    w = Scripted("w", script, flags)
+    w = Scripted("w", script, releases)
     w.add_model("m", 2 * GiB, resident=2 * GiB)
     s = impl.StandIn(w, 1, "m", 2 * GiB, mm.CUDA0, mm.CPU, pool=pool)
     impl.apply_residency({"m": s}, w.census())
