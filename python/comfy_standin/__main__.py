@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from ._text import NotJSON, json_text
+from ._text import NotJSON, json_text, visible
 
 #: Makes the parent parser of a subcommand: the options every command
 #: takes, with that command's help for -v (``_common_options``).
@@ -274,9 +274,8 @@ def _status_remote(args: argparse.Namespace, out: Output) -> int:
         print(f"status: {exc}", file=sys.stderr)
         return EXIT_FAILED
     except Exception as exc:  # noqa: BLE001 - the one-line promise holds
-        print(f"status: {_status.visible(args.url)}: internal error "
-              f"reading the answer ({type(exc).__name__}: "
-              f"{_status.visible(exc, 120)}); please report it",
+        print(f"status: {visible(args.url)}: internal error reading the "
+              f"answer ({visible(exc, 120)}); please report it",
               file=sys.stderr)
         return EXIT_FAILED
     if text is None:

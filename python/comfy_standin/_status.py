@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from . import pool as _pool_module
+from ._text import LOG_TEXT_LIMIT, visible
 
 _LIBRARIES = {
     "cuda": ("CUDA driver", "libcuda.so.1", "COMFY_STANDIN_LIBCUDA"),
@@ -174,7 +175,7 @@ def collect(pool: Any) -> dict[str, Any]:
         spawned = _pid_of(worker)
         pid = _python_pid(pool, worker, standins) or spawned
         workers.append({
-            "worker": _worker_name(worker)[:TEXT_LIMIT],
+            "worker": _worker_name(worker)[:LOG_TEXT_LIMIT],
             "pid": pid,
             "launcher_pid": spawned if spawned not in (None, pid) else None,
             "generation": books.generation,
@@ -438,34 +439,6 @@ def render_probe(result: dict[str, Any]) -> str:
     if elapsed is not None:
         lines.append(f"  probe took {elapsed / 1e6:.2f} ms")
     return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------
-# text for a terminal
-
-#: Longest text from a worker or a reply shown on one line.
-TEXT_LIMIT = 200
-
-
-def _escape(ch: str) -> str:
-    code = ord(ch)
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
-
-
-def visible(value: object, limit: int = TEXT_LIMIT) -> str:
-    """`value` as text a terminal shows and never obeys: every character
-    Python does not call printable (``str.isprintable``: control
-    characters C0, DEL and C1 (cursor moves, screen clears, OSC 52
-    clipboard writes), format characters (bidirectional overrides,
-    zero-width marks), separators other than the space, unassigned and
-    private-use code points) is written as ``\\xNN``/``\\uNNNN``;
-    text longer than `limit` characters ends in ``...``."""
-    text = value if isinstance(value, str) else str(value)
-    if len(text) > limit:
-        text = text[:limit] + "..."
-    if text.isascii() and text.isprintable():
-        return text
-    return "".join(ch if ch.isprintable() else _escape(ch) for ch in text)
 
 
 # ---------------------------------------------------------------------------
@@ -1219,7 +1192,7 @@ def parse_answer(body: bytes, where: str) -> dict[str, Any]:
                           f"to be a status") from None
     except ValueError as exc:  # includes UnicodeDecodeError
         raise RemoteError(f"{where}: the answer is not JSON "
-                          f"({visible(exc, 80)})") from None
+                          f"({visible(str(exc), 80)})") from None
     if not _depth_within(data, MAX_DEPTH):
         raise RemoteError(f"{where}: the answer is nested deeper than "
                           f"{MAX_DEPTH} levels; not a status")
