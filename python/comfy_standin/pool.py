@@ -9,8 +9,7 @@ those of dead or restarted workers kept until the next node boundary, so
 no ``weakref.finalize`` fires inside ComfyUI's ``free_memory`` loop.
 
 An implementation binds the class with a subclass whose ``_impl`` is the
-implementation's module (which provides ``Ledger`` and ``EchoError``), or
-per instance with ``Pool(..., _impl=module)``.
+implementation's module (which provides ``Ledger`` and ``EchoError``).
 """
 
 from __future__ import annotations
@@ -108,13 +107,9 @@ class Pool:
     _impl: ModuleType | None = None
 
     def __init__(
-        self,
-        floor: int = DEFAULT_FLOOR,
-        process_local: bool | None = None,
-        *,
-        _impl: ModuleType | None = None,
+        self, floor: int = DEFAULT_FLOOR, process_local: bool | None = None
     ) -> None:
-        impl = _impl if _impl is not None else type(self)._impl
+        impl = type(self)._impl
         if impl is None:
             impl = importlib.import_module("comfy_standin._core")
         if process_local is None:
