@@ -606,10 +606,10 @@ def test_verbose_help_says_what_it_does_for_the_command(sub):
 
     from comfy_standin import __main__ as main
 
-    _clidoc = load_bench("clidoc", folder=TOOLS_DIR)
+    clidoc = load_bench("clidoc", folder=TOOLS_DIR)
     helps = {name: next(a.help for a in parser._actions
                         if a.dest == "verbose")
-             for name, (parser, _) in _clidoc.subcommands(
+             for name, (parser, _) in clidoc.subcommands(
                  main.build_parser()).items()}
     verbose = types.SimpleNamespace(help=helps[sub])
     assert list(helps.values()).count(verbose.help) == 1, helps
