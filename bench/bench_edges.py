@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """What the hostile-edge checks cost, side by side in one run.
 
-Run from the repository root (the comfy-env rows need comfy-env, the
-holder rows the test extra: tests/fakes.py and tests/mockcomfy)::
+Run from the repository root (the comfy-env rows need comfy-env and the
+test extra: tests/fakes.py and tests/mockcomfy)::
 
     python bench/bench_edges.py            # print the table
     python bench/bench_edges.py --write    # and rewrite our section of
@@ -14,10 +14,6 @@ count doubles until a run takes 20 ms, then 7 rounds) and prints both,
 best (median, p90) of the rounds, and the ratio of the bests; the section
 gives the machine's load before and after and the command that ran:
 
-- ``PoolHolder ask``: ``release_memory`` on one idle worker that answers
-  at once, with the ask on a helper thread under the call's deadline
-  (how it runs now) against the ask on the caller's thread (how it ran
-  before the deadline: ``_ask_now`` directly).
 - ``census wrapper``: comfy-env's ``state_sync.apply_residency`` as the
   adapter wraps it (every entry checked, then the C state sync) against
   ``comfy_standin.apply_residency`` called directly, on a valid census of
@@ -95,37 +91,6 @@ def pair(a: Callable[[], object], b: Callable[[], object],
 
 
 # ---- rows ------------------------------------------------------------------
-
-
-def holder_rows(cfg: dict[str, Any]) -> list[tuple[str, str, list[float], str,
-                                                   list[float]]]:
-    _tests_on_path()
-    import fakes
-    from mock_fixtures import mock_mm as mm
-
-    import comfy_standin as cs
-    from comfy_standin import holders
-
-    class Answering(fakes.FakeWorker):
-        supports_partial_release = True
-
-        def send_command_no_spawn(self, command, lock_timeout, **params):
-            return {"status": "ok", "receipt": {"freed_bytes": 1 * MIB}}
-
-    pool = cs.Pool(floor=0, process_local=False)
-    worker = Answering("w", sim=mm.Sim())
-    worker.add_model("m", 2 * GIB, resident=2 * GIB)
-    standin = cs.StandIn(worker, 1, "m", 2 * GIB, mm.CUDA0, mm.CPU,
-                         pool=pool)
-    cs.apply_residency({"m": standin}, worker.census())
-    threaded = holders.PoolHolder(pool)
-    direct = holders.PoolHolder(pool)
-    direct._ask = direct._ask_now  # type: ignore[method-assign]
-    now, before = pair(lambda: threaded.release_memory(mm.CUDA0, MIB),
-                       lambda: direct.release_memory(mm.CUDA0, MIB), cfg)
-    assert standin is not None
-    return [("PoolHolder.release_memory, one idle worker",
-             "helper thread + deadline", now, "caller's thread", before)]
 
 
 def census_rows(cfg: dict[str, Any]) -> list[tuple[str, str, list[float], str,
@@ -237,7 +202,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     level = logger.level
     logger.setLevel(logging.CRITICAL)  # the rows log on purpose
     try:
-        rows = holder_rows(cfg) + census_rows(cfg) + visible_rows(cfg)
+        rows = census_rows(cfg) + visible_rows(cfg)
         return {"rows": rows, "memory": memory_row(cfg)}
     finally:
         logger.setLevel(level)
@@ -277,10 +242,6 @@ def section(results: dict[str, Any], argv: list[str] | None = None,
         "the other's, of the best rounds.",
         "",
         table(results),
-        "",
-        "The deadline's helper thread is paid once per ask, only under "
-        "memory pressure (ComfyUI asks holders after its own models); it "
-        "bounds how long one silent worker can hold ComfyUI's thread.",
         END_MARKER,
     ])
 

@@ -11,9 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from benchload import TOOLS_DIR, load_bench
 
 from comfy_standin import __main__ as cli
-from comfy_standin import _clidoc
+
+clidoc = load_bench("clidoc", folder=TOOLS_DIR)
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "cli.md"
 TIMEOUT = 120
@@ -30,7 +32,7 @@ def doc_sections():
     """{command: set of option strings its doc table lists}; "" is the
     top level, "*" the options every command takes."""
     text = DOC.read_text()
-    block = text[text.index(_clidoc.BEGIN):text.index(_clidoc.END)]
+    block = text[text.index(clidoc.BEGIN):text.index(clidoc.END)]
     sections: dict[str, set[str]] = {"": set()}
     current = ""
     for line in block.splitlines():
@@ -62,19 +64,19 @@ def help_options(*command):
 
 def test_the_generated_block_is_current():
     text = DOC.read_text()
-    assert _clidoc.rewrite(text) == text, (
-        "docs/cli.md is stale: run python -m comfy_standin._clidoc "
+    assert clidoc.rewrite(text) == text, (
+        "docs/cli.md is stale: run python tools/clidoc.py "
         "docs/cli.md")
 
 
 def test_the_check_command_says_when_stale(tmp_path):
     stale = tmp_path / "cli.md"
-    stale.write_text(f"intro\n{_clidoc.BEGIN}\nold\n{_clidoc.END}\nend\n")
-    assert _clidoc.main(["--check", str(stale)]) == 1
-    assert _clidoc.main([str(stale)]) == 0
+    stale.write_text(f"intro\n{clidoc.BEGIN}\nold\n{clidoc.END}\nend\n")
+    assert clidoc.main(["--check", str(stale)]) == 1
+    assert clidoc.main([str(stale)]) == 0
     text = stale.read_text()
     assert text.startswith("intro\n") and text.endswith("\nend\n")
-    assert _clidoc.main(["--check", str(stale)]) == 0
+    assert clidoc.main(["--check", str(stale)]) == 0
 
 
 def test_the_rewrite_never_writes_through_a_link(tmp_path):
@@ -84,13 +86,13 @@ def test_the_rewrite_never_writes_through_a_link(tmp_path):
     outside = tmp_path / "outside.txt"
     outside.write_text("not yours\n")
     source = tmp_path / "real.md"
-    source.write_text(f"intro\n{_clidoc.BEGIN}\nold\n{_clidoc.END}\nend\n")
+    source.write_text(f"intro\n{clidoc.BEGIN}\nold\n{clidoc.END}\nend\n")
     page = tmp_path / "cli.md"
     page.symlink_to(source)
     (tmp_path / ".cli.md.tmp").symlink_to(outside)
-    assert _clidoc.main([str(page)]) == 0
+    assert clidoc.main([str(page)]) == 0
     assert not page.is_symlink()
-    assert _clidoc.BEGIN in page.read_text()
+    assert clidoc.BEGIN in page.read_text()
     assert "old" in source.read_text()  # the link's target is untouched
     assert outside.read_text() == "not yours\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == [
@@ -100,7 +102,7 @@ def test_the_rewrite_never_writes_through_a_link(tmp_path):
 def test_every_command_is_documented_and_in_help():
     documented = set(doc_sections()) - {"", "*", "Exit"}
     _, top = help_options()
-    parser_commands = set(_clidoc.subcommands(cli.build_parser()))
+    parser_commands = set(clidoc.subcommands(cli.build_parser()))
     assert documented == parser_commands
     assert {"demo", "status", "probe", "selfcheck", "install-node",
             "uninstall-node"} <= documented
@@ -109,13 +111,13 @@ def test_every_command_is_documented_and_in_help():
 
 
 @pytest.mark.parametrize(
-    "command", sorted(_clidoc.subcommands(cli.build_parser())))
+    "command", sorted(clidoc.subcommands(cli.build_parser())))
 def test_doc_and_help_list_the_same_options(command):
     sections = doc_sections()
     listed, text = help_options(command)
     assert sections[command] | sections["*"] == listed
     # Each option's help text, as the doc has it, is what --help says.
-    parser = _clidoc.subcommands(cli.build_parser())[command][0]
+    parser = clidoc.subcommands(cli.build_parser())[command][0]
     flat = " ".join(text.split())
     for action in parser._actions:
         if action.help and "%(" not in action.help:
@@ -129,7 +131,7 @@ def test_status_doc_names_url_watch_open():
 
 def documented_codes():
     text = DOC.read_text()
-    block = text[text.index("### Exit codes"):text.index(_clidoc.END)]
+    block = text[text.index("### Exit codes"):text.index(clidoc.END)]
     return [int(code) for code in re.findall(r"^\| (\d+) \|", block, re.M)]
 
 

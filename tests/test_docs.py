@@ -180,7 +180,7 @@ def test_glossary_defines_every_term_the_demo_names():
     from comfy_standin import _demo
 
     glossary = (ROOT / "docs" / "glossary.md").read_text()
-    headings = set(re.findall(r"^## (\w[\w ]*)$", glossary, re.M))
-    assert set(_demo.GLOSSARY) <= headings
-    assert {"receipt", "census", "echo", "board", "charge", "floor",
-            "reserve", "supremum", "generation"} <= headings
+    # A heading, or a word defined in bold inside an entry.
+    defined = set(re.findall(r"^## (\w[\w ]*)$", glossary, re.M)) | set(
+        re.findall(r"\*\*(\w[\w -]*)\*\*", glossary))
+    assert set(_demo.GLOSSARY) <= defined, set(_demo.GLOSSARY) - defined

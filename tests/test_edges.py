@@ -10,11 +10,9 @@ checks what must hold for any input:
 - the comfy-env adapter's ``state_sync`` wrappers, called as comfy-env
   calls them: never raise; the receipts end as if only the valid entries
   had been applied; every log line is one bounded printable line;
-- ``holders.PoolHolder``: never raises; a release frees no more than was
-  held; a worker found dead is gone from the books and never counted
+- ``Pool.reclaim``: never raises; it counts no more than the worker
+  held; a worker found dead is gone from the books and never asked
   again;
-- ``Pool.release_idle_on_pressure``: never more than one ask in flight
-  per worker, never more than ``PRESSURE_MAX_ASKS`` asking threads;
 - the adapter's log-once set: keyed by fixed kinds, bounded.
 
 ``install-node`` / ``uninstall-node`` have their own harness in
@@ -25,19 +23,15 @@ from __future__ import annotations
 
 import importlib
 import logging
-import threading
-import time
 from typing import Any
 
 import fakes
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from mock_fixtures import mock_mm as mm
 
 import comfy_standin as cs
-from comfy_standin import holders
-from comfy_standin import pool as pool_module
 from comfy_standin._text import LOG_TEXT_LIMIT
 from comfy_standin.integrations import comfy_env as adapter
 
@@ -211,7 +205,7 @@ def test_log_once_set_stays_small(monkeypatch, calls, caplog):
 
 
 # ---------------------------------------------------------------------------
-# the pool as a memory holder
+# reclaim: idle workers asked for bytes no listed model accounts for
 
 receipts = st.one_of(values, st.fixed_dictionaries({}, optional={
     key: st.one_of(st.integers(-5, 2**66), values)
@@ -234,11 +228,10 @@ class Scripted(fakes.FakeWorker):
     """Answers each release ask with the next scripted answer."""
 
     def __init__(self, name: str, script: list[tuple[str, Any]],
-                 flags: tuple[bool, bool, bool]) -> None:
+                 releases: bool) -> None:
         super().__init__(name, sim=mm.Sim())  # a machine per example
         self.script = list(script)
-        (self.supports_partial_release, self.supports_full_release,
-         self.supports_release_pins) = flags
+        self.supports_partial_release = releases
         self.asked_after_death = 0
 
     def send_command_no_spawn(self, command, lock_timeout, **params):
@@ -260,33 +253,30 @@ class Scripted(fakes.FakeWorker):
 
 @HOSTILE
 @given(script=st.lists(answers, max_size=6),
-       flags=st.tuples(st.booleans(), st.booleans(), st.booleans()),
-       asks=st.lists(st.tuples(st.sampled_from(["cuda", "cpu"]),
-                               st.integers(0, 8 * GiB)),
-                     min_size=1, max_size=5))
-def test_pool_holder_against_any_answer(impl, mm_module, script, flags,
-                                        asks, caplog):
+       releases=st.booleans(),
+       asks=st.lists(st.integers(0, 8 * GiB), min_size=1, max_size=5))
+@example(script=[("reply", {"receipt": {"freed_bytes": 2**40}})],
+         releases=True, asks=[GiB])  # says more than it held
+@example(script=[("die", None)], releases=True, asks=[GiB, GiB])
+def test_reclaim_against_any_answer(impl, mm_module, script, releases, asks,
+                                    caplog):
     pool = impl.Pool(floor=0, process_local=False)
-    w = Scripted("w", script, flags)
+    w = Scripted("w", script, releases)
     w.add_model("m", 2 * GiB, resident=2 * GiB)
     s = impl.StandIn(w, 1, "m", 2 * GiB, mm.CUDA0, mm.CPU, pool=pool)
     impl.apply_residency({"m": s}, w.census())
-    pool.report(w, {"held": 2 * GiB, "pinned": 512 * MiB})
-    holder = holders.PoolHolder(pool)
+    pool.report(w, {"held": 3 * GiB, "pinned": 512 * MiB})
     with caplog.at_level(logging.DEBUG, logger="comfy_standin"):
-        for where, size in asks:
-            device = mm.CUDA0 if where == "cuda" else "cpu"
-            held = holder.held_memory(device)
-            freed = holder.release_memory(device, size)
-            assert isinstance(freed, int) and 0 <= freed <= held
+        for size in asks:
+            held = pool.charge_details().get(w, {}).get("held", 0)
+            got = pool.reclaim(size)
+            assert isinstance(got, int) and 0 <= got <= held
             books = pool._ledger.find(w)
             if not w.alive:  # a death seen, or the next ask sees it
-                holder.release_memory(device, size)
-                assert not books.alive
-                assert holder.held_memory(mm.CUDA0) == 0
-                assert holder.held_memory("cpu") == 0
-                assert holder.release_memory(device, size) == 0
-            assert holder.reserved_memory(device) >= 0
+                pool.reclaim(size)
+                assert books is None or not books.alive
+                assert pool.unlisted().get(w, 0) == 0
+                assert pool.reclaim(size) == 0
     assert w.asked_after_death <= 1  # the one ask that found it dead
     for record in caplog.records:
         if record.name.startswith("comfy_standin") and \
@@ -294,91 +284,3 @@ def test_pool_holder_against_any_answer(impl, mm_module, script, flags,
             assert "\x1b" not in record.getMessage()
             assert len(record.getMessage()) < 4000
     pool.boundary()
-
-
-# ---------------------------------------------------------------------------
-# the pressure thread
-
-behaviours = st.sampled_from(["stuck", "healthy", "dead", "raise",
-                              "garbage"])
-
-
-class Pressured(fakes.FakeWorker):
-    supports_partial_release = True
-    supports_release_pins = True
-
-    def __init__(self, name: str, behaviour: str, sim: Any) -> None:
-        super().__init__(name, sim=sim)
-        self.behaviour = behaviour
-        self.let_go = threading.Event()
-        self.inside = 0
-        self.most_inside = 0
-        self.lock = threading.Lock()
-
-    def send_command_no_spawn(self, command, size, lock_timeout):
-        with self.lock:
-            self.inside += 1
-            self.most_inside = max(self.most_inside, self.inside)
-        try:
-            if self.behaviour == "stuck":
-                self.let_go.wait(120)
-            if self.behaviour == "dead":
-                self.alive = False
-                return "dead"
-            if self.behaviour == "raise":
-                raise RuntimeError(HUGE)
-            if self.behaviour == "garbage":
-                return {"receipt": {"freed_bytes": 2**66}}
-            return {"receipt": {"freed_bytes": min(size, 64 * MiB)}}
-        finally:
-            with self.lock:
-                self.inside -= 1
-
-
-def pressure_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate()
-            if t.name == "comfy-standin-pressure"]
-
-
-@settings(max_examples=25, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                 HealthCheck.too_slow])
-@given(kinds=st.lists(behaviours, min_size=1, max_size=6),
-       notices=st.integers(1, 25))
-def test_pressure_asks_are_bounded_per_worker_and_in_all(impl, mm_module,
-                                                        kinds, notices):
-    pool = impl.Pool(floor=0, process_local=False)
-    pool.release_idle_on_pressure(debounce=0)
-    workers, keep = [], []
-    sim = mm.Sim()  # a machine per example
-    for i, kind in enumerate(kinds):
-        w = Pressured(f"p{i}", kind, sim)
-        w.add_model(f"m{i}", (i + 1) * 64 * MiB, resident=(i + 1) * 64 * MiB)
-        s = impl.StandIn(w, 1, f"m{i}", (i + 1) * 64 * MiB, "cuda:0", "cpu",
-                         pool=pool)
-        impl.apply_residency({f"m{i}": s}, w.census())
-        workers.append(w)
-        keep.append(s)
-    try:
-        for _ in range(notices):
-            pool.on_pressure(8 * GiB)
-            assert len(pressure_threads()) <= pool_module.PRESSURE_MAX_ASKS
-        deadline = time.monotonic() + 60
-        stuck = sum(1 for k in kinds if k == "stuck")
-        # Rounds not held by a stuck worker end; at most one thread per
-        # stuck worker stays.
-        while len(pressure_threads()) > min(stuck,
-                                            pool_module.PRESSURE_MAX_ASKS):
-            assert time.monotonic() < deadline, "pressure rounds never end"
-            time.sleep(0.005)
-        assert all(w.most_inside <= 1 for w in workers)
-        for w in workers:
-            if w.behaviour == "dead" and w.most_inside:  # it was asked
-                books = pool._ledger.find(w)
-                assert books is None or not books.alive
-    finally:
-        for w in workers:
-            w.let_go.set()
-        for t in pressure_threads():
-            t.join(timeout=120)
-    assert pressure_threads() == []

@@ -888,7 +888,11 @@ def scenario_cleared_module_state_standin(impl: Any) -> None:
     from comfy_standin.pool import Pool
 
     copy = _module_copy()
-    pool = Pool(_impl=copy)
+
+    class CopyPool(Pool):
+        _impl = copy
+
+    pool = CopyPool()
     worker = Worker()
     made = copy.StandIn(worker, 1, "m0", SIZE, "cuda:0", "cpu", pool=pool)
     copy.apply_echo(made, 500)

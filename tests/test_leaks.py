@@ -554,12 +554,6 @@ WORKLOADS = {
         bad(pool.forget)
         pool.held()
         bad(pool.held, 1)
-        pool.publish_reserve(mm)
-        pool.publish_reserve(mm, "cuda:0", 4000)
-        bad(pool.publish_reserve, object())
-        bad(pool.publish_reserve)
-        pool.release_idle_on_pressure(0.5)
-        bad(pool.release_idle_on_pressure, 1, 2)
         pool.on_pressure = None
         cs.default_pool()
         bad(cs.default_pool, 1)

@@ -420,7 +420,8 @@ def test_local_status_shows_control_characters_too(impl):
 
 
 def test_a_long_text_is_cut():
-    assert _status.visible("x" * 1000) == "x" * _status.TEXT_LIMIT + "..."
+    assert _status.visible("x" * 1000) == (
+        "x" * _status.LOG_TEXT_LIMIT + "...[+800 chars]")
 
 
 def test_watch_ends_with_130_on_ctrl_c():
@@ -542,8 +543,8 @@ def test_status_survives_a_worker_whose_repr_raises_or_runs_long(impl):
     data = _status.collect(pool)
     names = sorted(w["worker"] for w in data["workers"])
     assert names == ["<Odd object; its repr raised RuntimeError>",
-                     "by-repr", "p" * _status.TEXT_LIMIT,
-                     "x" * _status.TEXT_LIMIT]
+                     "by-repr", "p" * _status.LOG_TEXT_LIMIT,
+                     "x" * _status.LOG_TEXT_LIMIT]
     assert [w["pid"] for w in data["workers"]] == [None] * 4
     assert "repr raised" in _status.render(data, probe=False)
     del kept

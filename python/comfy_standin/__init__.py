@@ -1,9 +1,9 @@
-"""comfy_standin: honest, cheap stand-ins for subprocess-held models in
-ComfyUI's VRAM management.
+"""comfy_standin: stand-ins in ComfyUI's loaded-model list for the models
+comfy-env's worker processes hold.
 
 The names here are the C implementation (``comfy_standin._core``); the
-pure-Python reference of the same contract is ``comfy_standin._reference``.
-See docs/semantics.md for the contract in detail.
+pure-Python reference of the same contract is ``comfy_standin._reference``
+(docs/semantics.md).
 """
 
 import sys as _sys
@@ -25,7 +25,7 @@ from ._core import (
     probe,
     raise_peak,
 )
-from ._register import register
+from .pool import register
 
 __version__ = "0.1.0"
 
@@ -67,8 +67,6 @@ def default_pool() -> Pool:
         return _default_pool
 
 
-
 def __dir__() -> list[str]:
-    """The API only: ``__all__`` and ``__version__`` (the module's own
-    imports and private helpers stay reachable but unlisted)."""
+    """``__all__`` and ``__version__``: private names stay unlisted."""
     return sorted([*__all__, "__version__"])

@@ -4,7 +4,7 @@ COMMAND`` (docs/cli.md).
 Exit codes: ``EXIT_CODES`` below.  SIGINT and SIGTERM run the same
 clean-up (worker processes ended, boards closed) and end with one line on
 stderr.  docs/cli.md's reference is written from this parser
-(``python -m comfy_standin._clidoc docs/cli.md``).
+(``python tools/clidoc.py docs/cli.md``).
 
 Adding a subcommand: write ``_add_NAME(sub, common)`` that adds its
 parser (``parents=[common("what -v adds")]`` gives it ``--json``/
@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from ._text import NotJSON, json_text
+from ._text import NotJSON, json_text, visible
 
 #: Makes the parent parser of a subcommand: the options every command
 #: takes, with that command's help for -v (``_common_options``).
@@ -274,9 +274,8 @@ def _status_remote(args: argparse.Namespace, out: Output) -> int:
         print(f"status: {exc}", file=sys.stderr)
         return EXIT_FAILED
     except Exception as exc:  # noqa: BLE001 - the one-line promise holds
-        print(f"status: {_status.visible(args.url)}: internal error "
-              f"reading the answer ({type(exc).__name__}: "
-              f"{_status.visible(exc, 120)}); please report it",
+        print(f"status: {visible(args.url)}: internal error reading the "
+              f"answer ({visible(exc, 120)}); please report it",
               file=sys.stderr)
         return EXIT_FAILED
     if text is None:
@@ -294,13 +293,7 @@ def _status_once(args: argparse.Namespace, out: Output) -> int:
 
     from . import _status
 
-    if args.impl == "c":
-        pool = cs.default_pool()
-    else:
-        from . import _reference
-
-        pool = _reference.default_pool()
-    status = _status.collect(pool)
+    status = _status.collect(cs.default_pool())
     result = cs.probe()
     if out.json:
         status["probe"] = result
@@ -337,8 +330,6 @@ def _add_status(sub: Any, common: Common) -> None:
             "its GET /comfy_standin/status."
         ),
     )
-    status.add_argument("--impl", choices=("c", "reference"), default="c",
-                        help="whose default pool (default: c)")
     status.add_argument(
         "--url", nargs="?", const=_DEFAULT_URL, default=None,
         help="read a running ComfyUI (with the node entry installed) "

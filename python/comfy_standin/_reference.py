@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
 from . import pool as _pool
-from ._register import register
+from .pool import register
 
 __all__ = [
     "EchoError",

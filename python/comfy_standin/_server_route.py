@@ -1,20 +1,18 @@
-"""Two read-only routes on ComfyUI's own HTTP server.
+"""Two read-only GET routes on ComfyUI's own HTTP server.
 
 The node entry (``install-node``) calls ``register_with_comfyui()`` while
 ComfyUI loads custom nodes; the routes are added the way custom nodes add
-theirs, through ``server.PromptServer.instance.routes``, GET only:
+theirs, on ``server.PromptServer.instance.routes``:
 
-- ``GET /comfy_standin/status``: ``payload()`` as JSON: this process's
-  default pool (workers, charges, stand-ins with their receipts, boards,
-  holds), ComfyUI's published reserve, the GPU probe, and a read of
+- ``GET /comfy_standin/status``: ``payload()`` as JSON: the default pool,
+  ComfyUI's published reserve, the GPU probe, and a read of
   ``comfy.model_management`` (its loaded models, free memory per device,
   the order its ``free_memory`` would evict in);
-- ``GET /comfy_standin/``: the live VRAM page (``page/vram.html``), a
-  static file that reads the status every two seconds.
+- ``GET /comfy_standin/``: the live VRAM page (``page/vram.html``), a file
+  that reads the status every two seconds.
 
-Nothing is written and nothing secret is served: no environment, no IPC
-keys, only what ComfyUI's process already holds (docs/cli.md, "What
-ComfyUI's server answers").  The status is built off the event loop, in
+Nothing is written and nothing secret is served (docs/cli.md, "What
+ComfyUI's server answers").  The answer is built off the event loop, on
 one thread of its own, and never raises: a part that cannot be read says
 why in its place.
 """
@@ -31,11 +29,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import comfy_standin as cs
+
+from ._status import (
+    PAGE_ROUTE,
+    ROUTE,
+    _gib,
+    _worker_name,
+    collect,
+    probe_summary,
+)
 from ._text import NotJSON, json_text, visible
 
-ROUTE = "/comfy_standin/status"
-#: The live VRAM page (a static file that reads ROUTE).
-PAGE_ROUTE = "/comfy_standin/"
 PAGE_FILE = Path(__file__).with_name("page") / "vram.html"
 
 #: Entries of current_loaded_models read per request.
@@ -108,8 +113,6 @@ def _entry_view(index: int, entry: Any) -> dict[str, Any]:
         view["dynamic"] = _call(patcher, "is_dynamic") is True
         view["standin"] = None
         if type(patcher).__module__.startswith("comfy_standin"):
-            from ._status import _worker_name
-
             view["standin"] = {"worker": _short(_worker_name(
                 patcher.worker)), "model_id": _short(patcher.model_id)}
         del patcher
@@ -122,8 +125,6 @@ def _why_first(first: dict[str, Any], second: dict[str, Any] | None) -> str:
     """Why free_memory's sort puts `first` ahead of `second`."""
     if second is None:
         return "the only model ComfyUI could evict on this device"
-    from ._status import _gib
-
     a, b = first["key"], second["key"]
     if a[0] != b[0]:
         return (f"the most offloaded ({_gib(-a[0])} offloaded, the next "
@@ -222,10 +223,6 @@ def comfyui_view() -> dict[str, Any]:
 def payload() -> dict[str, Any]:
     """What the status route answers; also what ``status --url``
     renders.  Never raises: a part that fails is ``{"error": ...}``."""
-    import comfy_standin as cs
-
-    from . import _status
-
     answer: dict[str, Any] = {
         "format": 1,
         "comfy_standin": cs.__version__,
@@ -239,7 +236,7 @@ def payload() -> dict[str, Any]:
         answer["adapter_installed"] = False
     try:
         pool = cs.default_pool()
-        status = _status.collect(pool)
+        status = collect(pool)
         status["held"] = len(pool.held())
         answer["pool"] = status
         charges = sum(w["charge"]["charge"] for w in status["workers"])
@@ -252,7 +249,7 @@ def payload() -> dict[str, Any]:
                          "worker_charges": charges}
     probe = cs.probe()
     answer["probe"] = probe
-    answer["probe_summary"] = _status.probe_summary(probe)
+    answer["probe_summary"] = probe_summary(probe)
     try:
         answer["comfyui"] = comfyui_view()
     except Exception as exc:  # noqa: BLE001 - said in its place

@@ -1,10 +1,13 @@
-"""What ``python -m comfy_standin status`` and ``probe`` print.
+"""The status of a pool and of the GPU probe, here or in a running ComfyUI.
 
-``collect(pool)`` gathers a pool's workers, their charges, their
-stand-ins' receipts (age and source) and the boards attached, as plain
-JSON-able data; ``render`` makes it readable.  ``probe_summary`` and
-``render_probe`` do the same for ``comfy_standin.probe()``, saying which
-library failed to load and why when there is no GPU.
+- ``collect(pool)``: a pool's workers, charges, stand-ins' receipts and
+  boards as JSON-able data (what ``status --json`` prints and the status
+  route serves); ``render`` makes it text.
+- ``probe_summary`` and ``render_probe``: ``comfy_standin.probe()`` in
+  words, saying which library did not load and why.
+- ``fetch`` and ``render_remote`` (``status --url``): a running ComfyUI's
+  status route read within one deadline, size and depth bounded, and
+  checked against ``ANSWER``, the answer's schema.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from . import pool as _pool_module
+from ._text import LOG_TEXT_LIMIT, visible
 
 _LIBRARIES = {
     "cuda": ("CUDA driver", "libcuda.so.1", "COMFY_STANDIN_LIBCUDA"),
@@ -171,7 +175,7 @@ def collect(pool: Any) -> dict[str, Any]:
         spawned = _pid_of(worker)
         pid = _python_pid(pool, worker, standins) or spawned
         workers.append({
-            "worker": _worker_name(worker)[:TEXT_LIMIT],
+            "worker": _worker_name(worker)[:LOG_TEXT_LIMIT],
             "pid": pid,
             "launcher_pid": spawned if spawned not in (None, pid) else None,
             "generation": books.generation,
@@ -214,8 +218,7 @@ def charge_text(charge: dict[str, Any]) -> str:
 
 
 def implementation_name(pool: Any) -> str:
-    """``c`` or ``reference``: the names ``demo --impl`` and ``status
-    --impl`` take."""
+    """``c`` or ``reference``: the names ``demo --impl`` takes."""
     impl = getattr(pool, "_impl", None)
     name = getattr(impl, "__name__", "")
     return "reference" if name.endswith("._reference") else "c"
@@ -439,36 +442,12 @@ def render_probe(result: dict[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------------------
-# text for a terminal
-
-#: Longest text from a worker or a reply shown on one line.
-TEXT_LIMIT = 200
-
-
-def _escape(ch: str) -> str:
-    code = ord(ch)
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
-
-
-def visible(value: object, limit: int = TEXT_LIMIT) -> str:
-    """`value` as text a terminal shows and never obeys: every character
-    Python does not call printable (``str.isprintable``: control
-    characters C0, DEL and C1 (cursor moves, screen clears, OSC 52
-    clipboard writes), format characters (bidirectional overrides,
-    zero-width marks), separators other than the space, unassigned and
-    private-use code points) is written as ``\\xNN``/``\\uNNNN``;
-    text longer than `limit` characters ends in ``...``."""
-    text = value if isinstance(value, str) else str(value)
-    if len(text) > limit:
-        text = text[:limit] + "..."
-    if text.isascii() and text.isprintable():
-        return text
-    return "".join(ch if ch.isprintable() else _escape(ch) for ch in text)
-
-
-# ---------------------------------------------------------------------------
 # a running ComfyUI (status --url)
 
+#: What the node entry serves on ComfyUI's server (_server_route.py): the
+#: status answer, and the live VRAM page that reads it.
+ROUTE = "/comfy_standin/status"
+PAGE_ROUTE = "/comfy_standin/"
 #: ComfyUI's default --port, and with its default --listen address.
 DEFAULT_PORT = 8188
 DEFAULT_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
@@ -804,7 +783,7 @@ def _reason(exc: BaseException) -> str:
 # anything is rendered (keys it does not name are let through, so a newer
 # ComfyUI's answer still reads); the route's tests hold every answer the
 # route can build to it strictly (no key it does not name,
-# tests/test_status_schema.py); ``_clidoc`` writes docs/cli.md's field
+# tests/test_status_schema.py); tools/clidoc.py writes docs/cli.md's field
 # table from it.  Nesting is bounded by the table itself.
 
 _INT_BOUND = 1 << 64
@@ -1213,7 +1192,7 @@ def parse_answer(body: bytes, where: str) -> dict[str, Any]:
                           f"to be a status") from None
     except ValueError as exc:  # includes UnicodeDecodeError
         raise RemoteError(f"{where}: the answer is not JSON "
-                          f"({visible(exc, 80)})") from None
+                          f"({visible(str(exc), 80)})") from None
     if not _depth_within(data, MAX_DEPTH):
         raise RemoteError(f"{where}: the answer is nested deeper than "
                           f"{MAX_DEPTH} levels; not a status")
@@ -1227,16 +1206,12 @@ def parse_answer(body: bytes, where: str) -> dict[str, Any]:
 def fetch(url: str, timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
     """GET ``URL/comfy_standin/status`` and check its shape; RemoteError
     says why not, in one line."""
-    from ._server_route import ROUTE
-
     body = get(url, ROUTE, timeout)
     return parse_answer(body, Remote(url).url(ROUTE))
 
 
 def page_address(url: str) -> str:
     """Where the live VRAM page of the ComfyUI at `url` is served."""
-    from ._server_route import PAGE_ROUTE
-
     return Remote(url).url(PAGE_ROUTE)
 
 

@@ -1,23 +1,15 @@
-"""The pool: what every worker costs the card, and the graveyard.
+"""The pool (what every worker costs the card) and ``register``.
 
-One Python class shared by both implementations (docs/reserve.md,
-docs/semantics.md "The pool").  All arithmetic and state of charges live
-in the implementation's ``Ledger`` (the C core or the pure-Python
-reference), and so does the roster of each worker's stand-ins, in the
-worker's books (docs/architecture.md, "One owner for each fact").  This
-class keeps the Python-object logic around them: the graveyard that keeps
-stand-ins of a dead or restarted worker alive until the next node
-boundary, so no ``weakref.finalize`` on their inner module fires inside
-ComfyUI's index-based ``free_memory`` loop, and the registrations it
-holds for ComfyUI.
+One class over either implementation's ``Ledger`` (the C core or the
+pure-Python reference; docs/reserve.md, docs/semantics.md "The pool").
+The ledger keeps each worker's ``WorkerBooks``: its charge figures and the
+list of its live stand-ins.  The pool adds what needs Python objects: the
+stand-ins it holds for ComfyUI, whose list holds them only weakly, and
+those of dead or restarted workers kept until the next node boundary, so
+no ``weakref.finalize`` fires inside ComfyUI's ``free_memory`` loop.
 
-An implementation binds the class to itself with a subclass::
-
-    class Pool(pool.Pool):
-        _impl = sys.modules[__name__]
-
-or per instance with ``Pool(..., _impl=module)``.  The module must provide
-``Ledger`` and ``EchoError``.
+An implementation binds the class with a subclass whose ``_impl`` is the
+implementation's module (which provides ``Ledger`` and ``EchoError``).
 """
 
 from __future__ import annotations
@@ -28,7 +20,6 @@ import logging
 import math
 import sys
 import threading
-import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import ModuleType
@@ -36,24 +27,14 @@ from typing import Any
 
 from ._text import visible
 
-__all__ = ["DEFAULT_FLOOR", "Pool", "WorkerMap"]
+__all__ = ["DEFAULT_FLOOR", "Pool", "WorkerMap", "register"]
 
 #: CUDA context and handles of one worker process: comfy-env measured
 #: 276-300 MiB per live worker before any model (docs/comfyui.md).
 DEFAULT_FLOOR = 300 << 20
 
-#: Two pressure notices inside this window are one event (comfy-env's
-#: pool uses the same 2 s): ComfyUI's eviction loop may ask several
-#: stand-ins in one pass, and each ask is the same news.
-PRESSURE_DEBOUNCE_SECONDS = 2.0
-#: Pressure asks in flight at once, over all workers: each asking thread
-#: has at most one ask in flight, so this bounds the threads too.
-PRESSURE_MAX_ASKS = 4
-#: comfy-aimdo's compiled-in headroom when ComfyUI seeds none.
-AIMDO_DEFAULT_HEADROOM = 256 << 20
-
 _VALUE_MAX = 2**63 - 1
-_REPORT_FIGURES = ("held", "pinned", "overhead")
+_REPORT_FIELDS = ("held", "pinned", "overhead")
 
 log = logging.getLogger("comfy_standin")
 
@@ -67,22 +48,15 @@ def _is_byte_value(value: object) -> bool:
 
 
 class WorkerMap(Mapping[Any, Any]):
-    """``{worker: value}`` keyed by identity, as the pool keys its books.
-
-    What ``Pool.worker_charges()``, ``charge_details()``,
-    ``update_readings()`` and ``standins()`` return: a read-only mapping
-    that works for workers that cannot be hashed (a ``@dataclass`` worker)
-    and never merges two distinct workers that compare equal.  Lookups,
-    ``in``, ``get``, iteration and ``items()`` behave as a dict's; it
-    compares equal to any mapping with the same workers (by identity) and
-    equal values, so ``charges == {w: 42}`` still holds for hashable
-    workers.  ``dict(m)`` works only when every worker is hashable."""
+    """A read-only ``{worker: value}`` keyed by identity, as the ledger keys
+    workers: an unhashable worker works, and two workers that compare
+    equal stay two.  It compares equal to any mapping with the same
+    workers (by identity) and equal values."""
 
     __slots__ = ("_items",)
 
     def __init__(self, pairs: Iterable[tuple[Any, Any]] = ()) -> None:
-        # id(worker) -> (worker, value); the worker is held, so its id
-        # cannot be reused while it is here.
+        # id(worker) -> (worker, value): holding the worker keeps its id.
         self._items: dict[int, tuple[Any, Any]] = {}
         for worker, value in pairs:
             self._items[id(worker)] = (worker, value)
@@ -124,22 +98,18 @@ class WorkerMap(Mapping[Any, Any]):
 class Pool:
     """Per-worker charges over one ledger, and the reserve they size.
 
-    ``on_pressure``: None or a callable taking the shortfall in bytes when
-    a stand-in's ``partially_unload`` freed less than ComfyUI asked
-    (comfy-env uses it to ask idle sibling workers to shrink).  It must not
+    ``on_pressure``: None, or a callable a stand-in calls with the
+    shortfall in bytes when its ``partially_unload`` freed less than
+    ComfyUI asked (comfy-env asks idle workers to shrink).  It must not
     block; its exceptions are logged, never raised into ComfyUI.
     """
 
     _impl: ModuleType | None = None
 
     def __init__(
-        self,
-        floor: int = DEFAULT_FLOOR,
-        process_local: bool | None = None,
-        *,
-        _impl: ModuleType | None = None,
+        self, floor: int = DEFAULT_FLOOR, process_local: bool | None = None
     ) -> None:
-        impl = _impl if _impl is not None else type(self)._impl
+        impl = type(self)._impl
         if impl is None:
             impl = importlib.import_module("comfy_standin._core")
         if process_local is None:
@@ -154,46 +124,25 @@ class Pool:
         self._impl = impl
         self._ledger = impl.Ledger(floor)
         self._process_local = process_local
-        # Reentrant: a finalizer (any allocation may run the collector)
-        # may call back into the pool on a thread that holds the lock.  A
-        # worker's stand-ins are not here: the roster lives in the worker's
-        # books, in the ledger (docs/architecture.md, "One owner for each
-        # fact").
+        # Reentrant: any allocation may run the collector, and a finalizer
+        # may call back in on the thread that holds the lock.
         self._lock = threading.RLock()
-        # Strong references to stand-ins of dead or restarted workers,
-        # dropped at the next boundary().
+        # Stand-ins of dead or restarted workers, dropped at boundary().
         self._graveyard: dict[int, Any] = {}
-        # Strong references to registered stand-ins (register()): ComfyUI's
-        # list holds its models only weakly, so without this a stand-in
-        # whose caller dropped it would leave the list with no command
-        # reaching its worker.  Released at a boundary() once its worker
-        # lost the model ("not registered") or is gone or restarted, never
-        # because ComfyUI unloaded it (docs/semantics.md "The pool").
+        # Registered stand-ins (ComfyUI's list holds them only weakly),
+        # released once the worker lost the model, died or restarted.
         self._held: dict[int, Any] = {}
         self.on_pressure: Callable[[int], object] | None = None
         # id(worker) -> (worker, the host side of its residency board).
         self._boards: dict[int, tuple[Any, Any]] = {}
-        # id(worker) -> weak references to the books forget() took off
-        # the ledger while some of their stand-ins were alive: worker_gone()
-        # still reaches those stand-ins through their roster.  Each listed
-        # stand-in holds its books, so they live exactly as long as one of
-        # them does (and hold the worker, so the id stays that worker's).
+        # id(worker) -> weak references to books forget() took off the
+        # ledger, so worker_gone() still reaches their stand-ins.  Each
+        # stand-in holds its books, and books hold their worker (the id
+        # stays that worker's).
         self._forgotten: dict[int, list[weakref.ref[Any]]] = {}
-        # publish_reserve(): ComfyUI's own reserve, read once; the value
-        # last written there and into comfy-aimdo's headroom.
-        self._reserve_base: int | None = None
-        self._published: int | None = None
-        self._headroom_written: int | None = None
-        # release_idle_on_pressure(): debounce, the last asking thread, the
-        # asking threads running, and id(worker) -> worker for each worker
-        # with an ask in flight (held, so the id stays that worker's).
-        self._pressure_debounce = PRESSURE_DEBOUNCE_SECONDS
-        self._last_pressure_ask: float | None = None
-        self._pressure_thread: threading.Thread | None = None
-        self._pressure_rounds = 0
-        self._pressure_asking: dict[int, Any] = {}
-        # reclaim(): workers that said they cannot release (once each; held
-        # so the id stays that worker's).
+        # reclaim(): the workers being asked, and those that said they
+        # cannot release (held, so each id stays that worker's).
+        self._asking: dict[int, Any] = {}
         self._said_cannot_release: dict[int, Any] = {}
 
     def __repr__(self) -> str:
@@ -214,14 +163,11 @@ class Pool:
     # ---- stand-ins --------------------------------------------------------
 
     def _bury(self, worker: Any, doomed: Callable[[Any], bool]) -> None:
-        """Moves the worker's stand-ins that are `doomed` to the graveyard.
+        """Moves the worker's `doomed` stand-ins to the graveyard.
 
-        The doomed stay on their roster too: it is how boundary() knows
-        whether anyone still holds a stand-in of a gone worker.  The
-        graveyard is a dict so burying twice keeps one reference.  The
-        roster is read under the lock, as forget() drops it (the lock is
-        reentrant: the snapshot allocates, and a collection may run a
-        finalizer that calls back in on this thread)."""
+        They stay on their books' list too: boundary() reads it to know
+        whether anyone still holds a stand-in of a gone worker.  The list
+        is read under the lock, as forget() drops it."""
         with self._lock:
             books = self._ledger.find(worker)
             members = [] if books is None else books.standins()
@@ -230,10 +176,8 @@ class Pool:
                     self._graveyard[id(standin)] = standin
 
     def standins(self) -> WorkerMap:
-        """{worker: its stand-ins still alive}, those of dead or restarted
-        workers included (they may sit in the graveyard until the next
-        boundary).  For status displays; a snapshot, keyed by identity
-        (``WorkerMap``).  A view of the rosters the workers' books keep."""
+        """{worker: its live stand-ins}, dead or restarted workers
+        included; a snapshot, for status displays."""
         return WorkerMap(
             (books.key, books.standins()) for books in self._ledger.books()
         )
@@ -244,8 +188,7 @@ class Pool:
             return len(self._graveyard)
 
     def _hold(self, standin: Any) -> None:
-        """Called by ``register()``: keep `standin` alive while ComfyUI
-        lists it (see ``boundary``).  Idempotent."""
+        """Keeps a registered `standin` alive (see ``boundary``)."""
         with self._lock:
             self._held[id(standin)] = standin
 
@@ -259,8 +202,8 @@ class Pool:
             return list(self._held.items())
 
     def _dead_workers_held(self) -> list[Any]:
-        """Workers of live held stand-ins whose ``is_alive()`` says False
-        (a raising probe counts as alive, as in the stand-in)."""
+        """Workers of held stand-ins whose ``is_alive()`` says False (one
+        that raises counts as alive, as in the stand-in)."""
         seen: dict[int, Any] = {}
         for _, s in self._held_items():
             try:
@@ -279,31 +222,23 @@ class Pool:
         return dead
 
     def _release_held_locked(self, doomed: Callable[[Any], bool]) -> None:
-        """Moves held stand-ins to the graveyard (dropped at the next
-        boundary, so no finalizer runs inside ``free_memory``)."""
+        """Moves `doomed` held stand-ins to the graveyard."""
         for key, standin in list(self._held.items()):
             if doomed(standin):
                 del self._held[key]
                 self._graveyard[key] = standin
 
     def relist(self, mm: Any) -> list[Any]:
-        """Lists again, in ``mm.current_loaded_models`` (``comfy.
-        model_management``), every live stand-in whose model is on the card
-        by the newest true word (``loaded_size() > 0``: a valid board
-        reading, else the receipt) that ComfyUI no longer lists: a held
-        (registered) one, or one whose eviction a live worker refused
-        (``eviction_deferred``).  ComfyUI pops an entry after every
-        ``model_unload``, and a worker may load the model back in any later
-        call with no new registration (comfy-env dedups on the module), so
-        without this its bytes would sit on the card where ``free_memory``
-        cannot reach them.  Each is listed once, ``currently_used`` False,
-        through ``register``.  Returns them.
+        """Registers again every held or ``eviction_deferred`` stand-in
+        that ComfyUI no longer lists and whose model is on the card
+        (``loaded_size() > 0``); returns them.
 
-        Call it where ComfyUI iterates no list: at a node boundary
-        (``boundary`` does) and before a ``free_memory`` run on a worker's
-        behalf, never inside ``free_memory``'s loop."""
-        from ._register import register
-
+        ComfyUI pops an entry after every ``model_unload``, and a worker
+        may load the model back in any later call without registering it
+        again (comfy-env dedups on the module): unlisted, its bytes would be
+        out of ``free_memory``'s reach.  Call it at a node boundary or
+        before a ``free_memory`` run on a worker's behalf, never inside
+        ``free_memory``'s loop."""
         listed = {id(entry.model) for entry in list(mm.current_loaded_models)}
         held = {key for key, _ in self._held_items()}
         restored: list[Any] = []
@@ -320,15 +255,13 @@ class Pool:
 
     def census_at_creation(self, created: Mapping[str, Any],
                            census: object) -> int:
-        """Applies a reply frame's census (its ``_vram_report``'s
-        ``residency``) to the stand-ins that frame's registrations made:
-        `created` maps model id -> stand-in.  comfy-env applies a frame's
-        census before it makes that frame's stand-ins, and makes them at
-        full size (their registration said "on cuda"); a model partly
-        resident by then would register at its full size until the next
-        census.  Entries of other ids are ignored, a bad entry is skipped
-        (comfy-env's census never fails a boundary).  Returns the entries
-        applied."""
+        """Applies a reply frame's census to the stand-ins that frame made
+        (`created`: model id -> stand-in); returns the entries applied.
+
+        comfy-env applies the census before it makes the frame's stand-ins,
+        at full size: a partly resident model would otherwise read its full
+        size until the next census.  Other ids are ignored and a bad entry
+        is skipped, as comfy-env's census never fails a boundary."""
         if not created or not isinstance(census, (list, tuple)):
             return 0
         applied = 0
@@ -344,26 +277,17 @@ class Pool:
         return applied
 
     def boundary(self, mm: Any = None) -> list[Any]:
-        """Node-boundary housekeeping.  Call it between nodes, never inside
-        ComfyUI's ``free_memory`` (its loop pops entries by index).
+        """Housekeeping between two nodes, never inside ComfyUI's
+        ``free_memory`` (its loop pops entries by index).
 
-        - Marks gone the workers of held stand-ins whose ``is_alive()``
-          now says False (``worker_gone``).
-        - With `mm` (``comfy.model_management``): ``relist(mm)``, every
-          stand-in ComfyUI dropped whose model is still on the card is
-          listed again.  Returns those stand-ins.
-        - Releases registered stand-ins (``register()`` holds them) only
-          when the worker reports the model gone: they are stale (the
-          worker died or restarted) or their receipt source is "worker
-          gone" (it answered "not registered").  A stand-in ComfyUI
-          unloaded stays held: its worker may load the model back.
-        - Drops the graveyard, then the books of gone workers nobody holds
-          a stand-in of any more (a restart under a new worker object
-          would otherwise keep every dead one on the books forever).
-        """
+        Marks gone the workers of held stand-ins that are no longer alive;
+        with `mm` (``comfy.model_management``), ``relist(mm)`` and returns
+        what it listed; releases held stand-ins whose worker reported the
+        model gone ("not registered"), died or restarted (one ComfyUI
+        unloaded stays held: its worker may load the model back); drops the
+        graveyard, then the books of gone workers nobody holds a stand-in
+        of."""
         restored: list[Any] = []
-        # A worker that died since its last command: its held stand-ins
-        # would otherwise stay listed until ComfyUI happens to evict them.
         for worker in self._dead_workers_held():
             self.worker_gone(worker)
         if mm is not None:
@@ -375,26 +299,24 @@ class Pool:
         with self._lock:
             self._release_held_locked(lambda s: id(s) in done)
             buried, self._graveyard = self._graveyard, {}
-            # Keys first (reading them allocates nothing), then entries: a
-            # finalizer run by an allocation here may call back in.
+            # Keys first, then entries: a finalizer run by an allocation
+            # here may call back in.
             forgotten = [
-                (key, shelf) for key in list(self._forgotten)
-                if (shelf := self._forgotten.get(key)) is not None
+                (key, refs) for key in list(self._forgotten)
+                if (refs := self._forgotten.get(key)) is not None
             ]
-        # Finalizers (mm.cleanup_models) may run here, outside the lock.
-        del buried
-        for key, shelf in forgotten:
-            # Read outside the lock (a roster read allocates).  Books with
-            # no stand-in left never gain one (they are off the ledger), so
-            # they leave the shelf in place: a forget() that shelves more
-            # meanwhile appends to the same list, and keeps its entry.
-            dead = [ref for ref in list(shelf) if not _has_standins(ref())]
+        del buried  # finalizers (mm.cleanup_models) run here, unlocked
+        for key, refs in forgotten:
+            # Read unlocked (reading the stand-ins allocates).  Books off the
+            # ledger never gain a stand-in, so they leave in place: a
+            # forget() meanwhile appends to the same list.
+            dead = [ref for ref in list(refs) if not _has_standins(ref())]
             if not dead:
                 continue
             gone = {id(ref) for ref in dead}
             with self._lock:
-                shelf[:] = [ref for ref in shelf if id(ref) not in gone]
-                if not shelf and self._forgotten.get(key) is shelf:
+                refs[:] = [ref for ref in refs if id(ref) not in gone]
+                if not refs and self._forgotten.get(key) is refs:
                     del self._forgotten[key]
         for books in self._ledger.books():
             if books.alive or books.standins():
@@ -466,20 +388,20 @@ class Pool:
 
     def worker_gone(self, worker: Any) -> None:
         """The worker's process died: its stand-ins read 0, never raise.
-        Reaches the stand-ins of a worker forgotten before it died too:
-        the books and the shelf of forgotten ones are read, and every
-        stand-in marked, in one locked step (as forget() moves books from
-        one to the other), so a second call never returns while the first
-        is still marking."""
+
+        Those of books forget() took off the ledger too.  The books are
+        read and every stand-in marked in one locked step (forget() moves
+        books in one), so a second call never returns before the first has
+        marked them all."""
         with self._lock:
             books = self._ledger.find(worker)
             members = []
             if books is not None:
                 books.gone()
                 members = books.standins()
-            shelf = self._forgotten.pop(id(worker), ())
+            refs = self._forgotten.pop(id(worker), ())
             orphans = [
-                s for ref in shelf for s in _standins_of(ref(), worker)
+                s for ref in refs for s in _standins_of(ref(), worker)
             ]
             for standin in orphans:
                 standin._worker_gone()
@@ -505,15 +427,13 @@ class Pool:
         self._close_board(worker)  # the old process's board
 
     def forget(self, worker: Any) -> None:
-        """Drop the worker's books: it is no longer charged.  Its stand-ins
-        still held keep their receipts and learn of the worker's death from
-        ``worker_gone()`` or their own ``is_alive()`` checks.  The books
-        leave the ledger with their roster in one step, so no stand-in made
-        meanwhile is left on a roster the pool no longer sees; they go on
-        the shelf worker_gone() reads in the same locked step, even with
-        no stand-in listed (one still being made on this thread, by a
-        finalizer that ran this, joins them after; boundary() drops books
-        nobody holds a stand-in of)."""
+        """Drops the worker's books: it is no longer charged.
+
+        Its stand-ins keep their receipts; ``worker_gone()`` still reaches
+        them.  The books leave the ledger with their stand-ins in one step
+        and are kept, weakly, in the same locked step, even with no
+        stand-in yet (one a finalizer is making on this thread joins them
+        after); boundary() drops those nobody holds a stand-in of."""
         with self._lock:
             books = self._ledger.forget(worker)
             if books is not None:
@@ -539,8 +459,7 @@ class Pool:
         """``with pool.call(worker):`` brackets one call into the worker.
 
         A restart or death during the call already cleared the in-flight
-        count, so the exit does not end a call the books no longer hold.
-        """
+        count: the exit then ends nothing."""
         books = self._ledger.find(worker)
         if books is None:
             yield
@@ -564,9 +483,9 @@ class Pool:
                     )
 
     def report(self, worker: Any, vram_report: Mapping[str, Any]) -> int:
-        """Apply a reply frame's ``_vram_report``; returns census entries
-        applied.  The whole report is validated before anything changes;
-        any problem raises ``EchoError`` and changes nothing."""
+        """Applies a reply frame's ``_vram_report``; returns the census
+        entries applied.  Validated whole first: any problem raises
+        ``EchoError`` and changes nothing."""
         echo_error = self._impl.EchoError
         books = self._ledger.find(worker)
         if books is None:
@@ -578,8 +497,8 @@ class Pool:
             raise echo_error(
                 f"vram_report: expected a mapping, got {vram_report!r}"
             )
-        figures: dict[str, int] = {}
-        for name in _REPORT_FIGURES:
+        fields: dict[str, int] = {}
+        for name in _REPORT_FIELDS:
             value = vram_report.get(name)
             if value is None:
                 continue
@@ -587,21 +506,20 @@ class Pool:
                 raise echo_error(
                     f"{name}: expected an int in [0, 2**63-1], got {value!r}"
                 )
-            figures[name] = value
+            fields[name] = value
         applied = 0
         residency = vram_report.get("residency")
         if residency is not None:
-            # All or nothing on its own; the figures cannot fail any more.
+            # All or nothing; the fields, checked above, cannot fail.
             applied = books.apply_census(residency)
-        if figures:
-            books.set_report(**figures)
+        if fields:
+            books.set_report(**fields)
         return applied
 
     # ---- charges ----------------------------------------------------------
 
     def worker_charges(self) -> WorkerMap:
-        """{worker: bytes it costs the card} (docs/reserve.md), keyed by
-        identity (``WorkerMap``: unhashable workers work too)."""
+        """{worker: bytes it costs the card} (docs/reserve.md)."""
         charges: list[tuple[Any, int]] = []
         for worker in self._ledger.keys():
             books = self._ledger.find(worker)
@@ -610,12 +528,9 @@ class Pool:
         return WorkerMap(charges)
 
     def charge_details(self) -> WorkerMap:
-        """{worker: the charge and the figures it came from}, keyed by
-        identity (``WorkerMap``).
-
-        ``held_from_reading`` says the probe's per-pid reading (taken
-        without the worker talking), not the worker's report, set the
-        held figure; ``reading`` and ``held`` give both."""
+        """{worker: ``books.charge()``}: the charge and what it came from
+        (``held_from_reading``: the probe's per-process reading, not the
+        worker's report, set the held figure)."""
         details: list[tuple[Any, dict[str, Any]]] = []
         for worker in self._ledger.keys():
             books = self._ledger.find(worker)
@@ -628,25 +543,17 @@ class Pool:
         probe_result: Mapping[str, Any] | None = None,
         pid_of: Callable[[Any], int | None] | None = None,
     ) -> WorkerMap:
-        """Floors every worker's held figure with the probe's per-pid
-        reading: the VRAM the driver says the worker's process uses, summed
-        over devices.  Returns {worker: reading} for the workers read
-        (a ``WorkerMap``, keyed by identity).
+        """Floors every worker's held figure with the VRAM the driver says
+        its process uses, summed over devices; returns {worker: reading}
+        for the workers read.
 
-        `probe_result` defaults to a fresh ``probe()`` of this pool's
-        implementation.  `pid_of(worker)` gives a worker's process id;
-        the default reads ``worker.pid``, then ``worker.process.pid`` and
-        ``worker._process.pid`` (comfy-env keeps its Popen there).  A worker
-        whose pid is unknown, or whose usage the driver hides, keeps its
-        last reading.  Never raises for a missing GPU: no devices, no
-        readings.
-
-        A device with no per-process readings (``processes`` None: NVML
-        absent, or a list the probe refused, see ``processes_error``; or
-        a truncated list) cannot say what a worker holds there: a worker
-        found on no readable list then loses its reading (0, no floor),
-        so its charge is its own held figure, never a stale or garbled
-        floor."""
+        `probe_result` defaults to a fresh ``probe()``; `pid_of(worker)`
+        defaults to ``worker.pid``, ``worker.process.pid`` or
+        ``worker._process.pid`` (comfy-env's Popen).  A worker whose pid is
+        unknown or hidden keeps its last reading.  Where a device has no
+        readable per-process list (NVML absent, a refused or truncated
+        list), a worker found on no list reads 0: its charge is then its
+        own held figure, never a stale floor."""
         if probe_result is None:
             probe_result = _probe(self._impl)
         used: dict[int, int] = {}
@@ -671,163 +578,13 @@ class Pool:
                 books.set_reading(0)
         return WorkerMap(readings)
 
-    # ---- standalone parity with comfy-env's pool ---------------------------
-
-    def publish_reserve(
-        self, mm: Any, device: Any = None, total: int | None = None
-    ) -> int:
-        """Writes ``reserve()`` into ComfyUI's ``mm.EXTRA_RESERVED_VRAM``
-        and forwards it to comfy-aimdo's pager headroom, for a pool used
-        without comfy-env (which publishes its own).  Call it at a
-        boundary.  ComfyUI's own reserve is read once, at the first call,
-        as the base (re-reading it would add the last reserve back).
-
-        The pager ignores EXTRA_RESERVED_VRAM, so when ComfyUI runs it the
-        headroom becomes ComfyUI's seed plus what the pool added on top of
-        the base (never the base again: the seed already carries it), set
-        with ``set_simple_vram_headroom`` only when it changed.  Returns
-        the reserve published."""
-        if self._reserve_base is None:
-            self._reserve_base = int(mm.EXTRA_RESERVED_VRAM)
-        base = self._reserve_base
-        if device is None:
-            device = mm.get_torch_device()
-        value = self.reserve(device, base, total)
-        if value != self._published:
-            mm.EXTRA_RESERVED_VRAM = value
-            self._published = value
-        setter = _aimdo_setter()
-        if setter is not None:
-            headroom = _aimdo_seed() + max(0, value - base)
-            if headroom != self._headroom_written:
-                try:
-                    setter(int(headroom))
-                    self._headroom_written = headroom
-                except Exception:  # noqa: BLE001 - never fail a boundary
-                    log.warning("comfy_standin: pager headroom not set",
-                                exc_info=True)
-        return value
-
-    def release_idle_on_pressure(
-        self, debounce: float = PRESSURE_DEBOUNCE_SECONDS
-    ) -> None:
-        """Sets ``on_pressure`` so that a stand-in freeing less than
-        ComfyUI asked makes idle workers give VRAM back, as comfy-env's
-        pool does: ``partial_release(size=...)`` to every idle worker that
-        advertises it (``supports_partial_release``), largest holder
-        first, each asked only for what is still missing; then
-        ``release_pins(size=pinned)`` to those advertising
-        ``supports_release_pins`` with pinned bytes reported.
-
-        Notices inside `debounce` seconds of the last ask are one event.
-        The stand-in calls ``on_pressure`` inside ComfyUI's
-        ``free_memory``: nothing is sent there, a daemon thread asks (a
-        comfy-env worker through ``send_command_no_spawn(...,
-        lock_timeout=2.0)``; a busy one answers "busy" and is skipped).
-
-        A worker that does not answer holds only its own ask: a worker
-        with an ask in flight is skipped until that ask returns, and at
-        most ``PRESSURE_MAX_ASKS`` threads ask at once (a notice beyond
-        that is dropped).  A worker found dead while asked is marked gone
-        (``worker_gone``)."""
-        self._pressure_debounce = float(debounce)
-        self.on_pressure = self._pressure_noticed
-
-    def _pressure_noticed(self, shortfall: object) -> None:
-        want = _shortfall_bytes(shortfall)
-        if want <= 0:
-            return
-        now = time.monotonic()
-        with self._lock:
-            last = self._last_pressure_ask
-            if last is not None and now - last < self._pressure_debounce:
-                return
-            if self._pressure_rounds >= PRESSURE_MAX_ASKS:
-                return  # the asks in flight are stuck: nothing more to add
-            self._last_pressure_ask = now
-            self._pressure_rounds += 1
-        thread = threading.Thread(
-            target=self._pressure_round, args=(want,),
-            name="comfy-standin-pressure", daemon=True,
-        )
-        self._pressure_thread = thread
-        try:
-            thread.start()
-        except BaseException:  # no thread (RuntimeError): no round
-            with self._lock:
-                self._pressure_rounds -= 1
-            raise
-
-    def _pressure_round(self, shortfall: int) -> None:
-        try:
-            self._ask_idle_workers(shortfall)
-        except Exception:  # noqa: BLE001 - a daemon thread has no caller
-            log.warning("comfy_standin: pressure round failed",
-                        exc_info=True)
-        finally:
-            with self._lock:
-                self._pressure_rounds -= 1
-
-    def _claim_for_ask(self, worker: Any) -> bool:
-        """Marks `worker` as being asked; False when an ask to it is
-        already in flight."""
-        with self._lock:
-            if id(worker) in self._pressure_asking:
-                return False
-            self._pressure_asking[id(worker)] = worker
-            return True
-
-    def _ask_idle_workers(self, shortfall: int) -> int:
-        """Runs on the pressure thread; returns the bytes given back."""
-        candidates = []
-        for worker in self._ledger.keys():
-            books = self._ledger.find(worker)
-            if books is None or not books.alive or books.in_flight:
-                continue
-            charge = books.charge()
-            held = max(charge.get("held", 0), charge.get("sum_loaded", 0))
-            candidates.append((held, _pinned_of(books), worker))
-        candidates.sort(key=lambda c: -c[0])
-        remaining, freed = shortfall, 0
-        for held, pinned, worker in candidates:
-            wants_vram = remaining > 0 and held > 0 and getattr(
-                worker, "supports_partial_release", False)
-            wants_pins = pinned > 0 and getattr(
-                worker, "supports_release_pins", False)
-            if not (wants_vram or wants_pins):
-                continue
-            if not self._claim_for_ask(worker):
-                continue  # its last ask has not returned: not again
-            try:
-                if wants_vram:
-                    reply = self._pressure_ask(
-                        worker, "partial_release", min(held, remaining))
-                    # Read from the dicts' storage: a dict subclass's own
-                    # get() never runs on this thread.
-                    receipt = dict.get(reply, "receipt") if isinstance(
-                        reply, dict) else None
-                    got = dict.get(receipt, "freed_bytes") if isinstance(
-                        receipt, dict) else None
-                    if _is_byte_value(got):
-                        got = min(got, held)  # no more than it held
-                        freed += got
-                        remaining -= min(remaining, got)
-                if wants_pins:
-                    self._pressure_ask(worker, "release_pins", pinned)
-            finally:
-                with self._lock:
-                    self._pressure_asking.pop(id(worker), None)
-        return freed
-
     # ---- unlisted bytes (docs/architecture.md, "Unlisted bytes") ----------
 
     def unlisted(self) -> WorkerMap:
         """{worker: bytes it holds on the card that none of its models
-        accounts for}: its held figure (the worker's last report, floored
-        by the probe's per-process reading) minus what its stand-ins answer
-        (``sum_loaded``: receipts, or newer board readings).  Its allocator
-        cache, and what it allocated past the ``.to()``/``.cuda()`` hooks
-        (comfy-env registers no model for those).  0 for a gone worker."""
+        accounts for}: its held figure less what its stand-ins answer (its
+        allocator cache, allocations past comfy-env's ``.to()`` hooks); 0
+        for a gone worker."""
         out: list[tuple[Any, int]] = []
         for worker in self._ledger.keys():
             books = self._ledger.find(worker)
@@ -836,25 +593,22 @@ class Pool:
         return WorkerMap(out)
 
     def reclaim(self, shortfall: object) -> int:
-        """ComfyUI is still `shortfall` bytes short after its own eviction:
-        asks idle workers holding unlisted bytes, most first, to give back
-        what is still missing (``partial_release(size=...)``, comfy-env's
-        release through the worker's own manager), on this thread, through
-        ``send_command_no_spawn(..., lock_timeout=0.0)``: a worker another
-        thread is in answers "busy" and is skipped, a worker in a call (its
-        own budget request) is not asked.  Returns the bytes that came
-        back, as each worker measured them (its receipt's ``freed_bytes``,
-        no more than it held); the worker's held figure drops by them.  A
-        worker with unlisted bytes that cannot release (no
-        ``supports_partial_release``, an error receipt) says so once.
-        Call it where ComfyUI iterates no list (after ``free_memory``)."""
+        """Asks idle workers with unlisted bytes, most first, to give back
+        the `shortfall` ComfyUI's own eviction left (comfy-env's
+        ``partial_release``); returns the bytes that came back, as each
+        worker measured them and no more than it held.
+
+        Asks run on this thread and never wait: a worker another thread is
+        in answers "busy" and is skipped, a worker in a call is not asked.
+        A worker that cannot release says so once.  Call it after
+        ``free_memory``, never inside its loop."""
         want = _shortfall_bytes(shortfall)
         got = 0
-        holders = sorted(
+        candidates = sorted(
             ((n, w) for w, n in self.unlisted().items() if n > 0),
             key=lambda item: -item[0],
         )
-        for unlisted, worker in holders:
+        for unlisted, worker in candidates:
             if got >= want:
                 break
             books = self._ledger.find(worker)
@@ -865,14 +619,14 @@ class Pool:
                 self._cannot_release(worker, unlisted,
                                      "it has no partial_release")
                 continue
-            if not self._claim_for_ask(worker):
-                continue  # a pressure ask to it is still out
+            if not self._claim(worker):
+                continue  # another thread is asking it
             try:
                 reply, dead = _ask(worker, "partial_release",
-                                   min(unlisted, want - got), 0.0)
+                                   min(unlisted, want - got))
             finally:
                 with self._lock:
-                    self._pressure_asking.pop(id(worker), None)
+                    self._asking.pop(id(worker), None)
             if dead:
                 self.worker_gone(worker)
                 continue
@@ -890,6 +644,14 @@ class Pool:
                 got += freed
         return got
 
+    def _claim(self, worker: Any) -> bool:
+        """Marks `worker` as being asked; False when another thread is."""
+        with self._lock:
+            if id(worker) in self._asking:
+                return False
+            self._asking[id(worker)] = worker
+            return True
+
     def _cannot_release(self, worker: Any, unlisted: int, why: str) -> None:
         with self._lock:
             if id(worker) in self._said_cannot_release:
@@ -900,27 +662,13 @@ class Pool:
                     "cannot reach them", visible(worker), unlisted >> 20,
                     visible(why))
 
-    def _pressure_ask(self, worker: Any, command: str, size: int) -> object:
-        """One ask; a death it reveals goes to the pool at once."""
-        reply, dead = _ask(worker, command, size)
-        if dead:
-            books = self._ledger.find(worker)
-            if books is not None and books.alive:
-                log.info("comfy_standin: %s died (found during %s); "
-                         "marked gone", visible(worker), command)
-                self.worker_gone(worker)
-            return None
-        return reply
-
     def reserve(self, device: Any, base: int, total: int | None = None) -> int:
         """The EXTRA_RESERVED_VRAM to publish for `device`.
 
-        `total` is the card's size (None or 0: no cap yet; the probe
-        supplies it).  Device-wide free memory (Linux): `base`.
-        Process-local (Windows WDDM): `base` plus every worker's charge,
-        capped at 75% of the card, growing at once and shrinking only
-        after a release.
-        """
+        Where free memory is device-wide (Linux): `base`.  Where it is
+        per process (WDDM): `base` plus every worker's charge, capped at
+        75% of `total` (the card's size; None: the probe's), growing at
+        once and shrinking only after a release."""
         if total is None and self._process_local:
             total = _card_total(self._impl, device)
         return self._ledger.reserve(
@@ -928,45 +676,46 @@ class Pool:
         )
 
 
-def _aimdo_setter() -> Callable[[int], object] | None:
-    """comfy-aimdo's ``set_simple_vram_headroom`` when ComfyUI runs the
-    pager (``comfy.memory_management.aimdo_enabled``), else None.  The
-    module-level wrapper first, then the C export on ``control.lib``
-    (older wheels ship only that), as comfy-env 0.4.46 looks it up.
+def register(mm: Any, s: Any) -> Any:
+    """Insert stand-in `s` into ``mm.current_loaded_models`` (``comfy.
+    model_management`` or a faithful mock) and return its ``LoadedModel``.
 
-    Only modules ComfyUI has already imported are read (``sys.modules``):
-    ComfyUI imports both before it turns the pager on, and an import from
-    here would scan ``sys.path`` on every call outside ComfyUI (and
-    allocate as it fails) or run a module's import-time code."""
+    A stand-in already listed gets its entry back, ``currently_used``
+    reset to False, instead of a second one.  ``currently_used`` is False
+    unconditionally: six of the seven readers of the list outside
+    model_management filter on it, which keeps the stand-in's size out of
+    their arithmetic (docs/architecture.md, inaccuracy 3).  The entry gets
+    ``real_model`` and a ``model_finalizer`` as ``LoadedModel.model_load``
+    would set them, because ``model_unload`` detaches the finalizer
+    unconditionally; its ``atexit`` is off, since at interpreter exit
+    ``cleanup_models`` may find model_management half torn down.
+
+    ComfyUI's entry holds its model only weakly, so the stand-in's pool
+    holds it from here on, lists it again at each ``boundary()`` while its
+    model is on the card, and lets it go at the first boundary after its
+    worker lost the model, died or restarted; never inside
+    ``free_memory`` (docs/semantics.md, "The pool").  A patcher that is not
+    a comfy_standin stand-in is kept by whoever made it.
+    """
     try:
-        cmm = sys.modules.get("comfy.memory_management")
-        if cmm is None or not getattr(cmm, "aimdo_enabled", False):
-            return None
-        control = sys.modules.get("comfy_aimdo.control")
-        if control is None:
-            return None
-        setter = getattr(control, "set_simple_vram_headroom", None)
-        if setter is None:
-            setter = getattr(getattr(control, "lib", None),
-                             "set_simple_vram_headroom", None)
-    except Exception:  # noqa: BLE001 - a broken module: nothing to forward
-        return None
-    return setter if callable(setter) else None
-
-
-def _aimdo_seed() -> int:
-    """The headroom ComfyUI seeded the pager with: ``--reserve-vram`` GiB
-    in bytes, else comfy-aimdo's default.  ``comfy.cli_args`` is read from
-    ``sys.modules`` only: importing it parses ``sys.argv``."""
-    try:
-        cli_args = sys.modules.get("comfy.cli_args")
-        value = getattr(getattr(cli_args, "args", None), "reserve_vram",
-                        None)
-        if value is not None:
-            return max(0, int(float(value) * (1 << 30)))
-    except Exception:  # noqa: BLE001 - unreadable args: the default
-        pass
-    return AIMDO_DEFAULT_HEADROOM
+        owner = getattr(s, "pool", None)
+    except Exception:  # noqa: BLE001 - a foreign patcher's __getattr__
+        owner = None
+    if isinstance(owner, Pool):
+        owner._hold(s)
+    for entry in list(mm.current_loaded_models):
+        if getattr(entry, "model", None) is s:
+            entry.currently_used = False
+            return entry
+    inner = s.model
+    entry = mm.LoadedModel(s)
+    entry.currently_used = False
+    entry.real_model = weakref.ref(inner)
+    finalizer = weakref.finalize(inner, mm.cleanup_models)
+    finalizer.atexit = False
+    entry.model_finalizer = finalizer
+    mm.current_loaded_models.insert(0, entry)
+    return entry
 
 
 def _has_standins(books: Any) -> bool:
@@ -974,16 +723,14 @@ def _has_standins(books: Any) -> bool:
 
 
 def _standins_of(books: Any, worker: Any) -> list[Any]:
-    """The stand-ins on forgotten `books` of `worker` (none once the books
-    are gone)."""
+    """The stand-ins on `worker`'s forgotten `books`, if still alive."""
     if books is None or books.key is not worker:
         return []
     return list(books.standins())
 
 
 def _still_resident(s: Any) -> bool:
-    """Whether the stand-in's model is on the card by the newest true word
-    (``loaded_size()``: a valid board reading, else the receipt) and its
+    """Whether `s`'s model is on the card (``loaded_size() > 0``) and its
     worker has not reported it gone."""
     try:
         return s.loaded_size() > 0 and s.receipt()[3] != "worker gone"
@@ -1033,19 +780,8 @@ def _release_error(reply: object) -> str:
     return f"it answered {reply!r}"
 
 
-def _pinned_of(books: Any) -> int:
-    """The pinned bytes of the worker's last report (C: ``report``;
-    the reference keeps it as ``_pinned``)."""
-    report = getattr(books, "report", None)
-    if isinstance(report, tuple) and len(report) == 3:
-        return int(report[1])
-    value = getattr(books, "_pinned", 0)
-    return value if _is_byte_value(value) else 0
-
-
 def _shortfall_bytes(value: object) -> int:
-    """A shortfall as bytes: an int (not a bool) or a finite float, else
-    0 (nothing to ask for)."""
+    """A shortfall as bytes: an int (not a bool) or a finite float; else 0."""
     if isinstance(value, bool):
         return 0
     if isinstance(value, int):
@@ -1055,15 +791,13 @@ def _shortfall_bytes(value: object) -> int:
     return 0
 
 
-def _ask(worker: Any, command: str, size: int,
-         lock_timeout: float = 2.0) -> tuple[object, bool]:
-    """One release ask: (reply, the worker is dead).  Never raises an
-    ``Exception``."""
+def _ask(worker: Any, command: str, size: int) -> tuple[object, bool]:
+    """One release ask that never waits for the worker's command lock:
+    (reply, the worker is dead).  Never raises an ``Exception``."""
     try:
         no_spawn = getattr(worker, "send_command_no_spawn", None)
         if callable(no_spawn):
-            reply = no_spawn(command, size=int(size),
-                             lock_timeout=lock_timeout)
+            reply = no_spawn(command, size=int(size), lock_timeout=0.0)
         else:
             reply = worker.send_command(command, size=int(size))
     except Exception as exc:  # noqa: BLE001 - an ask is best effort
@@ -1083,8 +817,8 @@ def _alive(worker: Any) -> bool:
 
 
 def _probe(impl: ModuleType) -> Mapping[str, Any]:
-    """The GPU probe: the implementation's, else the C one (the probe is
-    dlopen and driver calls; the pure-Python reference has no other)."""
+    """The implementation's GPU probe; the C one for the reference, which
+    has none of its own."""
     probe = getattr(impl, "probe", None)
     if probe is None:
         probe = importlib.import_module("comfy_standin._core").probe
@@ -1097,9 +831,8 @@ _PID_PATHS = (("pid",), ("process", "pid"), ("_process", "pid"),
 
 def _default_pid_of(worker: Any) -> int | None:
     """comfy-env's SubprocessWorker and plain Popen-like objects."""
-    # The names are literals (interned): a name built at run time (a
-    # split) is a fresh str each call, and Python 3.10/3.11's attribute
-    # cache keeps a reference to every name it caches.
+    # Literal (interned) names: 3.10 and 3.11's attribute cache keeps a
+    # reference to every name it caches, so a name built per call leaks.
     for path in _PID_PATHS:
         obj = worker
         try:

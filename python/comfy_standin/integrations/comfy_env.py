@@ -439,7 +439,7 @@ def _wrap_register_new_patchers(original: Any) -> Any:
                         mid: p for mid, p in _patchers_of(env_dir).items()
                         if mid not in known and _is_ours(p)
                     }, census)
-                _take_figures(pool, worker, report)
+                _take_report(pool, worker, report)
                 _log_relisted(pool.boundary(
                     importlib.import_module("comfy.model_management")))
             except Exception:
@@ -492,18 +492,18 @@ def _wrap_free_memory(original: Any) -> Any:
     return free_memory
 
 
-def _take_figures(pool: Any, worker: Any, report: Any) -> None:
-    """The frame's held, pinned and overhead figures for the pool's books
-    of `worker` (comfy-env keeps its own copies): what the worker holds
-    beyond its models (``Pool.unlisted``) is measured from them."""
+def _take_report(pool: Any, worker: Any, report: Any) -> None:
+    """The frame's ``held``, ``pinned`` and ``overhead`` into the pool
+    (comfy-env keeps its own copies): ``Pool.unlisted`` is measured from
+    them."""
     if not isinstance(report, dict) or pool._ledger.find(worker) is None:
         return
-    figures = {name: dict.get(report, name) for name in
-               ("held", "pinned", "overhead") if name in report}
+    fields = {name: dict.get(report, name) for name in
+              ("held", "pinned", "overhead") if name in report}
     try:
-        pool.report(worker, figures)
+        pool.report(worker, fields)
     except cs.EchoError:
-        pass  # a figure out of range: comfy-env's copy stands alone
+        pass  # a value out of range: comfy-env's copy stands alone
 
 
 def _patchers_of(env_dir: Any) -> dict[str, Any]:

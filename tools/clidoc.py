@@ -2,7 +2,7 @@
 the argparse parser, and the status answer's fields, written from the
 schema the client checks answers with (``_status.ANSWER``).
 
-``python -m comfy_standin._clidoc docs/cli.md`` rewrites each block
+``python tools/clidoc.py docs/cli.md`` rewrites each block
 between ``<!-- BEGIN GENERATED: NAME -->`` and ``<!-- END GENERATED:
 NAME -->`` (everything outside them is hand-written); ``--check`` exits
 1 when a block is not what the code says.  The format is this module's
@@ -58,7 +58,7 @@ def _help(action: argparse.Action) -> str:
 
 
 def _common_dests() -> set[str]:
-    from . import __main__ as cli
+    from comfy_standin import __main__ as cli
 
     return {a.dest for a in cli._common_options()._actions}
 
@@ -113,12 +113,12 @@ def subcommands(parser: argparse.ArgumentParser) -> dict[str, Any]:
 
 def reference() -> str:
     """The generated block, markers included."""
-    from . import __main__ as cli
+    from comfy_standin import __main__ as cli
 
     parser = cli.build_parser(PROG)
     lines = [
         BEGIN,
-        "<!-- Written by `python -m comfy_standin._clidoc docs/cli.md` "
+        "<!-- Written by `python tools/clidoc.py docs/cli.md` "
         "from the parser in python/comfy_standin/__main__.py: change "
         "them there. -->",
         "",
@@ -147,11 +147,11 @@ def reference() -> str:
 def schema() -> str:
     """The status answer's block, markers included: one row per field of
     ``_status.ANSWER``, depth first."""
-    from . import _status
+    from comfy_standin import _status
 
     lines = [
         SCHEMA_BEGIN,
-        "<!-- Written by `python -m comfy_standin._clidoc docs/cli.md` "
+        "<!-- Written by `python tools/clidoc.py docs/cli.md` "
         "from the schema in python/comfy_standin/_status.py (ANSWER): "
         "change it there. -->",
         "",
@@ -180,7 +180,7 @@ def rewrite(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m comfy_standin._clidoc",
+        prog="python tools/clidoc.py",
         description="Write docs/cli.md's generated command reference.")
     parser.add_argument("path", help="docs/cli.md")
     parser.add_argument("--check", action="store_true",
@@ -191,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     new = rewrite(text)
     if args.check:
         if new != text:
-            print(f"{args.path}: a generated block is stale; run python -m "
-                  f"comfy_standin._clidoc {args.path}", file=sys.stderr)
+            print(f"{args.path}: a generated block is stale; run python "
+                  f"tools/clidoc.py {args.path}", file=sys.stderr)
             return 1
         return 0
     if new != text:
