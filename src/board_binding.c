@@ -15,8 +15,11 @@
 
 #include <errno.h>
 #include <limits.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #ifndef _WIN32
@@ -24,6 +27,9 @@
 typedef struct {
     PyObject_HEAD
     cs_board *board; /* owned; NULL once closed */
+    /* Calls using `board` that released the GIL to wait: close() waits
+     * (without the GIL) until they are done with it. */
+    _Atomic int waiting;
     PyObject *weakreflist;
 } BoardObject;
 
@@ -155,6 +161,7 @@ board_wrap(PyTypeObject *type, cs_board *board)
         return NULL;
     }
     self->board = board;
+    atomic_init(&self->waiting, 0);
     self->weakreflist = NULL;
     return (PyObject *)self;
 }
@@ -377,7 +384,9 @@ Board_open(PyTypeObject *type, PyObject *const *args, Py_ssize_t nargs,
 }
 
 /* Closes the handle (idempotent).  The pointer is cleared first, under the
- * GIL, then the GIL is released while the sampler thread is joined. */
+ * GIL, so no new call takes it; then, without the GIL, the calls still
+ * waiting with it come back (each wait is bounded) and the sampler thread
+ * is joined. */
 static void
 board_close_handle(BoardObject *self)
 {
@@ -385,6 +394,9 @@ board_close_handle(BoardObject *self)
     self->board = NULL;
     if (board != NULL) {
         Py_BEGIN_ALLOW_THREADS
+        while (atomic_load_explicit(&self->waiting, memory_order_acquire)) {
+            (void)sched_yield();
+        }
         cs_board_close(board);
         Py_END_ALLOW_THREADS
     }
@@ -760,9 +772,21 @@ Board_find(PyObject *op, PyObject *arg)
     return PyLong_FromUnsignedLong(slot);
 }
 
+/* How long Board.publish waits for another writer of the slot. */
+#define PUBLISH_WAIT_NS UINT64_C(100000000)
+
+static uint64_t
+board_now_ns(void)
+{
+    struct timespec ts;
+    (void)clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * UINT64_C(1000000000) + (uint64_t)ts.tv_nsec;
+}
+
 static PyObject *
 Board_publish(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
 {
+    BoardObject *self = (BoardObject *)op;
     uint32_t slot;
     uint64_t loaded;
     cs_board *board = board_begin(op, CALL_PUBLISH, args, nargs, &slot);
@@ -771,8 +795,26 @@ Board_publish(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
                       CS_BOARD_VALUE_MAX, &loaded) < 0) {
         return NULL;
     }
-    return board_done(board, CALL_PUBLISH,
-                      cs_board_publish(board, slot, loaded), 0);
+    cs_board_status status = cs_board_publish(board, slot, loaded);
+    bool waited = status == CS_BOARD_ERR_BUSY;
+    if (waited) {
+        /* Another thread of this worker is inside the slot's write (the
+         * sampler thread, preempted there): wait for it, bounded, without
+         * the GIL. */
+        atomic_fetch_add_explicit(&self->waiting, 1, memory_order_relaxed);
+        Py_BEGIN_ALLOW_THREADS
+        uint64_t give_up = board_now_ns() + PUBLISH_WAIT_NS;
+        do {
+            (void)sched_yield();
+            status = cs_board_publish(board, slot, loaded);
+        } while (status == CS_BOARD_ERR_BUSY && board_now_ns() < give_up);
+        Py_END_ALLOW_THREADS
+    }
+    PyObject *result = board_done(board, CALL_PUBLISH, status, 0);
+    if (waited) {
+        atomic_fetch_sub_explicit(&self->waiting, 1, memory_order_release);
+    }
+    return result;
 }
 
 static PyObject *
@@ -873,6 +915,7 @@ board_address_arg(PyObject *obj, const char *what, bool required,
 static PyObject *
 Board_add_sampler(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
 {
+    BoardObject *self = (BoardObject *)op;
     const char *what = board_calls[CALL_ADD_SAMPLER].what;
     uint32_t slot;
     void *fn_address, *context;
@@ -889,22 +932,35 @@ Board_add_sampler(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
     static_assert(sizeof(fn) == sizeof(fn_address), "function pointers");
     memcpy(&fn, &fn_address, sizeof(fn));
     int os_error = 0;
-    /* Waits for a running sampler pass; that never needs the GIL, since
-     * samplers are native code (documented), so holding it is safe. */
-    cs_board_status status =
-        cs_board_add_sampler(board, slot, fn, context, &os_error);
-    return board_done(board, CALL_ADD_SAMPLER, status, os_error);
+    cs_board_status status;
+    /* Waits for a running sampler pass, without the GIL. */
+    atomic_fetch_add_explicit(&self->waiting, 1, memory_order_relaxed);
+    Py_BEGIN_ALLOW_THREADS
+    status = cs_board_add_sampler(board, slot, fn, context, &os_error);
+    Py_END_ALLOW_THREADS
+    PyObject *result = board_done(board, CALL_ADD_SAMPLER, status, os_error);
+    atomic_fetch_sub_explicit(&self->waiting, 1, memory_order_release);
+    return result;
 }
 
 static PyObject *
 Board_remove_sampler(PyObject *op, PyObject *arg)
 {
+    BoardObject *self = (BoardObject *)op;
     uint32_t slot;
+    cs_board_status status;
     cs_board *board = board_begin(op, CALL_REMOVE_SAMPLER, &arg, 1, &slot);
-    return board == NULL ? NULL
-                         : board_done(board, CALL_REMOVE_SAMPLER,
-                                      cs_board_remove_sampler(board, slot),
-                                      0);
+    if (board == NULL) {
+        return NULL;
+    }
+    /* Waits for a running sampler pass, without the GIL. */
+    atomic_fetch_add_explicit(&self->waiting, 1, memory_order_relaxed);
+    Py_BEGIN_ALLOW_THREADS
+    status = cs_board_remove_sampler(board, slot);
+    Py_END_ALLOW_THREADS
+    PyObject *result = board_done(board, CALL_REMOVE_SAMPLER, status, 0);
+    atomic_fetch_sub_explicit(&self->waiting, 1, memory_order_release);
+    return result;
 }
 
 static PyObject *

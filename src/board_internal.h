@@ -109,13 +109,6 @@ static_assert(offsetof(board_slot, updated) == CS_BOARD_SLOT_OFF_UPDATED,
 
 /* ---- limits ---------------------------------------------------------- */
 
-/* Worker writers spin this long on a locked slot, then yield until this
- * much time has passed, then report CS_BOARD_ERR_BUSY.  Only a worker
- * waits here (the host never writes): a preempted writer thread of the
- * same worker can stay off the CPU for milliseconds. */
-#define WRITE_SPINS 1000
-#define WRITE_BUSY_NS UINT64_C(100000000)
-
 #define OPEN_NAME_MAX 256
 /* How far ahead of the reader's clock a heartbeat may legitimately be
  * (written after the reader took its clock); further is garbage. */

@@ -7,42 +7,28 @@
 #include "board_internal.h"
 
 #include <errno.h>
-#include <sched.h>
 #include <stdlib.h>
 
 /* ---- the seqlock (worker side) --------------------------------------- */
 
-/* Takes the slot's seqlock for writing; *seq gets the odd value held. */
-static cs_board_status
+/* Takes the slot's seqlock for writing without waiting: false when another
+ * writer is inside (the word is odd, or another CAS won). */
+static bool
 slot_write_begin(board_slot *slot, uint64_t *seq)
 {
-    uint64_t give_up = 0;
-    for (unsigned attempt = 0;; attempt++) {
-        uint64_t current = atomic_load_explicit(&slot->seq,
-                                                memory_order_relaxed);
-        if ((current & 1) == 0 &&
-            atomic_compare_exchange_weak_explicit(
-                &slot->seq, &current, current + 1, memory_order_acquire,
-                memory_order_relaxed)) {
-            /* Orders the data stores after the odd word: a reader that
-             * sees any of them also sees the word changed. */
-            atomic_thread_fence(memory_order_release);
-            *seq = current + 1;
-            return CS_BOARD_OK;
-        }
-        if (attempt < WRITE_SPINS) {
-            board_cpu_relax();
-            continue;
-        }
-        uint64_t now = board_now_ns();
-        if (give_up == 0) {
-            give_up = now + WRITE_BUSY_NS;
-        }
-        else if (now >= give_up) {
-            return CS_BOARD_ERR_BUSY;
-        }
-        (void)sched_yield();
+    uint64_t current = atomic_load_explicit(&slot->seq, memory_order_relaxed);
+    if ((current & 1) != 0 ||
+        !atomic_compare_exchange_strong_explicit(&slot->seq, &current,
+                                                 current + 1,
+                                                 memory_order_acquire,
+                                                 memory_order_relaxed)) {
+        return false;
     }
+    /* Orders the data stores after the odd word: a reader that sees any of
+     * them also sees the word changed. */
+    atomic_thread_fence(memory_order_release);
+    *seq = current + 1;
+    return true;
 }
 
 static void
@@ -120,9 +106,8 @@ cs_board_publish_at(cs_board *board, uint32_t slot, uint64_t loaded,
     }
     board_slot *entry = board_slot_at(board, slot);
     uint64_t seq;
-    status = slot_write_begin(entry, &seq);
-    if (status != CS_BOARD_OK) {
-        return status;
+    if (!slot_write_begin(entry, &seq)) {
+        return CS_BOARD_ERR_BUSY;
     }
     atomic_store_explicit(&entry->tag, tag, memory_order_relaxed);
     atomic_store_explicit(&entry->loaded, loaded, memory_order_relaxed);

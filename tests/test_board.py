@@ -587,6 +587,11 @@ def sampler_lib(tmp_path_factory):
     lib.test_sampler_set_fail.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.test_sampler_calls.restype = ctypes.c_uint64
     lib.test_sampler_calls.argtypes = [ctypes.c_void_p]
+    for name in ("hold",):
+        getattr(lib, f"test_sampler_{name}").argtypes = [ctypes.c_void_p,
+                                                         ctypes.c_int]
+    for name in ("holding", "held_out"):
+        getattr(lib, f"test_sampler_{name}").argtypes = [ctypes.c_void_p]
     return lib
 
 
@@ -1056,3 +1061,103 @@ def test_descriptor_sent_over_a_unix_socket(boards):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# ---- no wait with the GIL held -------------------------------------------
+
+
+def writable(worker) -> memoryview:
+    """The worker's own read-write mapping of its board, found in
+    /proc/self/maps by the board's label (the seal refuses any new
+    writable mapping: this one is the only way to write it)."""
+    want = label(worker)
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, perms = line.split()[:2]
+            if want in line and perms.startswith("rw"):
+                start, end = (int(x, 16) for x in span.split("-"))
+                raw = (ctypes.c_char * (end - start)).from_address(start)
+                return memoryview(raw).cast("B")
+    raise AssertionError(f"no writable mapping of {want}")
+
+
+def test_publish_waits_for_another_writer_without_the_gil():
+    """Board.publish waited up to 100 ms for a slot another writer held,
+    with the GIL held: no other thread of the host could run meanwhile.
+    Here the writer inside is finished by a second Python thread, which
+    can run only if publish lets go of the GIL while it waits."""
+    worker, fd = Board.make(1)
+    host = Board.adopt(fd, 1)
+    os.close(fd)
+    slot = host.assign("m", 100)
+    worker.bind(slot, host.tag(slot))
+    mem = writable(worker)
+    seq = HEADER + slot * SLOT + SLOT_SEQ
+    put(mem, seq, 1)  # a writer is inside
+    ran = []
+    go = threading.Lock()
+    go.acquire()
+
+    def finish_the_write() -> None:
+        with go:  # waits without the GIL until the main thread is ready
+            ran.append(get(mem, seq))
+            put(mem, seq, 2)
+
+    thread = threading.Thread(target=finish_the_write)
+    thread.start()
+    interval = sys.getswitchinterval()
+    # From here the main thread keeps the GIL unless it lets go of it.
+    sys.setswitchinterval(1000.0)
+    try:
+        go.release()  # the thread now needs only the GIL
+        worker.publish(slot, 42)
+    finally:
+        sys.setswitchinterval(interval)
+        thread.join()
+        del mem
+        worker.close()
+        host.close()
+    assert ran == [1]  # it ran while publish waited
+
+
+@pytest.mark.parametrize("call", ["add_sampler", "remove_sampler"])
+def test_sampler_calls_wait_for_a_pass_without_the_gil(sampler_lib, call):
+    """add_sampler and remove_sampler wait for a running sampler pass (the
+    samplers run under the board's lock), and waited with the GIL held.
+    Here the pass is held until a second Python thread lets it go, which
+    it can do only if the call lets go of the GIL while it waits."""
+    worker, fd = Board.make(2)
+    host = Board.adopt(fd, 2)
+    os.close(fd)
+    ctx = sampler_lib.test_sampler_new(5, -1)
+    fn = ctypes.cast(sampler_lib.test_sampler_sample, ctypes.c_void_p).value
+    go = threading.Lock()
+    go.acquire()
+
+    def let_go() -> None:
+        with go:  # waits without the GIL until the main thread is ready
+            sampler_lib.test_sampler_hold(ctx, 0)
+
+    try:
+        sampler_lib.test_sampler_hold(ctx, 1)
+        worker.add_sampler(0, fn, ctx)
+        wait_until(lambda: sampler_lib.test_sampler_holding(ctx),
+                   "the sampler to hold its pass")
+        thread = threading.Thread(target=let_go)
+        thread.start()
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1000.0)  # as in the publish test above
+        try:
+            go.release()
+            if call == "add_sampler":
+                worker.add_sampler(1, fn, ctx)
+            else:
+                worker.remove_sampler(0)
+        finally:
+            sys.setswitchinterval(interval)
+            thread.join()
+        assert not sampler_lib.test_sampler_held_out(ctx)
+    finally:
+        worker.close()
+        host.close()
+        sampler_lib.test_sampler_free(ctx)

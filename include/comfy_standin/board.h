@@ -307,11 +307,9 @@ uint64_t cs_board_bound_tag(const cs_board *board, uint32_t slot);
  * tag, stamped now, and beats the heartbeat.  The stamp says when the
  * value was true: the host prefers a reading to a receipt when the
  * reading's stamp is newer, so a value measured earlier must go through
- * cs_board_publish_at with the time its measurement began.  Lock-free;
- * safe from any thread of the worker (writers of one slot exclude each
- * other through the seqlock word; a word that stays odd makes a writer
- * give up with CS_BOARD_ERR_BUSY after a bounded wait -- only a writer
- * killed inside or a foreign write can do that; the host never writes). */
+ * cs_board_publish_at with the time its measurement began.  Wait-free:
+ * CS_BOARD_ERR_BUSY at once when another thread of the worker is inside a
+ * write of the slot (its sampler, say): try again. */
 cs_board_status cs_board_publish(cs_board *board, uint32_t slot,
                                  uint64_t loaded);
 /* The same with the caller's own CLOCK_MONOTONIC stamp: the time the
