@@ -142,12 +142,7 @@ board_stop_sampler(cs_board *board)
 static void
 board_deadline(struct timespec *ts, uint64_t period)
 {
-#if defined(__linux__)
-    clockid_t clock = CLOCK_MONOTONIC;
-#else
-    clockid_t clock = CLOCK_REALTIME; /* no pthread_condattr_setclock */
-#endif
-    if (clock_gettime(clock, ts) != 0) {
+    if (clock_gettime(CLOCK_MONOTONIC, ts) != 0) {
         ts->tv_sec = 0;
         ts->tv_nsec = 0;
     }
