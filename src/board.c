@@ -22,7 +22,7 @@
 #define F_SEAL_FUTURE_WRITE 0x0010
 #endif
 /* What cs_board_make seals and cs_board_adopt requires. */
-#define BOARD_SEALS                                                         \
+#define BOARD_SEALS                                                           \
     (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL)
 
 static const char *const status_messages[] = {
@@ -108,11 +108,11 @@ board_after_fork_child(void)
 static void
 board_register_handlers(void)
 {
-    fork_handler_ok =
-        pthread_atfork(NULL, NULL, board_after_fork_child) == 0;
+    fork_handler_ok = pthread_atfork(NULL, NULL, board_after_fork_child) == 0;
 }
 
-bool
+/* Registers the fork handler once; false if that failed. */
+static bool
 board_handlers(void)
 {
     return pthread_once(&fork_once, board_register_handlers) == 0 &&
@@ -145,14 +145,8 @@ board_alloc(uint32_t slots, bool host)
         pthread_condattr_destroy(&attr);
     }
     bool lock_ok = cond_ok && pthread_mutex_init(&board->lock, NULL) == 0;
-    bool owner_ok = lock_ok &&
-                    pthread_mutex_init(&board->owner_lock, NULL) == 0;
-    if (!owner_ok || (host ? board->table == NULL
-                           : board->samplers == NULL ||
-                                 board->bound == NULL)) {
-        if (owner_ok) {
-            pthread_mutex_destroy(&board->owner_lock);
-        }
+    if (!lock_ok || (host ? board->table == NULL
+                          : board->samplers == NULL || board->bound == NULL)) {
         if (lock_ok) {
             pthread_mutex_destroy(&board->lock);
         }
@@ -194,7 +188,6 @@ board_free(cs_board *board, bool own)
     }
     if (own) {
         pthread_cond_destroy(&board->wake);
-        pthread_mutex_destroy(&board->owner_lock);
         pthread_mutex_destroy(&board->lock);
     }
     if (board->table != NULL) {
@@ -277,9 +270,8 @@ cs_board_make(uint32_t slots, uint64_t generation, cs_board **out,
         goto error;
     }
     board->base = base;
-    int seals = fcntl(fd, F_ADD_SEALS, BOARD_SEALS) == 0
-                    ? fcntl(fd, F_GET_SEALS)
-                    : -1;
+    int seals =
+        fcntl(fd, F_ADD_SEALS, BOARD_SEALS) == 0 ? fcntl(fd, F_GET_SEALS) : -1;
     if (seals < 0 || (seals & BOARD_SEALS) != BOARD_SEALS) {
         status = CS_BOARD_ERR_SEALS; /* e.g. a kernel before Linux 5.1 */
         goto error;
@@ -290,8 +282,7 @@ cs_board_make(uint32_t slots, uint64_t generation, cs_board **out,
     atomic_store_explicit(&head->slot_size, CS_BOARD_SLOT_SIZE,
                           memory_order_relaxed);
     atomic_store_explicit(&head->slot_count, slots, memory_order_relaxed);
-    atomic_store_explicit(&head->generation, generation,
-                          memory_order_relaxed);
+    atomic_store_explicit(&head->generation, generation, memory_order_relaxed);
     atomic_store_explicit(&head->owner_pid, board->pid, memory_order_relaxed);
     atomic_store_explicit(&head->heartbeat, board_now_ns(),
                           memory_order_relaxed);
@@ -442,10 +433,10 @@ cs_board_close(cs_board *board)
         return;
     }
     if (board->host) {
-        pthread_mutex_lock(&board->owner_lock);
+        pthread_mutex_lock(&board->lock);
         int pidfd = board->owner_pidfd;
         board->owner_pidfd = -1;
-        pthread_mutex_unlock(&board->owner_lock);
+        pthread_mutex_unlock(&board->lock);
         if (pidfd >= 0) {
             (void)close(pidfd);
         }

@@ -37,21 +37,17 @@ typedef struct {
 
 #define BOARD_DOC_NAME "comfy_standin.Board"
 
-/* Raises the exception that says what `status` means for `what`. */
+/* Raises the exception that says what `status` means for `what`: a call
+ * on `board`, or (NULL) the making or the adoption of one. */
 static void
-board_raise_role(cs_board_status status, int os_error, const char *what,
-                 const char *name, bool role_is_host)
+board_raise(cs_board_status status, int os_error, const char *what,
+            const cs_board *board)
 {
     const char *message = cs_board_status_message(status);
     switch (status) {
     case CS_BOARD_ERR_SYSTEM:
         errno = os_error;
-        if (name != NULL) {
-            PyErr_SetFromErrnoWithFilename(PyExc_OSError, name);
-        }
-        else {
-            PyErr_SetFromErrno(PyExc_OSError);
-        }
+        PyErr_SetFromErrno(PyExc_OSError);
         return;
     case CS_BOARD_ERR_NOMEM:
         PyErr_NoMemory();
@@ -63,35 +59,21 @@ board_raise_role(cs_board_status status, int os_error, const char *what,
     case CS_BOARD_ERR_VERSION:
     case CS_BOARD_ERR_SIZE:
     case CS_BOARD_ERR_SEALS:
-        PyErr_Format(PyExc_ValueError, "%s: board %s refused: %s", what,
-                     name ? name : "?", message);
+        PyErr_Format(PyExc_ValueError, "%s: board refused: %s", what,
+                     message);
         return;
-    case CS_BOARD_ERR_ROLE:
+    case CS_BOARD_ERR_ROLE: {
+        bool host = board != NULL && cs_board_is_host(board);
         PyErr_Format(PyExc_RuntimeError,
                      "%s is a %s call; this is the %s side of board %s",
-                     what, role_is_host ? "worker" : "host",
-                     role_is_host ? "host" : "worker", name ? name : "?");
+                     what, host ? "worker" : "host", host ? "host" : "worker",
+                     board != NULL ? cs_board_name(board) : "?");
         return;
+    }
     default:
         PyErr_Format(PyExc_RuntimeError, "%s: %s", what, message);
         return;
     }
-}
-
-/* The same for a call on an existing board. */
-static void
-board_raise_on(cs_board *board, cs_board_status status, int os_error,
-               const char *what)
-{
-    board_raise_role(status, os_error, what, cs_board_name(board),
-                     cs_board_is_host(board));
-}
-
-static void
-board_raise(cs_board_status status, int os_error, const char *what,
-            const char *name)
-{
-    board_raise_role(status, os_error, what, name, false);
 }
 
 static cs_board *
@@ -216,7 +198,7 @@ Board_adopt(PyTypeObject *type, PyObject *const *args, Py_ssize_t nargs,
                             &board, &os_error);
     Py_END_ALLOW_THREADS
     if (status != CS_BOARD_OK) {
-        board_raise(status, os_error, "Board.adopt()", "received");
+        board_raise(status, os_error, "Board.adopt()", NULL);
         return NULL;
     }
     return board_wrap(type, board);
@@ -306,8 +288,10 @@ Board_dealloc(PyObject *op)
     Py_DECREF(type);
 }
 
-cs_board *
-cs_board_from_object(PyObject *obj)
+/* The handle of Board `obj`, borrowed: NULL with TypeError (not a Board)
+ * or ValueError (closed). */
+static cs_board *
+board_from_object(PyObject *obj)
 {
     /* Board is final (no Py_TPFLAGS_BASETYPE), so its dealloc identifies
      * it without reaching for the module state. */
@@ -338,7 +322,7 @@ cs_board_attach_model(PyObject *board_obj, PyObject *model_id,
                       PyObject *slot_obj, uint32_t *slot, uint64_t *tag)
 {
     uint32_t found = 0;
-    cs_board *board = cs_board_from_object(board_obj);
+    cs_board *board = board_from_object(board_obj);
     if (board == NULL) {
         return -1;
     }
@@ -468,7 +452,7 @@ board_begin(PyObject *op, int id, PyObject *const *args, Py_ssize_t nargs,
         return NULL;
     }
     if (call->side == HOST_SIDE && !cs_board_is_host(board)) {
-        board_raise_on(board, CS_BOARD_ERR_ROLE, 0, call->what);
+        board_raise(CS_BOARD_ERR_ROLE, 0, call->what, board);
         return NULL;
     }
     /* A slot row's min is at least 1: args[0] exists. */
@@ -484,7 +468,7 @@ static PyObject *
 board_done(cs_board *board, int id, cs_board_status status, int os_error)
 {
     if (status != CS_BOARD_OK) {
-        board_raise_on(board, status, os_error, board_calls[id].what);
+        board_raise(status, os_error, board_calls[id].what, board);
         return NULL;
     }
     Py_RETURN_NONE;
@@ -1169,13 +1153,6 @@ Board_unsupported(PyObject *cls, PyObject *args, PyObject *kwargs)
     PyErr_SetString(PyExc_NotImplementedError,
                     "comfy_standin.Board: the residency board is a sealed "
                     "memfd, Linux only (stand-ins use receipts)");
-    return NULL;
-}
-
-cs_board *
-cs_board_from_object(PyObject *obj)
-{
-    (void)Board_unsupported(NULL, NULL, NULL);
     return NULL;
 }
 

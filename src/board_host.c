@@ -7,11 +7,10 @@
  */
 #include "board_internal.h"
 
-#include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <stdlib.h>
 #include <string.h>
-#include <poll.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -70,11 +69,11 @@ cs_board_expect_owner(cs_board *board, int64_t pid)
         }
     }
 #endif
-    pthread_mutex_lock(&board->owner_lock);
+    pthread_mutex_lock(&board->lock);
     int old = board->owner_pidfd;
     board->owner_pidfd = pidfd;
-    pthread_mutex_unlock(&board->owner_lock);
-    if (old >= 0) { /* no poll can be using it: they hold owner_lock */
+    pthread_mutex_unlock(&board->lock);
+    if (old >= 0) { /* no poll can be using it: they hold the lock */
         (void)close(old);
     }
 }
@@ -87,13 +86,13 @@ cs_board_poll_owner(cs_board *board)
     }
     /* The poll does not wait (timeout 0), so holding the lock across it
      * is bounded. */
-    pthread_mutex_lock(&board->owner_lock);
+    pthread_mutex_lock(&board->lock);
     bool exited = false;
     if (board->owner_pidfd >= 0) {
         struct pollfd p = {.fd = board->owner_pidfd, .events = POLLIN};
         exited = poll(&p, 1, 0) > 0; /* readable: the process exited */
     }
-    pthread_mutex_unlock(&board->owner_lock);
+    pthread_mutex_unlock(&board->lock);
     if (exited) {
         cs_board_owner_gone(board);
     }

@@ -136,17 +136,17 @@ struct cs_board {
     uint64_t epoch;      /* fork_epoch when the handle was made */
     uint64_t clock_tick; /* the coarse clock's resolution (host reads) */
 
-    /* Host: the table.  Worker: the samplers and the thread's state. */
+    /* Host: the table and the owner's pidfd.  Worker: the samplers and
+     * the thread's state. */
     pthread_mutex_t lock;
 
     /* Host only. */
     host_slot *table;  /* under lock; tag/size read unlocked */
     uint64_t next_tag; /* under lock */
     _Atomic int64_t expected_owner;
-    /* A pidfd of expected_owner, or -1.  Under owner_lock, so a poll
-     * never runs on a descriptor another thread just closed (or on
-     * whatever reused its number). */
-    pthread_mutex_t owner_lock;
+    /* A pidfd of expected_owner, or -1.  Under lock, so a poll never runs
+     * on a descriptor another thread just closed (or on whatever reused
+     * its number). */
     int owner_pidfd;
     _Atomic bool owner_gone;
 
@@ -213,12 +213,8 @@ board_now_ns(void)
 
 /* ---- shared between the files --------------------------------------- */
 
-/* board.c: registers the fork handlers once; false if that failed. */
-bool board_handlers(void);
 /* board_host.c: the coarse clock's resolution, for host handles. */
 uint64_t board_read_clock_tick(void);
-/* board_worker.c: CS_BOARD_OK when `board` may make a worker call here. */
-cs_board_status board_worker_call(const cs_board *board);
 /* board_worker.c: stops and joins the sampler thread, if any. */
 void board_stop_sampler(cs_board *board);
 

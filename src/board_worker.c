@@ -1,13 +1,10 @@
 /*
  * board_worker.c -- the worker's side of the live residency board: the
- * seqlock writer, publish and heartbeat, and the sampler thread
+ * wait-free seqlock writer, publish and heartbeat, and the sampler thread
  * (include/comfy_standin/board.h, docs/board.md).  Only a worker writes
  * the segment.
  */
 #include "board_internal.h"
-
-#include <errno.h>
-#include <stdlib.h>
 
 /* ---- the seqlock (worker side) --------------------------------------- */
 
@@ -39,7 +36,8 @@ slot_write_end(board_slot *slot, uint64_t seq)
 
 /* ---- worker: publishing ---------------------------------------------- */
 
-cs_board_status
+/* CS_BOARD_OK when `board` may make a worker call here. */
+static cs_board_status
 board_worker_call(const cs_board *board)
 {
     if (board->host) {
@@ -172,6 +170,8 @@ board_sampler_main(void *arg)
                 if (loaded > CS_BOARD_VALUE_MAX) {
                     loaded = CS_BOARD_VALUE_MAX;
                 }
+                /* Busy: a Python publish is inside; the next pass
+                 * publishes again. */
                 (void)cs_board_publish_at(board, i, loaded, measured);
             }
         }

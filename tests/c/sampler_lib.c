@@ -22,7 +22,7 @@ typedef struct test_sampler {
     _Atomic bool hold;     /* the next call waits until this is false */
     _Atomic bool holding;  /* a call is waiting */
     _Atomic bool held_out; /* a call gave up waiting after 10 seconds */
-    int notify; /* write end of a pipe (non-blocking), or -1 */
+    int notify;            /* write end of a pipe (non-blocking), or -1 */
 } test_sampler;
 
 /* Exported: the library is loaded with ctypes. */
