@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from comfy_standin._core import Board
+from comfy_standin._handoff import ENV_VAR, Handoff
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchutil  # noqa: E402
@@ -44,13 +45,11 @@ SCRIPT = "bench/bench_board.py"
 
 WORKER = r"""
 import sys, time
-from comfy_standin._core import Board
-src = sys.argv[1]
-b = Board.open(int(src) if src.isdigit() else src)
-b.bind(0, int(sys.argv[4]))
-n, gap = int(sys.argv[2]), int(sys.argv[3])
+from comfy_standin._demo_worker import make_and_send
+b = make_and_send(1, 0)
+n, gap = int(sys.argv[1]), int(sys.argv[2])
 print("ready", flush=True)
-sys.stdin.readline()
+b.bind(0, int(sys.stdin.readline()))  # the host's tag, then go
 mono = time.monotonic_ns
 published = 0
 for i in range(1, n + 1):
@@ -66,9 +65,9 @@ sys.stdin.readline()  # the board stays open until the host read the last
 
 def bench_in_process(n: int, rounds: int = 9) -> dict[str, list[float]]:
     """ns per call for each round: an empty call, publish, read."""
-    host = Board.create(4)
-    worker = Board.open(host.fd if host.fd is not None else host.name)
-    host.unlink()
+    worker, fd = Board.make(4)
+    host = Board.adopt(fd, 4)
+    os.close(fd)
     slot = host.assign("unet-0", 1 << 33)
     worker.bind(slot, host.tag(slot))
     worker.publish(slot, 1)
@@ -132,23 +131,22 @@ def bench_staleness(count: int, gap_ns: int, deadline: float | None = None
     if deadline is None:
         deadline = count * gap_ns / 1e9 + 30.0
     end = time.monotonic() + deadline
-    host = Board.create(1)
-    slot = host.assign("unet-0", 1 << 40)
-    fd = host.fd
+    handoff = Handoff()
     proc = subprocess.Popen(
-        [sys.executable, "-c", WORKER,
-         str(fd) if fd is not None else host.name, str(count), str(gap_ns),
-         str(host.tag(slot))],
+        [sys.executable, "-c", WORKER, str(count), str(gap_ns)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        pass_fds=(fd,) if fd is not None else (),
+        env={**os.environ, ENV_VAR: handoff.spec},
     )
     lines = _Lines(proc)
+    host = None
     try:
         if lines.wait(end) != "ready":
             raise RuntimeError("board worker: expected 'ready'")
+        host, _, _ = handoff.collect(proc.pid,
+                                     lambda fd: Board.adopt(fd, 1))
+        slot = host.assign("unet-0", 1 << 40)
         host.expected_owner = proc.pid
-        host.unlink()
-        proc.stdin.write(b"go\n")
+        proc.stdin.write(f"{host.tag(slot)}\n".encode())
         proc.stdin.flush()
         seen = 0
         lags: list[int] = []
@@ -197,7 +195,9 @@ def bench_staleness(count: int, gap_ns: int, deadline: float | None = None
         proc.wait(30)
         proc.stdin.close()
         proc.stdout.close()
-        host.close()
+        handoff.close()
+        if host is not None:
+            host.close()
 
 
 def report(calls: dict[str, list[float]], stale: dict[str, object],

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from comfy_standin._core import Board
+from comfy_standin._handoff import ENV_VAR, Handoff
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -90,11 +91,11 @@ def bench_reads(n: int, repeats: int = 9) -> dict[str, Any]:
     """ns per loaded_size() call, per round; the cases take turns each
     round so that drift of the machine falls on all of them alike."""
     impls = {k: importlib.import_module(v) for k, v in IMPLS.items()}
-    host = Board.create(len(impls))
-    # This process plays the worker, on its own mapping of the segment.
-    worker_side = Board.open(host.fd if host.fd is not None else host.name)
+    # This process plays the worker too: it makes the board and adopts it.
+    worker_side, fd = Board.make(len(impls))
+    host = Board.adopt(fd, len(impls))
+    os.close(fd)
     host.expected_owner = os.getpid()
-    host.unlink()
     cases: dict[tuple[str, str], Any] = {}
     boards = []
     try:
@@ -147,26 +148,31 @@ def bench_reads(n: int, repeats: int = 9) -> dict[str, Any]:
 class BusyWorker:
     """bench/busy_worker.py as a subprocess; lines are read from its pipe
     with select() and os.read(), so a non-blocking look never misses a
-    line buffered on this side."""
+    line buffered on this side.  It makes its board and hands it over;
+    `board` is this side's, adopted."""
 
-    def __init__(self, board, slot: int, size: int = SIZE):
+    def __init__(self, size: int = SIZE):
         fd, self.log_path = tempfile.mkstemp(prefix="busy_worker.", text=True)
         os.close(fd)
-        # Linux: the sealed memfd goes over as an inherited descriptor.
-        board_fd = board.fd
-        source = str(board_fd) if board_fd is not None else board.name
-        self.proc = subprocess.Popen(
-            [sys.executable, str(WORKER), source, str(slot),
-             str(board.tag(slot)), str(size), self.log_path],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
-            pass_fds=(board_fd,) if board_fd is not None else (),
-        )
-        self.fd = self.proc.stdout.fileno()
         self.buf = b""
-        words = self.line().split()
-        if words[0] != "ready":
-            raise RuntimeError(f"busy worker: {' '.join(words)}")
-        self.pid, self.slot = int(words[1]), int(words[2])
+        with Handoff() as handoff:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(WORKER), str(size), self.log_path],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
+                env={**os.environ, ENV_VAR: handoff.spec},
+            )
+            self.fd = self.proc.stdout.fileno()
+            words = self.line().split()
+            if words[0] != "ready":
+                raise RuntimeError(f"busy worker: {' '.join(words)}")
+            self.pid = int(words[1])
+            self.board, _, _ = handoff.collect(
+                self.proc.pid, lambda fd: Board.adopt(fd, 1))
+
+    def bind(self, slot: int) -> None:
+        self.send(f"bind {slot} {self.board.tag(slot)}")
+        if (line := self.line()) != "bound":
+            raise RuntimeError(f"busy worker: {line!r}")
 
     def send(self, line: str) -> None:
         self.proc.stdin.write(line.encode() + b"\n")
@@ -232,15 +238,14 @@ class Host:
     def __init__(self, impl_name: str = "C", size: int = SIZE):
         self.impl = importlib.import_module(IMPLS[impl_name])
         self.size = size
-        self.board = Board.create(1)
         self.receipts = make_standin(self.impl, size)
         self.on_board = make_standin(self.impl, size)
-        slot = self.on_board.attach_board(self.board)
         self.worker: BusyWorker | None = None
         try:
-            self.worker = BusyWorker(self.board, slot, size)
+            self.worker = BusyWorker(size)
+            self.board = self.worker.board
+            self.worker.bind(self.on_board.attach_board(self.board))
             self.board.expected_owner = self.worker.pid
-            self.board.unlink()  # the worker has it mapped: drop the fd
         except BaseException:
             self.close()
             raise
@@ -259,8 +264,8 @@ class Host:
     def close(self) -> None:
         if self.worker is not None:
             self.worker.close()
-        self.on_board.detach_board()
-        self.board.close()
+            self.on_board.detach_board()
+            self.worker.board.close()
 
     def __enter__(self) -> Host:
         return self

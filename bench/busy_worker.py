@@ -10,10 +10,11 @@ the only channel.  It also logs its true timeline, one "T_NS VALUE" line
 per change (T_NS: CLOCK_MONOTONIC, taken just before the publish), into
 LOG, which the host reads after the call.
 
-    start:  python busy_worker.py SOURCE SLOT TAG SIZE LOG
-            ->  "ready PID SLOT"
-            SOURCE: the board's inherited descriptor (digits) or name;
-            SLOT, TAG: what the host gave the model (Board.tag)
+    start:  COMFY_STANDIN_BOARD=<handoff> python busy_worker.py SIZE LOG
+            ->  "ready PID" once it has made its board (one slot) and
+            handed it over (comfy_standin._handoff)
+    bind SLOT TAG
+        what the host gave the model (Board.tag): "bound"
 
     call SEED DURATION_MS MIN_US MAX_US START
         a paging call: publishes START (rounded down to 2**20) and
@@ -45,17 +46,12 @@ TAG_BITS = 20  # low bits of a paging value: the step index
 
 
 def main() -> int:
-    from comfy_standin._core import Board
+    from comfy_standin._demo_worker import make_and_send
 
-    source, slot, tag, size, log_path = sys.argv[1:6]
+    size, log_path = sys.argv[1:3]
     size = int(size)  # the host's own figure: the board's is host-private
-    if source.isdigit():  # an inherited descriptor (Linux)
-        board = Board.open(int(source))
-        os.close(int(source))
-    else:
-        board = Board.open(source)
-    slot = int(slot)
-    board.bind(slot, int(tag))
+    board = make_and_send(1, generation=0)
+    slot = 0
     out = sys.stdout
     seq = 0
 
@@ -76,13 +72,17 @@ def main() -> int:
 
     mono = time.monotonic_ns
     publish = board.publish
-    say(f"ready {os.getpid()} {slot}")
+    say(f"ready {os.getpid()}")
     for line in sys.stdin:
         words = line.split()
         if not words:
             continue
         cmd, args = words[0], [int(a) for a in words[1:]]
-        if cmd == "call":
+        if cmd == "bind":
+            slot = args[0]
+            board.bind(slot, args[1])
+            say("bound")
+        elif cmd == "call":
             seed, duration_ms, min_us, max_us, start = args
             log = page(board, slot, size, seed, duration_ms, min_us, max_us,
                        start, echo)

@@ -5,9 +5,11 @@
  * A Board object owns one core handle.  Thread safety: the handle is
  * immutable after creation except for what the core guards itself; the
  * only Python-level state is `board` (the handle pointer), which close()
- * clears under the GIL *before* releasing the GIL to join the sampler
- * thread, so no other thread can pick up a handle that is being closed.
- * Not claimed safe for the free-threaded build yet.
+ * clears under the GIL *before* releasing the GIL, so no other thread can
+ * pick up a handle that is being closed, and `waiting`.  Nothing here
+ * waits with the GIL held: the calls that can wait (a publish another
+ * writer holds up, adding or removing a sampler, close) release it.  Not
+ * claimed safe for the free-threaded build yet.
  */
 #include "board_binding.h"
 
@@ -15,35 +17,37 @@
 
 #include <errno.h>
 #include <limits.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
-#ifndef _WIN32
+#ifdef __linux__
 
 typedef struct {
     PyObject_HEAD
     cs_board *board; /* owned; NULL once closed */
+    /* Calls using `board` that released the GIL to wait: close() waits
+     * (without the GIL) until they are done with it. */
+    _Atomic int waiting;
     PyObject *weakreflist;
 } BoardObject;
 
 #define BOARD_DOC_NAME "comfy_standin.Board"
 
-/* Raises the exception that says what `status` means for `what`. */
+/* Raises the exception that says what `status` means for `what`: a call
+ * on `board`, or (NULL) the making or the adoption of one. */
 static void
-board_raise_role(cs_board_status status, int os_error, const char *what,
-                 const char *name, bool role_is_host)
+board_raise(cs_board_status status, int os_error, const char *what,
+            const cs_board *board)
 {
     const char *message = cs_board_status_message(status);
     switch (status) {
     case CS_BOARD_ERR_SYSTEM:
         errno = os_error;
-        if (name != NULL) {
-            PyErr_SetFromErrnoWithFilename(PyExc_OSError, name);
-        }
-        else {
-            PyErr_SetFromErrno(PyExc_OSError);
-        }
+        PyErr_SetFromErrno(PyExc_OSError);
         return;
     case CS_BOARD_ERR_NOMEM:
         PyErr_NoMemory();
@@ -51,43 +55,25 @@ board_raise_role(cs_board_status status, int os_error, const char *what,
     case CS_BOARD_ERR_RANGE:
         PyErr_Format(PyExc_IndexError, "%s: %s", what, message);
         return;
-    case CS_BOARD_ERR_NAME:
     case CS_BOARD_ERR_MAGIC:
     case CS_BOARD_ERR_VERSION:
     case CS_BOARD_ERR_SIZE:
     case CS_BOARD_ERR_SEALS:
-        PyErr_Format(PyExc_ValueError, "%s: board %s refused: %s", what,
-                     name ? name : "?", message);
+        PyErr_Format(PyExc_ValueError, "%s: board refused: %s", what,
+                     message);
         return;
-    case CS_BOARD_ERR_ROLE:
+    case CS_BOARD_ERR_ROLE: {
+        bool host = board != NULL && cs_board_is_host(board);
         PyErr_Format(PyExc_RuntimeError,
                      "%s is a %s call; this is the %s side of board %s",
-                     what, role_is_host ? "worker" : "host",
-                     role_is_host ? "host" : "worker", name ? name : "?");
+                     what, host ? "worker" : "host", host ? "host" : "worker",
+                     board != NULL ? cs_board_name(board) : "?");
         return;
-    case CS_BOARD_ERR_UNSUPPORTED:
-        PyErr_Format(PyExc_NotImplementedError, "%s: %s", what, message);
-        return;
+    }
     default:
         PyErr_Format(PyExc_RuntimeError, "%s: %s", what, message);
         return;
     }
-}
-
-/* The same for a call on an existing board. */
-static void
-board_raise_on(cs_board *board, cs_board_status status, int os_error,
-               const char *what)
-{
-    board_raise_role(status, os_error, what, cs_board_name(board),
-                     cs_board_is_host(board));
-}
-
-static void
-board_raise(cs_board_status status, int os_error, const char *what,
-            const char *name)
-{
-    board_raise_role(status, os_error, what, name, false);
 }
 
 static cs_board *
@@ -155,6 +141,7 @@ board_wrap(PyTypeObject *type, cs_board *board)
         return NULL;
     }
     self->board = board;
+    atomic_init(&self->waiting, 0);
     self->weakreflist = NULL;
     return (PyObject *)self;
 }
@@ -175,44 +162,6 @@ board_limit_arg(PyObject *obj, const char *field, uint64_t *out_ns)
     }
     return cs_seconds_in_range(obj, field, CS_BOARD_HEARTBEAT_LIMIT_MIN_NS,
                                CS_BOARD_HEARTBEAT_LIMIT_MAX_NS, out_ns);
-}
-
-static PyObject *
-Board_create(PyTypeObject *type, PyObject *const *args, Py_ssize_t nargs,
-             PyObject *kwnames)
-{
-    PyObject *argv[3];
-    uint64_t slots = 64, generation = 0;
-    uint64_t limit = CS_BOARD_DEFAULT_HEARTBEAT_LIMIT_NS;
-    cs_module_state *state = cs_state_checked(type);
-    if (state == NULL ||
-        cs_parse_vector(state, CS_SIG_BOARD_CREATE, args, nargs, kwnames,
-                        argv) < 0) {
-        return NULL;
-    }
-    PyObject *slots_obj = argv[0], *generation_obj = argv[1];
-    PyObject *limit_obj = argv[2];
-    if ((slots_obj != NULL &&
-         cs_value_in_range(slots_obj, "Board.create(): slots", NULL, 1,
-                           CS_BOARD_MAX_SLOTS, &slots) < 0) ||
-        (generation_obj != NULL &&
-         cs_value_in_range(generation_obj, "Board.create(): generation",
-                           NULL, 0, CS_BOARD_VALUE_MAX, &generation) < 0)) {
-        return NULL;
-    }
-    if (board_limit_arg(limit_obj, "Board.create(): heartbeat_limit",
-                        &limit) < 0) {
-        return NULL;
-    }
-    cs_board *board = NULL;
-    int os_error = 0;
-    cs_board_status status = cs_board_create((uint32_t)slots, generation,
-                                             limit, &board, &os_error);
-    if (status != CS_BOARD_OK) {
-        board_raise(status, os_error, "Board.create()", NULL);
-        return NULL;
-    }
-    return board_wrap(type, board);
 }
 
 /* Board.adopt(fd, slots, *, generation=0, heartbeat_limit=5.0): the host
@@ -249,7 +198,7 @@ Board_adopt(PyTypeObject *type, PyObject *const *args, Py_ssize_t nargs,
                             &board, &os_error);
     Py_END_ALLOW_THREADS
     if (status != CS_BOARD_OK) {
-        board_raise(status, os_error, "Board.adopt()", "received");
+        board_raise(status, os_error, "Board.adopt()", NULL);
         return NULL;
     }
     return board_wrap(type, board);
@@ -277,8 +226,11 @@ Board_make(PyTypeObject *type, PyObject *const *args, Py_ssize_t nargs,
     }
     cs_board *board = NULL;
     int fd = -1, os_error = 0;
-    cs_board_status status = cs_board_make((uint32_t)slots, generation,
-                                           &board, &fd, &os_error);
+    cs_board_status status;
+    Py_BEGIN_ALLOW_THREADS
+    status = cs_board_make((uint32_t)slots, generation, &board, &fd,
+                           &os_error);
+    Py_END_ALLOW_THREADS
     if (status != CS_BOARD_OK) {
         board_raise(status, os_error, "Board.make()", NULL);
         return NULL;
@@ -304,80 +256,10 @@ Board_make(PyTypeObject *type, PyObject *const *args, Py_ssize_t nargs,
     return pair;
 }
 
-/* Board.open's body, on owned arguments (period_obj may be NULL). */
-static PyObject *
-open_body(PyTypeObject *type, PyObject *source, PyObject *period_obj)
-{
-    uint64_t period = 0, fd = 0;
-    const char *name = NULL;
-    if (PyUnicode_Check(source)) {
-        name = PyUnicode_AsUTF8(source);
-        if (name == NULL) {
-            return NULL;
-        }
-    }
-    else if (cs_value_in_range(source, "Board.open(): source (a file "
-                               "descriptor or a name)", NULL, 0, INT_MAX,
-                               &fd) < 0) {
-        return NULL;
-    }
-    if (period_obj != NULL &&
-        cs_seconds_in_range(period_obj, "Board.open(): period",
-                            UINT64_C(1000000), UINT64_C(3600000000000),
-                            &period) < 0) {
-        return NULL;
-    }
-    cs_board *board = NULL;
-    int os_error = 0;
-    cs_board_status status;
-    Py_BEGIN_ALLOW_THREADS
-    status = name != NULL ? cs_board_open(name, &board, &os_error)
-                          : cs_board_open_fd((int)fd, &board, &os_error);
-    Py_END_ALLOW_THREADS
-    if (status != CS_BOARD_OK) {
-        if (status == CS_BOARD_ERR_UNSUPPORTED) {
-            PyErr_Format(PyExc_ValueError,
-                         "Board.open(): boards have no names on this "
-                         "platform; pass the board's file descriptor "
-                         "(Board.fd on the host, inherited or sent), got "
-                         "%R", source);
-            return NULL;
-        }
-        board_raise(status, os_error, "Board.open()", name);
-        return NULL;
-    }
-    if (period != 0 && cs_board_set_period(board, period) != CS_BOARD_OK) {
-        cs_board_close(board);
-        PyErr_SetString(PyExc_ValueError,
-                        "Board.open(): period must be in [0.001, 3600] "
-                        "seconds");
-        return NULL;
-    }
-    return board_wrap(type, board);
-}
-
-static PyObject *
-Board_open(PyTypeObject *type, PyObject *const *args, Py_ssize_t nargs,
-           PyObject *kwnames)
-{
-    PyObject *argv[2];
-    cs_module_state *state = cs_state_checked(type);
-    if (state == NULL ||
-        cs_parse_vector(state, CS_SIG_BOARD_OPEN, args, nargs, kwnames,
-                        argv) < 0) {
-        return NULL;
-    }
-    /* Owned while the GIL is released: another thread may empty a keyword
-     * dict its caller holds, and the name's UTF-8 lives in the source
-     * (cs_args_hold). */
-    cs_args_hold(argv, 2);
-    PyObject *result = open_body(type, argv[0], argv[1]);
-    cs_args_release(argv, 2);
-    return result;
-}
-
 /* Closes the handle (idempotent).  The pointer is cleared first, under the
- * GIL, then the GIL is released while the sampler thread is joined. */
+ * GIL, so no new call takes it; then, without the GIL, the calls still
+ * waiting with it come back (each wait is bounded) and the sampler thread
+ * is joined. */
 static void
 board_close_handle(BoardObject *self)
 {
@@ -385,6 +267,9 @@ board_close_handle(BoardObject *self)
     self->board = NULL;
     if (board != NULL) {
         Py_BEGIN_ALLOW_THREADS
+        while (atomic_load_explicit(&self->waiting, memory_order_acquire)) {
+            (void)sched_yield();
+        }
         cs_board_close(board);
         Py_END_ALLOW_THREADS
     }
@@ -403,8 +288,10 @@ Board_dealloc(PyObject *op)
     Py_DECREF(type);
 }
 
-cs_board *
-cs_board_from_object(PyObject *obj)
+/* The handle of Board `obj`, borrowed: NULL with TypeError (not a Board)
+ * or ValueError (closed). */
+static cs_board *
+board_from_object(PyObject *obj)
 {
     /* Board is final (no Py_TPFLAGS_BASETYPE), so its dealloc identifies
      * it without reaching for the module state. */
@@ -435,14 +322,14 @@ cs_board_attach_model(PyObject *board_obj, PyObject *model_id,
                       PyObject *slot_obj, uint32_t *slot, uint64_t *tag)
 {
     uint32_t found = 0;
-    cs_board *board = cs_board_from_object(board_obj);
+    cs_board *board = board_from_object(board_obj);
     if (board == NULL) {
         return -1;
     }
     if (!cs_board_is_host(board)) {
         PyErr_Format(PyExc_ValueError,
                      "attach_board: model %R needs the host's side of the "
-                     "board (Board.create), got a worker's handle",
+                     "board (Board.adopt), got a worker's handle",
                      model_id);
         return -1;
     }
@@ -504,7 +391,7 @@ typedef struct {
 } board_call;
 
 enum {
-    CALL_ENTER, CALL_UNLINK, CALL_ASSIGN, CALL_RELEASE, CALL_TAG,
+    CALL_ENTER, CALL_ASSIGN, CALL_RELEASE, CALL_TAG,
     CALL_WORKER_GONE, CALL_POLL_OWNER, CALL_BIND, CALL_ASSIGNED_SIZE,
     CALL_FIND, CALL_PUBLISH, CALL_HEARTBEAT, CALL_READ, CALL_STATUS,
     CALL_ADD_SAMPLER, CALL_REMOVE_SAMPLER, CALL_COUNT
@@ -512,7 +399,6 @@ enum {
 
 static const board_call board_calls[CALL_COUNT] = {
     [CALL_ENTER] = {"Board.__enter__()", "", ANY_SIDE, 0, 0, false},
-    [CALL_UNLINK] = {"Board.unlink()", "", ANY_SIDE, 0, 0, false},
     [CALL_ASSIGN] = {"Board.assign()", "(model_id, size)", ANY_SIDE, 2, 2,
                      false},
     [CALL_RELEASE] = {"Board.release()", "", ANY_SIDE, 1, 1, true},
@@ -566,7 +452,7 @@ board_begin(PyObject *op, int id, PyObject *const *args, Py_ssize_t nargs,
         return NULL;
     }
     if (call->side == HOST_SIDE && !cs_board_is_host(board)) {
-        board_raise_on(board, CS_BOARD_ERR_ROLE, 0, call->what);
+        board_raise(CS_BOARD_ERR_ROLE, 0, call->what, board);
         return NULL;
     }
     /* A slot row's min is at least 1: args[0] exists. */
@@ -582,7 +468,7 @@ static PyObject *
 board_done(cs_board *board, int id, cs_board_status status, int os_error)
 {
     if (status != CS_BOARD_OK) {
-        board_raise_on(board, status, os_error, board_calls[id].what);
+        board_raise(status, os_error, board_calls[id].what, board);
         return NULL;
     }
     Py_RETURN_NONE;
@@ -610,18 +496,6 @@ Board_exit(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
 {
     board_close_handle((BoardObject *)op);
     Py_RETURN_FALSE;
-}
-
-static PyObject *
-Board_unlink(PyObject *op, PyObject *unused)
-{
-    uint32_t slot;
-    int os_error = 0;
-    cs_board *board = board_begin(op, CALL_UNLINK, NULL, 0, &slot);
-    return board == NULL ? NULL
-                         : board_done(board, CALL_UNLINK,
-                                      cs_board_unlink(board, &os_error),
-                                      os_error);
 }
 
 /* A model id argument: its UTF-8, or NULL with TypeError naming `what`. */
@@ -760,9 +634,21 @@ Board_find(PyObject *op, PyObject *arg)
     return PyLong_FromUnsignedLong(slot);
 }
 
+/* How long Board.publish waits for another writer of the slot. */
+#define PUBLISH_WAIT_NS UINT64_C(100000000)
+
+static uint64_t
+board_now_ns(void)
+{
+    struct timespec ts;
+    (void)clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * UINT64_C(1000000000) + (uint64_t)ts.tv_nsec;
+}
+
 static PyObject *
 Board_publish(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
 {
+    BoardObject *self = (BoardObject *)op;
     uint32_t slot;
     uint64_t loaded;
     cs_board *board = board_begin(op, CALL_PUBLISH, args, nargs, &slot);
@@ -771,8 +657,26 @@ Board_publish(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
                       CS_BOARD_VALUE_MAX, &loaded) < 0) {
         return NULL;
     }
-    return board_done(board, CALL_PUBLISH,
-                      cs_board_publish(board, slot, loaded), 0);
+    cs_board_status status = cs_board_publish(board, slot, loaded);
+    bool waited = status == CS_BOARD_ERR_BUSY;
+    if (waited) {
+        /* Another thread of this worker is inside the slot's write (the
+         * sampler thread, preempted there): wait for it, bounded, without
+         * the GIL. */
+        atomic_fetch_add_explicit(&self->waiting, 1, memory_order_relaxed);
+        Py_BEGIN_ALLOW_THREADS
+        uint64_t give_up = board_now_ns() + PUBLISH_WAIT_NS;
+        do {
+            (void)sched_yield();
+            status = cs_board_publish(board, slot, loaded);
+        } while (status == CS_BOARD_ERR_BUSY && board_now_ns() < give_up);
+        Py_END_ALLOW_THREADS
+    }
+    PyObject *result = board_done(board, CALL_PUBLISH, status, 0);
+    if (waited) {
+        atomic_fetch_sub_explicit(&self->waiting, 1, memory_order_release);
+    }
+    return result;
 }
 
 static PyObject *
@@ -873,6 +777,7 @@ board_address_arg(PyObject *obj, const char *what, bool required,
 static PyObject *
 Board_add_sampler(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
 {
+    BoardObject *self = (BoardObject *)op;
     const char *what = board_calls[CALL_ADD_SAMPLER].what;
     uint32_t slot;
     void *fn_address, *context;
@@ -889,22 +794,35 @@ Board_add_sampler(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
     static_assert(sizeof(fn) == sizeof(fn_address), "function pointers");
     memcpy(&fn, &fn_address, sizeof(fn));
     int os_error = 0;
-    /* Waits for a running sampler pass; that never needs the GIL, since
-     * samplers are native code (documented), so holding it is safe. */
-    cs_board_status status =
-        cs_board_add_sampler(board, slot, fn, context, &os_error);
-    return board_done(board, CALL_ADD_SAMPLER, status, os_error);
+    cs_board_status status;
+    /* Waits for a running sampler pass, without the GIL. */
+    atomic_fetch_add_explicit(&self->waiting, 1, memory_order_relaxed);
+    Py_BEGIN_ALLOW_THREADS
+    status = cs_board_add_sampler(board, slot, fn, context, &os_error);
+    Py_END_ALLOW_THREADS
+    PyObject *result = board_done(board, CALL_ADD_SAMPLER, status, os_error);
+    atomic_fetch_sub_explicit(&self->waiting, 1, memory_order_release);
+    return result;
 }
 
 static PyObject *
 Board_remove_sampler(PyObject *op, PyObject *arg)
 {
+    BoardObject *self = (BoardObject *)op;
     uint32_t slot;
+    cs_board_status status;
     cs_board *board = board_begin(op, CALL_REMOVE_SAMPLER, &arg, 1, &slot);
-    return board == NULL ? NULL
-                         : board_done(board, CALL_REMOVE_SAMPLER,
-                                      cs_board_remove_sampler(board, slot),
-                                      0);
+    if (board == NULL) {
+        return NULL;
+    }
+    /* Waits for a running sampler pass, without the GIL. */
+    atomic_fetch_add_explicit(&self->waiting, 1, memory_order_relaxed);
+    Py_BEGIN_ALLOW_THREADS
+    status = cs_board_remove_sampler(board, slot);
+    Py_END_ALLOW_THREADS
+    PyObject *result = board_done(board, CALL_REMOVE_SAMPLER, status, 0);
+    atomic_fetch_sub_explicit(&self->waiting, 1, memory_order_release);
+    return result;
 }
 
 static PyObject *
@@ -916,13 +834,11 @@ Board_repr(PyObject *op)
     }
     cs_board *board = self->board;
     return PyUnicode_FromFormat(
-        "<comfy_standin.Board %s %s slots=%u generation=%llu%s%s>",
+        "<comfy_standin.Board %s %s slots=%u generation=%llu%s>",
         cs_board_is_host(board) ? "host" : "worker", cs_board_name(board),
         (unsigned)cs_board_slot_count(board),
         (unsigned long long)cs_board_generation(board),
-        cs_board_attached(board) ? " attached" : "",
-        cs_board_is_host(board) && !cs_board_linked(board) ? " unlinked"
-                                                           : "");
+        cs_board_attached(board) ? " attached" : "");
 }
 
 /* ---- properties ------------------------------------------------------ */
@@ -930,14 +846,13 @@ Board_repr(PyObject *op)
 /* The read-only values of an open board, one getter for all: its closure
  * is the value's row here. */
 enum {
-    VALUE_NAME, VALUE_FD, VALUE_OWNER_IS_GONE, VALUE_IS_HOST, VALUE_SLOTS,
+    VALUE_NAME, VALUE_OWNER_IS_GONE, VALUE_IS_HOST, VALUE_SLOTS,
     VALUE_GENERATION, VALUE_ATTACHED, VALUE_LINKED, VALUE_OWNER_PID,
     VALUE_HEARTBEAT_LIMIT, VALUE_SAMPLER_PASSES, VALUE_COUNT
 };
 
 static const char *const board_value_names[VALUE_COUNT] = {
     [VALUE_NAME] = "Board.name",
-    [VALUE_FD] = "Board.fd",
     [VALUE_OWNER_IS_GONE] = "Board.owner_is_gone",
     [VALUE_IS_HOST] = "Board.is_host",
     [VALUE_SLOTS] = "Board.slots",
@@ -949,7 +864,7 @@ static const char *const board_value_names[VALUE_COUNT] = {
     [VALUE_SAMPLER_PASSES] = "Board.sampler_passes",
 };
 
-/* An int, or None when it is not positive (no descriptor, no owner). */
+/* An int, or None when it is not positive (no owner). */
 static PyObject *
 positive_or_none(int64_t value)
 {
@@ -973,9 +888,6 @@ Board_get_value(PyObject *op, void *closure)
     switch (which) {
     case VALUE_NAME:
         return PyUnicode_FromString(cs_board_name(board));
-    case VALUE_FD: /* 0 is a descriptor: None only below it */
-        return cs_board_fd(board) < 0 ? Py_NewRef(Py_None)
-                                      : PyLong_FromLong(cs_board_fd(board));
     case VALUE_OWNER_IS_GONE:
         return PyBool_FromLong(host && cs_board_owner_is_gone(board));
     case VALUE_IS_HOST:
@@ -986,8 +898,8 @@ Board_get_value(PyObject *op, void *closure)
         return PyLong_FromUnsignedLongLong(cs_board_generation(board));
     case VALUE_ATTACHED:
         return PyBool_FromLong(cs_board_attached(board));
-    case VALUE_LINKED:
-        return PyBool_FromLong(host && cs_board_linked(board));
+    case VALUE_LINKED: /* the host holds no descriptor of an adopted board */
+        Py_RETURN_FALSE;
     case VALUE_OWNER_PID:
         return positive_or_none(cs_board_owner_pid(board));
     case VALUE_HEARTBEAT_LIMIT:
@@ -1075,14 +987,6 @@ Board_set_period(PyObject *op, PyObject *value, void *closure)
 /* ---- the type -------------------------------------------------------- */
 
 static PyMethodDef Board_methods[] = {
-    {"create", (PyCFunction)(void (*)(void))Board_create,
-     METH_FASTCALL | METH_KEYWORDS | METH_CLASS,
-     "create($type, /, slots=64, *, generation=0, heartbeat_limit=5.0)\n"
-     "--\n\n"
-     "Host side: make a new board.  On Linux a sealed memfd with no\n"
-     "name: hand Board.fd to the worker (pass_fds or SCM_RIGHTS).\n"
-     "heartbeat_limit: seconds (0.01 .. 86400) a worker's heartbeat may\n"
-     "age before its board is ignored; None: never."},
     {"adopt", (PyCFunction)(void (*)(void))Board_adopt,
      METH_FASTCALL | METH_KEYWORDS | METH_CLASS,
      "adopt($type, /, fd, slots, *, generation=0, heartbeat_limit=5.0)\n"
@@ -1091,31 +995,19 @@ static PyMethodDef Board_methods[] = {
      "fd must be a memfd of exactly `slots` slots, sealed against\n"
      "resizing, later writable mappings and seal changes, with this\n"
      "layout's header; it is mapped read-only and stays the caller's:\n"
-     "close it once this returns.  Linux only."},
+     "close it once this returns.  heartbeat_limit: seconds (0.01 ..\n"
+     "86400) the worker's heartbeat may age before its board is\n"
+     "ignored; None: never."},
     {"make", (PyCFunction)(void (*)(void))Board_make,
      METH_FASTCALL | METH_KEYWORDS | METH_CLASS,
      "make($type, /, slots=64, *, generation=0)\n--\n\n"
      "Worker side: make a board for the host to adopt.  Returns\n"
      "(board, fd): send fd to the host (SCM_RIGHTS) and close it.  No\n"
-     "process but this one can write the board.  Linux only."},
-    {"open", (PyCFunction)(void (*)(void))Board_open,
-     METH_FASTCALL | METH_KEYWORDS | METH_CLASS,
-     "open($type, /, source, *, period=0.01)\n--\n\n"
-     "Worker side: open the board the host made, by file descriptor (an\n"
-     "int; Linux) or by name (a str; where boards have names).  The\n"
-     "descriptor stays the caller's.  Refuses a segment that is not\n"
-     "sealed (Linux) or not a board of this layout.\n"
-     "period: seconds between sampler passes."},
+     "process but this one can write the board."},
     {"close", Board_close, METH_NOARGS,
      "close($self, /)\n--\n\n"
-     "Stop the sampler (joined), detach (worker) or drop the host's\n"
-     "descriptor or name (host), unmap.  In a fork() child only the\n"
-     "child's mapping goes.  Idempotent."},
-    {"unlink", Board_unlink, METH_NOARGS,
-     "unlink($self, /)\n--\n\n"
-     "Host side: drop the host's way in (close Board.fd, or remove the\n"
-     "name) once the worker has the board.  The mappings keep working.\n"
-     "Idempotent."},
+     "Stop the sampler (joined), detach (worker), unmap.  In a fork()\n"
+     "child only the child's mapping goes.  Idempotent."},
     {"assign", (PyCFunction)(void (*)(void))Board_assign, METH_FASTCALL,
      "assign($self, model_id, size, /)\n--\n\n"
      "Host side: the slot for model_id (a new one with a fresh tag, or\n"
@@ -1130,8 +1022,8 @@ static PyMethodDef Board_methods[] = {
     {"poll_owner", Board_poll_owner, METH_NOARGS,
      "poll_owner($self, /)\n--\n\n"
      "Host side, off the read path: whether the expected owner is known\n"
-     "gone.  On Linux, setting expected_owner keeps a pidfd of it and\n"
-     "this polls it (no wait); an exited worker then reads 'dead owner'."},
+     "gone.  Setting expected_owner keeps a pidfd of it and this polls\n"
+     "it (no wait); an exited worker then reads 'dead owner'."},
     {"bind", (PyCFunction)(void (*)(void))Board_bind, METH_FASTCALL,
      "bind($self, slot, tag, /)\n--\n\n"
      "Worker side: publish the slot under the tag the host gave it."},
@@ -1146,7 +1038,8 @@ static PyMethodDef Board_methods[] = {
     {"publish", (PyCFunction)(void (*)(void))Board_publish, METH_FASTCALL,
      "publish($self, slot, loaded, /)\n--\n\n"
      "Worker side: publish the model's resident bytes under the slot's\n"
-     "bound tag, stamped now."},
+     "bound tag, stamped now.  Waits (without the GIL) up to 0.1 s for\n"
+     "another writer of the slot (the sampler thread)."},
     {"heartbeat", Board_heartbeat, METH_NOARGS,
      "heartbeat($self, /)\n--\n\nWorker side: say the worker is alive."},
     {"read", (PyCFunction)(void (*)(void))Board_read, METH_FASTCALL,
@@ -1182,12 +1075,8 @@ static PyMethodDef Board_methods[] = {
 
 static PyGetSetDef Board_getset[] = {
     {"name", Board_get_value, NULL,
-     "The segment's name (informative for a memfd board).",
+     "The memfd's label, as /proc/<pid>/maps shows it (never a path).",
      VALUE(VALUE_NAME)},
-    {"fd", Board_get_value, NULL,
-     "Host side: the descriptor to hand the worker, or None (a named\n"
-     "board, or after unlink()/close()).",
-     VALUE(VALUE_FD)},
     {"owner_is_gone", Board_get_value, NULL,
      "Host side: True once worker_gone() was called.",
      VALUE(VALUE_OWNER_IS_GONE)},
@@ -1201,7 +1090,7 @@ static PyGetSetDef Board_getset[] = {
     {"attached", Board_get_value, NULL,
      "True while a worker has the board open.", VALUE(VALUE_ATTACHED)},
     {"linked", Board_get_value, NULL,
-     "Host side: True while the host holds a way in (fd or name).",
+     "False: the host holds no descriptor of the board.",
      VALUE(VALUE_LINKED)},
     {"owner_pid", Board_get_value, NULL,
      "The pid the header names as owner (untrusted), or None.",
@@ -1228,8 +1117,8 @@ static PyMemberDef Board_members[] = {
 PyDoc_STRVAR(Board_doc,
     "A live residency board: a shared-memory segment in which a worker\n"
     "publishes its models' resident bytes and the host reads them\n"
-    "between messages.  Make one with Board.create() (host) or\n"
-    "Board.open(name) (worker); see docs/board.md.");
+    "between messages.  The worker makes it (Board.make) and sends it to\n"
+    "the host, which adopts it (Board.adopt); see docs/board.md.");
 
 static PyType_Slot Board_slots[] = {
     {Py_tp_doc, (void *)Board_doc},
@@ -1249,9 +1138,9 @@ static PyType_Spec Board_spec = {
     .slots = Board_slots,
 };
 
-#else /* _WIN32 */
+#else /* __linux__ */
 
-/* No board on Windows (docs/board.md): the package imports, the type
+/* No board off Linux (docs/board.md): the package imports, the type
  * exists, and making one says why not.  The core is not built. */
 
 typedef struct {
@@ -1262,15 +1151,8 @@ static PyObject *
 Board_unsupported(PyObject *cls, PyObject *args, PyObject *kwargs)
 {
     PyErr_SetString(PyExc_NotImplementedError,
-                    "comfy_standin.Board: no residency board on Windows "
-                    "(stand-ins use receipts)");
-    return NULL;
-}
-
-cs_board *
-cs_board_from_object(PyObject *obj)
-{
-    (void)Board_unsupported(NULL, NULL, NULL);
+                    "comfy_standin.Board: the residency board is a sealed "
+                    "memfd, Linux only (stand-ins use receipts)");
     return NULL;
 }
 
@@ -1291,23 +1173,17 @@ cs_board_object_read(PyObject *board_obj, uint32_t slot, uint64_t tag,
 }
 
 static PyMethodDef Board_methods[] = {
-    {"create", (PyCFunction)(void (*)(void))Board_unsupported,
-     METH_VARARGS | METH_KEYWORDS | METH_CLASS,
-     "Not on Windows: raises NotImplementedError."},
-    {"open", (PyCFunction)(void (*)(void))Board_unsupported,
-     METH_VARARGS | METH_KEYWORDS | METH_CLASS,
-     "Not on Windows: raises NotImplementedError."},
     {"adopt", (PyCFunction)(void (*)(void))Board_unsupported,
      METH_VARARGS | METH_KEYWORDS | METH_CLASS,
-     "Not on Windows: raises NotImplementedError."},
+     "Not off Linux: raises NotImplementedError."},
     {"make", (PyCFunction)(void (*)(void))Board_unsupported,
      METH_VARARGS | METH_KEYWORDS | METH_CLASS,
-     "Not on Windows: raises NotImplementedError."},
+     "Not off Linux: raises NotImplementedError."},
     {NULL, NULL, 0, NULL},
 };
 
 PyDoc_STRVAR(Board_doc,
-    "A live residency board: not available on Windows (docs/board.md).");
+    "A live residency board: Linux only (docs/board.md).");
 
 static PyType_Slot Board_slots[] = {
     {Py_tp_doc, (void *)Board_doc},
@@ -1323,7 +1199,7 @@ static PyType_Spec Board_spec = {
     .slots = Board_slots,
 };
 
-#endif /* _WIN32 */
+#endif /* __linux__ */
 
 int
 cs_board_binding_exec(PyObject *module, cs_module_state *state)

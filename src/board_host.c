@@ -7,15 +7,12 @@
  */
 #include "board_internal.h"
 
-#include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
-#if defined(__linux__)
-#include <poll.h>
 #include <sys/syscall.h>
-#endif
+#include <unistd.h>
 
 /* FNV-1a, 64-bit: the high half of a tag names the model (informative;
  * the counter in the low half is what makes tags unique). */
@@ -30,28 +27,22 @@ board_key(const char *id, size_t id_len)
     return hash;
 }
 
-/* The host's clock for the heartbeat check: the coarse monotonic clock
- * where there is one (a few ns instead of a vDSO call; it lags by about a
- * tick, which a limit of seconds does not notice). */
+/* The host's clock for the heartbeat check: the coarse monotonic clock (a
+ * few ns instead of a vDSO call; it lags by about a tick, which a limit of
+ * seconds does not notice). */
 static uint64_t
 board_read_clock(void)
 {
-#if defined(CLOCK_MONOTONIC_COARSE)
     return board_clock_ns(CLOCK_MONOTONIC_COARSE);
-#else
-    return board_now_ns();
-#endif
 }
 
 uint64_t
 board_read_clock_tick(void)
 {
-#if defined(CLOCK_MONOTONIC_COARSE)
     struct timespec res;
     if (clock_getres(CLOCK_MONOTONIC_COARSE, &res) == 0 && res.tv_sec == 0) {
         return (uint64_t)res.tv_nsec;
     }
-#endif
     return 0;
 }
 
@@ -66,9 +57,10 @@ cs_board_expect_owner(cs_board *board, int64_t pid)
         return;
     }
     int pidfd = -1;
-#if defined(__linux__) && defined(SYS_pidfd_open)
+#if defined(SYS_pidfd_open)
     /* A pidfd names this very process (no pid reuse), in the host's
-     * namespace; polled off the read path (cs_board_poll_owner). */
+     * namespace; polled off the read path (cs_board_poll_owner).  Linux
+     * 5.3; without it, only what owner_gone says. */
     if (pid > 0 && pid <= INT_MAX) {
         long r = syscall(SYS_pidfd_open, (pid_t)pid, 0);
         pidfd = r >= 0 ? (int)r : -1;
@@ -77,11 +69,11 @@ cs_board_expect_owner(cs_board *board, int64_t pid)
         }
     }
 #endif
-    pthread_mutex_lock(&board->owner_lock);
+    pthread_mutex_lock(&board->lock);
     int old = board->owner_pidfd;
     board->owner_pidfd = pidfd;
-    pthread_mutex_unlock(&board->owner_lock);
-    if (old >= 0) { /* no poll can be using it: they hold owner_lock */
+    pthread_mutex_unlock(&board->lock);
+    if (old >= 0) { /* no poll can be using it: they hold the lock */
         (void)close(old);
     }
 }
@@ -92,20 +84,18 @@ cs_board_poll_owner(cs_board *board)
     if (!board->host || !board_here(board)) {
         return cs_board_owner_is_gone(board);
     }
-#if defined(__linux__)
     /* The poll does not wait (timeout 0), so holding the lock across it
      * is bounded. */
-    pthread_mutex_lock(&board->owner_lock);
+    pthread_mutex_lock(&board->lock);
     bool exited = false;
     if (board->owner_pidfd >= 0) {
         struct pollfd p = {.fd = board->owner_pidfd, .events = POLLIN};
         exited = poll(&p, 1, 0) > 0; /* readable: the process exited */
     }
-    pthread_mutex_unlock(&board->owner_lock);
+    pthread_mutex_unlock(&board->lock);
     if (exited) {
         cs_board_owner_gone(board);
     }
-#endif
     return cs_board_owner_is_gone(board);
 }
 

@@ -3,12 +3,12 @@
  * else includes: the segment's layout as C structs, the handle, and the
  * helpers of more than one file.  The board core is split by concern:
  *
- *   board.c          the segment's life: create, make, adopt, open,
- *                    close, unlink; fork epochs; names; accessors
+ *   board.c          the segment's life: make, adopt, close; fork
+ *                    epochs; labels; accessors
  *   board_host.c     the host's side: the slot table, owner tracking,
  *                    the wait-free read
- *   board_worker.c   the worker's side: the seqlock writer, publish,
- *                    heartbeat, the sampler thread
+ *   board_worker.c   the worker's side: the wait-free seqlock writer,
+ *                    publish, heartbeat, the sampler thread
  *
  * Every word of the segment is a lock-free 64-bit C11 atomic: the other
  * process writes it concurrently, and a lock-free atomic is address-free,
@@ -18,7 +18,8 @@
  * programming language memory models?", 2012):
  *
  *   writer   CAS seq even -> odd (acquire: after the previous writer's
- *            data), release fence, data stores, seq = odd + 1 (release).
+ *            data), or give up at once (another writer is inside);
+ *            release fence, data stores, seq = odd + 1 (release).
  *   reader   s1 = seq (acquire); if odd retry; data loads; acquire fence;
  *            s2 = seq (relaxed); valid when s1 == s2.
  *
@@ -33,7 +34,7 @@
 #define COMFY_STANDIN_BOARD_INTERNAL_H
 
 #ifndef _GNU_SOURCE
-#define _GNU_SOURCE /* memfd_create, getrandom, pthread_condattr_setclock */
+#define _GNU_SOURCE /* memfd_create, F_ADD_SEALS, getrandom */
 #endif
 
 #include "comfy_standin/board.h"
@@ -46,15 +47,6 @@
 #include <sys/types.h>
 #include <time.h>
 
-/* Linux boards are sealed memfds with no name; everywhere else (and in a
- * build that asks for it, to test that path on Linux) they are named POSIX
- * segments. */
-#if defined(__linux__) && !defined(CS_BOARD_NAMED)
-#define BOARD_MEMFD 1
-#else
-#define BOARD_MEMFD 0
-#endif
-
 /* ---- the layout ------------------------------------------------------ */
 
 typedef struct board_header {
@@ -63,7 +55,7 @@ typedef struct board_header {
     _Atomic uint64_t slot_size;
     _Atomic uint64_t slot_count;
     _Atomic uint64_t generation;
-    _Atomic uint64_t owner_pid;   /* the worker that opened it; 0: none */
+    _Atomic uint64_t owner_pid;   /* the worker; 0 once it closed it */
     _Atomic uint64_t heartbeat;   /* CLOCK_MONOTONIC ns of its last beat */
     _Atomic uint64_t reserved;
 } board_header;
@@ -109,20 +101,11 @@ static_assert(offsetof(board_slot, updated) == CS_BOARD_SLOT_OFF_UPDATED,
 
 /* ---- limits ---------------------------------------------------------- */
 
-/* Worker writers spin this long on a locked slot, then yield until this
- * much time has passed, then report CS_BOARD_ERR_BUSY.  Only a worker
- * waits here (the host never writes): a preempted writer thread of the
- * same worker can stay off the CPU for milliseconds. */
-#define WRITE_SPINS 1000
-#define WRITE_BUSY_NS UINT64_C(100000000)
-
-#define OPEN_NAME_MAX 256
 /* How far ahead of the reader's clock a heartbeat may legitimately be
  * (written after the reader took its clock); further is garbage. */
 #define CLOCK_SLACK_NS UINT64_C(1000000000)
 #define PERIOD_MIN_NS UINT64_C(1000000)
 #define PERIOD_MAX_NS UINT64_C(3600000000000)
-
 
 /* ---- the handle ------------------------------------------------------ */
 
@@ -141,7 +124,7 @@ typedef struct sampler {
 } sampler;
 
 struct cs_board {
-    /* Immutable after create/open. */
+    /* Immutable after make/adopt. */
     bool host;
     unsigned char *base;
     size_t length;
@@ -149,28 +132,26 @@ struct cs_board {
     uint64_t generation;
     uint64_t heartbeat_limit;
     char name[CS_BOARD_NAME_MAX];
-    uint64_t pid;   /* this process, when the handle was made */
-    uint64_t epoch; /* fork_epoch when the handle was made */
-    dev_t fd_dev;   /* the segment's identity, to recognise the fd */
-    ino_t fd_ino;
+    uint64_t pid;        /* this process, when the handle was made */
+    uint64_t epoch;      /* fork_epoch when the handle was made */
     uint64_t clock_tick; /* the coarse clock's resolution (host reads) */
 
+    /* Host: the table and the owner's pidfd.  Worker: the samplers and
+     * the thread's state. */
+    pthread_mutex_t lock;
+
     /* Host only. */
-    _Atomic int fd;       /* memfd board: the host's descriptor, or -1 */
-    host_slot *table;     /* under lock; tag/size read unlocked */
-    uint64_t next_tag;    /* under lock */
+    host_slot *table;  /* under lock; tag/size read unlocked */
+    uint64_t next_tag; /* under lock */
     _Atomic int64_t expected_owner;
-    /* Linux: a pidfd of expected_owner, or -1.  Under owner_lock, so a
-     * poll never runs on a descriptor another thread just closed (or on
-     * whatever reused its number). */
-    pthread_mutex_t owner_lock;
+    /* A pidfd of expected_owner, or -1.  Under lock, so a poll never runs
+     * on a descriptor another thread just closed (or on whatever reused
+     * its number). */
     int owner_pidfd;
     _Atomic bool owner_gone;
-    _Atomic bool linked;
 
     /* Worker only. */
     _Atomic uint64_t *bound; /* `slots` tags */
-    pthread_mutex_t lock; /* the table, samplers, period, thread state */
     pthread_cond_t wake;
     pthread_t thread;
     bool thread_started;
@@ -232,12 +213,8 @@ board_now_ns(void)
 
 /* ---- shared between the files --------------------------------------- */
 
-/* board.c: registers the fork handlers once; false if that failed. */
-bool board_handlers(void);
 /* board_host.c: the coarse clock's resolution, for host handles. */
 uint64_t board_read_clock_tick(void);
-/* board_worker.c: CS_BOARD_OK when `board` may make a worker call here. */
-cs_board_status board_worker_call(const cs_board *board);
 /* board_worker.c: stops and joins the sampler thread, if any. */
 void board_stop_sampler(cs_board *board);
 

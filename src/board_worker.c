@@ -1,48 +1,31 @@
 /*
  * board_worker.c -- the worker's side of the live residency board: the
- * seqlock writer, publish and heartbeat, and the sampler thread
+ * wait-free seqlock writer, publish and heartbeat, and the sampler thread
  * (include/comfy_standin/board.h, docs/board.md).  Only a worker writes
  * the segment.
  */
 #include "board_internal.h"
 
-#include <errno.h>
-#include <sched.h>
-#include <stdlib.h>
-
 /* ---- the seqlock (worker side) --------------------------------------- */
 
-/* Takes the slot's seqlock for writing; *seq gets the odd value held. */
-static cs_board_status
+/* Takes the slot's seqlock for writing without waiting: false when another
+ * writer is inside (the word is odd, or another CAS won). */
+static bool
 slot_write_begin(board_slot *slot, uint64_t *seq)
 {
-    uint64_t give_up = 0;
-    for (unsigned attempt = 0;; attempt++) {
-        uint64_t current = atomic_load_explicit(&slot->seq,
-                                                memory_order_relaxed);
-        if ((current & 1) == 0 &&
-            atomic_compare_exchange_weak_explicit(
-                &slot->seq, &current, current + 1, memory_order_acquire,
-                memory_order_relaxed)) {
-            /* Orders the data stores after the odd word: a reader that
-             * sees any of them also sees the word changed. */
-            atomic_thread_fence(memory_order_release);
-            *seq = current + 1;
-            return CS_BOARD_OK;
-        }
-        if (attempt < WRITE_SPINS) {
-            board_cpu_relax();
-            continue;
-        }
-        uint64_t now = board_now_ns();
-        if (give_up == 0) {
-            give_up = now + WRITE_BUSY_NS;
-        }
-        else if (now >= give_up) {
-            return CS_BOARD_ERR_BUSY;
-        }
-        (void)sched_yield();
+    uint64_t current = atomic_load_explicit(&slot->seq, memory_order_relaxed);
+    if ((current & 1) != 0 ||
+        !atomic_compare_exchange_strong_explicit(&slot->seq, &current,
+                                                 current + 1,
+                                                 memory_order_acquire,
+                                                 memory_order_relaxed)) {
+        return false;
     }
+    /* Orders the data stores after the odd word: a reader that sees any of
+     * them also sees the word changed. */
+    atomic_thread_fence(memory_order_release);
+    *seq = current + 1;
+    return true;
 }
 
 static void
@@ -53,7 +36,8 @@ slot_write_end(board_slot *slot, uint64_t seq)
 
 /* ---- worker: publishing ---------------------------------------------- */
 
-cs_board_status
+/* CS_BOARD_OK when `board` may make a worker call here. */
+static cs_board_status
 board_worker_call(const cs_board *board)
 {
     if (board->host) {
@@ -120,9 +104,8 @@ cs_board_publish_at(cs_board *board, uint32_t slot, uint64_t loaded,
     }
     board_slot *entry = board_slot_at(board, slot);
     uint64_t seq;
-    status = slot_write_begin(entry, &seq);
-    if (status != CS_BOARD_OK) {
-        return status;
+    if (!slot_write_begin(entry, &seq)) {
+        return CS_BOARD_ERR_BUSY;
     }
     atomic_store_explicit(&entry->tag, tag, memory_order_relaxed);
     atomic_store_explicit(&entry->loaded, loaded, memory_order_relaxed);
@@ -157,12 +140,7 @@ board_stop_sampler(cs_board *board)
 static void
 board_deadline(struct timespec *ts, uint64_t period)
 {
-#if defined(__linux__)
-    clockid_t clock = CLOCK_MONOTONIC;
-#else
-    clockid_t clock = CLOCK_REALTIME; /* no pthread_condattr_setclock */
-#endif
-    if (clock_gettime(clock, ts) != 0) {
+    if (clock_gettime(CLOCK_MONOTONIC, ts) != 0) {
         ts->tv_sec = 0;
         ts->tv_nsec = 0;
     }
@@ -192,6 +170,8 @@ board_sampler_main(void *arg)
                 if (loaded > CS_BOARD_VALUE_MAX) {
                     loaded = CS_BOARD_VALUE_MAX;
                 }
+                /* Busy: a Python publish is inside; the next pass
+                 * publishes again. */
                 (void)cs_board_publish_at(board, i, loaded, measured);
             }
         }

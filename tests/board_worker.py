@@ -1,12 +1,14 @@
 """A test worker: a real subprocess holding fake models on a residency board.
 
 No GPU: a fake model is a slot whose residency the worker changes over
-time, publishing each change on the board.  It speaks a line protocol on
-stdin/stdout (one command per line, one reply line per command):
+time, publishing each change on the board.  It makes its board and hands
+it to the host over the handoff named in its environment, as the demo's
+worker does (comfy_standin._demo_worker.make_and_send), then speaks a line
+protocol on stdin/stdout (one command per line, one reply line per
+command):
 
-    start:              python board_worker.py FD  ->  "ready PID SLOTS"
-                        (FD: the host's board descriptor, inherited; the
-                        worker keeps it open for the hostile commands)
+    start:              COMFY_STANDIN_BOARD=<handoff> python board_worker.py
+                        SLOTS  ->  "ready PID SLOTS" once the board is sent
     bind SLOT TAG       "ok"
     publish SLOT N      "ok"
     heartbeat           "ok"
@@ -16,8 +18,6 @@ stdin/stdout (one command per line, one reply line per command):
                         is written to stdout mid-call.
     storm SLOT SIZE     "storming", then publishes values in [0, 2 * SIZE]
                         in a tight loop until killed.
-    truncate            tries ftruncate(fd, 0) and ftruncate(fd, 1 MiB):
-                        "refused E1 E2" (the errno names) or "resized".
     scribble            "scribbling", then writes random bytes over the
                         whole segment until killed.
     odd                 "odd", then keeps every slot's seqlock word odd
@@ -26,29 +26,43 @@ stdin/stdout (one command per line, one reply line per command):
                         never finished): "torn".
     forkclose           forks; the child closes the board (and exits 0);
                         "forked RC" once the child is reaped.
-    open                tries to open the board a second time: "opened" |
-                        "refused ExceptionType"
     close               closes the board: "closed"
     exit                exits 0
 
-Errors in a command reply "error ExceptionType: message".
+The hostile commands write through the worker's own mapping (the seals
+refuse any other writable one).  Errors in a command reply
+"error ExceptionType: message".
 """
 
 from __future__ import annotations
 
-import errno
-import mmap
+import ctypes
 import os
 import random
 import sys
 import time
 
 
-def main() -> int:
-    from comfy_standin._core import Board
+def writable(board) -> memoryview:
+    """The worker's own read-write mapping of `board`, found in
+    /proc/self/maps by the board's label: the only way to write a board
+    once it is sealed.  Drop the view before the board is closed."""
+    want = board.name.removeprefix("memfd:")
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, perms = line.split()[:2]
+            if want in line and perms.startswith("rw"):
+                start = int(span.split("-")[0], 16)
+                length = 64 + 64 * board.slots  # the mapping's page: more
+                raw = (ctypes.c_char * length).from_address(start)
+                return memoryview(raw).cast("B")
+    raise LookupError(f"no writable mapping of {want}")
 
-    fd = int(sys.argv[1])
-    board = Board.open(fd)
+
+def main() -> int:
+    from comfy_standin._demo_worker import make_and_send
+
+    board = make_and_send(int(sys.argv[1]), generation=0)
     out = sys.stdout
 
     def reply(line: str) -> None:
@@ -86,25 +100,15 @@ def main() -> int:
                 publish = board.publish
                 while True:
                     publish(slot, rng.randint(0, 2 * size))
-            elif cmd == "truncate":
-                codes = []
-                for length in (0, 1 << 20):
-                    try:
-                        os.ftruncate(fd, length)
-                    except OSError as exc:
-                        codes.append(errno.errorcode.get(exc.errno, "?"))
-                reply("refused " + " ".join(codes) if len(codes) == 2
-                      else "resized")
             elif cmd == "scribble":
-                scribble(fd, reply)
+                scribble(writable(board), reply)
             elif cmd == "odd":
-                keep_odd(fd, board, reply)
+                keep_odd(writable(board), board.slots, reply)
             elif cmd == "tear":
                 off = 64 + 64 * int(args[0])
-                mem = mmap.mmap(fd, os.fstat(fd).st_size)
+                mem = writable(board)
                 word = int.from_bytes(mem[off:off + 8], "little")
                 mem[off:off + 8] = (word | 1).to_bytes(8, "little")
-                mem.close()
                 reply("torn")
             elif cmd == "forkclose":
                 pid = os.fork()
@@ -113,12 +117,6 @@ def main() -> int:
                     os._exit(0)
                 _, status = os.waitpid(pid, 0)
                 reply(f"forked {os.waitstatus_to_exitcode(status)}")
-            elif cmd == "open":
-                try:
-                    Board.open(fd).close()
-                    reply("opened")
-                except Exception as exc:  # noqa: BLE001 - reported
-                    reply(f"refused {type(exc).__name__}")
             elif cmd == "close":
                 board.close()
                 reply("closed")
@@ -131,8 +129,7 @@ def main() -> int:
     return 0
 
 
-def scribble(fd: int, reply) -> None:
-    mem = mmap.mmap(fd, os.fstat(fd).st_size)
+def scribble(mem: memoryview, reply) -> None:
     rng = random.Random(2)
     reply("scribbling")
     while True:
@@ -146,9 +143,7 @@ def scribble(fd: int, reply) -> None:
             mem[48:56] = time.monotonic_ns().to_bytes(8, "little")
 
 
-def keep_odd(fd: int, board, reply) -> None:
-    mem = mmap.mmap(fd, os.fstat(fd).st_size)
-    slots = board.slots
+def keep_odd(mem: memoryview, slots: int, reply) -> None:
     reply("odd")
     while True:
         for i in range(slots):

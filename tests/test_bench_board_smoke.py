@@ -21,10 +21,8 @@ import pytest
 
 from benchload import load_bench
 
-# The board is POSIX shared memory; its Windows path is not written yet
-# (docs/board.md), so on Windows these tests cannot run.
 pytestmark = pytest.mark.skipif(
-    sys.platform == "win32", reason="the board is POSIX shared memory"
+    sys.platform != "linux", reason="the board is a sealed memfd: Linux only"
 )
 
 BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
@@ -99,12 +97,12 @@ class SlowFirstRead:
 
 def test_the_last_value_is_read_before_the_worker_closes(bench,
                                                         monkeypatch):
-    create = bench.Board.create
+    adopt = bench.Board.adopt
 
     class SlowBoard:
         @staticmethod
-        def create(*args, **kwargs):
-            return SlowFirstRead(create(*args, **kwargs), 0.5)
+        def adopt(*args, **kwargs):
+            return SlowFirstRead(adopt(*args, **kwargs), 0.5)
 
     monkeypatch.setattr(bench, "Board", SlowBoard)
     out = bench.bench_staleness(50, 1_000)

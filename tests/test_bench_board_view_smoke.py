@@ -16,10 +16,8 @@ import pytest
 
 from benchload import load_bench
 
-# The board is POSIX shared memory; its Windows path is not written yet
-# (docs/board.md), so on Windows these tests cannot run.
 pytestmark = pytest.mark.skipif(
-    sys.platform == "win32", reason="the board is POSIX shared memory"
+    sys.platform != "linux", reason="the board is a sealed memfd: Linux only"
 )
 
 

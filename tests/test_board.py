@@ -1,11 +1,12 @@
 """The live residency board, v2 (docs/board.md).
 
-In-process tests open the host and the worker side in one process (two
-mappings of one segment); the process tests run tests/board_worker.py as a
-real, sometimes hostile, worker that inherits the board's descriptor.
-Nothing here sleeps to synchronise: a test waits on a pipe (worker
-replies) or polls the board itself, under a generous deadline that only
-turns a hang into a failure.
+In-process tests make the board here (Board.make: the worker's side, whose
+writable mapping the tests scribble through) and adopt it here too
+(Board.adopt: the host's side, read-only); the process tests run
+tests/board_worker.py as a real, sometimes hostile, worker that makes its
+board and hands it over (comfy_standin._handoff).  Nothing here sleeps to
+synchronise: a test waits on a pipe (worker replies) or polls the board
+itself, under a generous deadline that only turns a hang into a failure.
 
 "The host never stalls" is checked with CPU time, not wall time: every
 host call a test makes under attack is timed with time.thread_time_ns()
@@ -17,6 +18,7 @@ wait with the GIL held) cannot pass.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import gc
 import mmap
 import os
@@ -30,19 +32,20 @@ import time
 from pathlib import Path
 
 import pytest
+from board_worker import writable
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cbuild import ROOT, build
 
-# The board is POSIX shared memory (a sealed memfd on Linux); Windows
-# does not build it (docs/board.md).
+# The board is a sealed memfd: Linux only (docs/board.md).
 pytestmark = pytest.mark.skipif(
     sys.platform != "linux",
-    reason="the board tests use Linux's memfd and /proc",
+    reason="the board is a sealed memfd: Linux only",
 )
 
 from comfy_standin import _core  # noqa: E402
+from comfy_standin._handoff import ENV_VAR, Handoff  # noqa: E402
 
 Board = _core.Board
 HEADER = _core.BOARD_HEADER_SIZE
@@ -51,6 +54,8 @@ GIB = 1 << 30
 DEADLINE = 60.0  # seconds before a wait counts as a hang
 STALL_NS = 10_000_000  # a host call may use at most 10 ms of CPU
 WORKER = Path(__file__).with_name("board_worker.py")
+SEALS = (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+         | getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10))
 
 # Offsets (docs/board.md).
 OFF_MAGIC, OFF_OWNER, OFF_HEARTBEAT = 0, 40, 48
@@ -63,17 +68,6 @@ def put(mem, off: int, value: int) -> None:
 
 def get(mem, off: int) -> int:
     return int.from_bytes(mem[off:off + 8], "little")
-
-
-def map_raw(board) -> mmap.mmap:
-    """A raw read-write mapping of a host board's segment (as a hostile
-    worker would have)."""
-    return mmap.mmap(board.fd, HEADER + SLOT * board.slots)
-
-
-def worker_of(host):
-    """This process as the host's worker, on its own mapping."""
-    return Board.open(host.fd)
 
 
 def label(board) -> str:
@@ -148,30 +142,39 @@ class GilProbe:
         print(f"GIL probe: longest gap {self.worst / 1e6:.1f} ms")
 
 
+def make_pair(slots: int, generation: int = 0, **host_kwargs):
+    """(host, worker): a board made here and adopted here, as a worker
+    and its host would, with no descriptor left."""
+    worker, fd = Board.make(slots, generation=generation)
+    try:
+        host = Board.adopt(fd, slots, generation=generation, **host_kwargs)
+    finally:
+        os.close(fd)
+    return host, worker
+
+
 @pytest.fixture
 def boards():
-    """Makes host boards; closes them after the test and checks that no
-    descriptor or mapping of any is left in this process."""
+    """Makes (host, worker) pairs; closes them after the test and checks
+    that no descriptor or mapping of any is left in this process."""
     made = []
 
     def make(*args, **kwargs):
-        board = Board.create(*args, **kwargs)
-        made.append((board, board.name))
-        return board
+        host, worker = make_pair(*args, **kwargs)
+        made.append((host, worker, host.name))
+        return host, worker
 
     yield make
-    for board, name in made:
-        board.close()
+    for host, worker, name in made:
+        worker.close()
+        host.close()
         gc.collect()
-        assert leftovers(name) == [], f"{name} outlived its host board"
+        assert leftovers(name) == [], f"{name} outlived its boards"
 
 
 @pytest.fixture
 def pair(boards):
-    host = boards(4, generation=2)
-    worker = worker_of(host)
-    yield host, worker
-    worker.close()
+    return boards(4, generation=2)
 
 
 def bound(host, worker, model_id: str, size: int) -> int:
@@ -183,26 +186,39 @@ def bound(host, worker, model_id: str, size: int) -> int:
 # ---- in process ----------------------------------------------------------
 
 
-def test_create_is_a_sealed_memfd_with_no_name(boards):
-    host = boards(2)
-    assert host.is_host and host.slots == 2 and host.linked
-    assert host.name.startswith("memfd:csb-")
-    assert not any(label(host) in n for n in os.listdir("/dev/shm"))
-    target = os.readlink(f"/proc/self/fd/{host.fd}")
-    assert target.startswith("/memfd:csb-"), target
-    # Sealed against resizing and against further seal changes.
-    with pytest.raises(PermissionError):
-        os.ftruncate(host.fd, 0)
-    with pytest.raises(PermissionError):
-        os.ftruncate(host.fd, 1 << 20)
-    assert os.fstat(host.fd).st_size == HEADER + 2 * SLOT
-    # Close-on-exec: only a child given it (pass_fds) gets it.
-    assert not os.get_inheritable(host.fd)
-    with pytest.raises(ValueError, match="names"):
-        Board.open("/csb0123")
-    host.unlink()
-    assert host.fd is None and not host.linked
-    host.unlink()  # idempotent
+def test_make_is_a_memfd_only_its_maker_can_write():
+    worker, fd = Board.make(2)
+    try:
+        assert not worker.is_host and worker.slots == 2
+        assert worker.attached and worker.owner_pid == os.getpid()
+        assert worker.name.startswith("memfd:csb-")
+        assert not any(label(worker) in n for n in os.listdir("/dev/shm"))
+        assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:csb-")
+        assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS == SEALS
+        # Defect 1: a worker could shrink the segment under the host,
+        # whose next read died of SIGBUS.  Nobody can resize it now...
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 0)
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 1 << 20)
+        assert os.fstat(fd).st_size == HEADER + 2 * SLOT
+        # ...nor write it except through the maker's own mapping.
+        with pytest.raises(PermissionError):
+            mmap.mmap(fd, HEADER + 2 * SLOT)
+        with pytest.raises(PermissionError):
+            os.pwrite(fd, b"x", 0)
+        # Close-on-exec: only a process it is sent to gets it.
+        assert not os.get_inheritable(fd)
+        host = Board.adopt(fd, 2)
+    finally:
+        os.close(fd)
+    try:
+        assert host.is_host and host.name == worker.name
+        assert not host.linked  # the host holds no descriptor
+        assert not [x for x in leftovers(host.name) if x.startswith("fd ")]
+    finally:
+        host.close()
+        worker.close()
 
 
 def test_publish_then_read(pair):
@@ -237,7 +253,7 @@ def test_publish_then_read(pair):
 
 
 def test_tags_never_repeat_and_fit_an_int64(boards):
-    host = boards(1)
+    host, _ = boards(1)
     seen = set()
     for i in range(200):
         slot = host.assign(f"m{i % 3}", 10)
@@ -269,7 +285,7 @@ def test_arguments_are_checked(pair):
     with pytest.raises(ValueError, match="period"):
         worker.period = 0
     with pytest.raises(TypeError):
-        Board.open(3.0)
+        Board.adopt(3.0, 1)
 
 
 @pytest.mark.parametrize(
@@ -280,6 +296,22 @@ def test_arguments_are_checked(pair):
         ({"slots": 4097}, "slots"),
         ({"generation": -1}, "generation"),  # was 2**64 - 1
         ({"generation": 2**64 + 7}, "generation"),  # was 7
+    ],
+)
+def test_make_refuses_integers_out_of_range(kwargs, field):
+    """Issue 8, defect 5: out-of-range inputs were silently truncated."""
+    with pytest.raises(ValueError, match=field):
+        Board.make(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"fd": -1}, "fd"),
+        ({"slots": 2**32 + 1}, "slots"),
+        ({"slots": 0}, "slots"),
+        ({"generation": -1}, "generation"),
+        ({"generation": 2**64 + 7}, "generation"),
         ({"heartbeat_limit": 1e-10}, "heartbeat_limit"),  # was "never"
         ({"heartbeat_limit": 0}, "heartbeat_limit"),
         ({"heartbeat_limit": -1.0}, "heartbeat_limit"),
@@ -288,32 +320,47 @@ def test_arguments_are_checked(pair):
         ({"heartbeat_limit": 0.001}, "heartbeat_limit"),
     ],
 )
-def test_create_refuses_integers_out_of_range(kwargs, field):
-    """Issue 8, defect 5: out-of-range inputs were silently truncated."""
-    with pytest.raises(ValueError, match=field):
-        Board.create(**kwargs)
+def test_adopt_refuses_integers_out_of_range(boards, kwargs, field):
+    worker, fd = Board.make(1)
+    try:
+        with pytest.raises(ValueError, match=field):
+            Board.adopt(**{"fd": fd, "slots": 1, **kwargs})
+    finally:
+        os.close(fd)
+        worker.close()
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"slots": True}, {"generation": False},
-               {"heartbeat_limit": True}, {"slots": 2.0},
-               {"heartbeat_limit": "5"}]
+    "make, kwargs",
+    [(True, {"slots": True}), (True, {"generation": False}),
+     (True, {"slots": 2.0}), (False, {"heartbeat_limit": True}),
+     (False, {"heartbeat_limit": "5"}), (False, {"slots": 1.0}),
+     (False, {"fd": True})],
 )
-def test_create_refuses_bools_and_non_numbers(kwargs):
-    with pytest.raises(TypeError):
-        Board.create(**kwargs)
+def test_bools_and_non_numbers_are_refused(make, kwargs):
+    if make:
+        with pytest.raises(TypeError):
+            Board.make(**kwargs)
+        return
+    worker, fd = Board.make(1)
+    try:
+        with pytest.raises(TypeError):
+            Board.adopt(**{"fd": fd, "slots": 1, **kwargs})
+    finally:
+        os.close(fd)
+        worker.close()
 
 
-def test_create_accepts_the_edges(boards):
-    assert boards(1).slots == 1
-    assert boards(4096).slots == 4096
-    assert boards(1, generation=2**63 - 1).generation == 2**63 - 1
-    assert boards(1, heartbeat_limit=None).heartbeat_limit is None
-    assert boards(1, heartbeat_limit=0.01).heartbeat_limit == 0.01
+def test_the_edges_are_accepted(boards):
+    assert boards(1)[0].slots == 1
+    assert boards(4096)[0].slots == 4096
+    assert boards(1, generation=2**63 - 1)[0].generation == 2**63 - 1
+    assert boards(1, heartbeat_limit=None)[0].heartbeat_limit is None
+    assert boards(1, heartbeat_limit=0.01)[0].heartbeat_limit == 0.01
 
 
 def test_closed_board_raises(boards):
-    host = boards(1)
+    host, _ = boards(1)
     host.close()
     assert host.closed
     with pytest.raises(ValueError, match="closed"):
@@ -321,64 +368,54 @@ def test_closed_board_raises(boards):
     host.close()  # idempotent
 
 
-def test_worker_close_and_second_open(boards):
-    host = boards(2)
-    worker = worker_of(host)
+def test_worker_close_detaches(boards):
+    host, worker = boards(2)
     slot = bound(host, worker, "m", 10)
     worker.publish(slot, 5)
     assert host.attached and host.owner_pid == os.getpid()
     worker.close()
     assert not host.attached and host.status(slot) == "not attached"
-    again = worker_of(host)  # a worker that closed may open again
-    again.close()
 
 
-def test_refused_second_open_leaves_the_heartbeat_alone(boards):
-    """Defect 5: a refused Board.open refreshed the owner's heartbeat
-    before its ownership check failed."""
-    host = boards(1)
-    mem = map_raw(host)
-    worker = worker_of(host)
-    try:
-        put(mem, OFF_HEARTBEAT, 12345)  # an old beat, recognisable
-        with pytest.raises(RuntimeError, match="already open"):
-            worker_of(host)
-        assert get(mem, OFF_HEARTBEAT) == 12345
-    finally:
-        worker.close()
-        mem.close()
+def test_adopt_refuses_what_is_not_a_sealed_board():
+    def memfd(size: int, seals: int = 0, data: bytes = b"") -> int:
+        fd = os.memfd_create("not-a-board", os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, size)
+        os.pwrite(fd, data, 0)
+        if seals:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+        return fd
 
-
-def test_open_refuses_what_is_not_a_board(boards):
-    # Not sealed: a plain memfd the opener could be shrunk under.
-    fd = os.memfd_create("not-a-board")
-    try:
-        os.ftruncate(fd, HEADER + SLOT)
-        with pytest.raises(ValueError, match="sealed"):
-            Board.open(fd)
-    finally:
-        os.close(fd)
-    # Sealed, but not a board.
-    fd = os.memfd_create("sealed", os.MFD_ALLOW_SEALING)
-    try:
-        os.ftruncate(fd, HEADER + SLOT)
-        import fcntl
-
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
-                    fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
-        with pytest.raises(ValueError, match="magic"):
-            Board.open(fd)
-    finally:
-        os.close(fd)
+    worker, fd = Board.make(1)
+    header = os.pread(fd, HEADER, 0)
+    worker.close()
+    os.close(fd)
+    size = HEADER + SLOT
+    cases = [
+        # Not sealed: the maker could shrink it, or anyone write it.
+        (memfd(size, 0, header), "sealed"),
+        (memfd(size, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW, header),
+         "sealed"),
+        (memfd(size, SEALS & ~fcntl.F_SEAL_SEAL, header), "sealed"),
+        # Sealed, but not a board, or not of this size.
+        (memfd(size, SEALS), "magic"),
+        (memfd(size + SLOT, SEALS, header), "size"),
+    ]
+    for fd, reason in cases:
+        try:
+            with pytest.raises(ValueError, match=reason):
+                Board.adopt(fd, 1)
+        finally:
+            os.close(fd)
     r, w = os.pipe()
     try:
         with pytest.raises(ValueError):
-            Board.open(r)
+            Board.adopt(r, 1)
     finally:
         os.close(r)
         os.close(w)
     with pytest.raises(OSError):
-        Board.open(999_999)
+        Board.adopt(999_999, 1)
 
 
 def test_expected_owner_and_worker_gone(pair):
@@ -402,50 +439,38 @@ def test_reads_make_no_liveness_system_call(pair):
     host, worker = pair
     slot = bound(host, worker, "m", 10)
     worker.publish(slot, 7)
-    mem = map_raw(host)
-    try:
-        ghost = 4_194_000  # above any pid_max default: no such process
-        put(mem, OFF_OWNER, ghost)
-        host.expected_owner = ghost
-        assert host.status(slot) == "valid"
-        put(mem, OFF_OWNER, os.getpid())  # so the worker can detach
-    finally:
-        mem.close()
+    mem = writable(worker)
+    ghost = 4_194_000  # above any pid_max default: no such process
+    put(mem, OFF_OWNER, ghost)
+    host.expected_owner = ghost
+    assert host.status(slot) == "valid"
+    put(mem, OFF_OWNER, os.getpid())  # so the worker can detach
 
 
 def test_heartbeat_limit(boards):
-    host = boards(1, heartbeat_limit=0.05)
-    worker = worker_of(host)
-    mem = map_raw(host)
-    try:
-        slot = bound(host, worker, "m", 10)
-        worker.publish(slot, 3)
-        assert host.status(slot) == "valid"
-        put(mem, OFF_HEARTBEAT, time.monotonic_ns() - 10**9)
-        assert host.status(slot) == "stale heartbeat"
-        put(mem, OFF_HEARTBEAT, time.monotonic_ns() + 10 * 10**9)
-        assert host.status(slot) == "stale heartbeat"  # from the future
-        put(mem, OFF_HEARTBEAT, 0)
-        assert host.status(slot) == "stale heartbeat"
-        worker.heartbeat()
-        assert host.status(slot) == "valid"
-    finally:
-        mem.close()
-        worker.close()
+    host, worker = boards(1, heartbeat_limit=0.05)
+    mem = writable(worker)
+    slot = bound(host, worker, "m", 10)
+    worker.publish(slot, 3)
+    assert host.status(slot) == "valid"
+    put(mem, OFF_HEARTBEAT, time.monotonic_ns() - 10**9)
+    assert host.status(slot) == "stale heartbeat"
+    put(mem, OFF_HEARTBEAT, time.monotonic_ns() + 10 * 10**9)
+    assert host.status(slot) == "stale heartbeat"  # from the future
+    put(mem, OFF_HEARTBEAT, 0)
+    assert host.status(slot) == "stale heartbeat"
+    worker.heartbeat()
+    assert host.status(slot) == "valid"
 
 
 def test_future_stamp_is_clamped(pair):
     host, worker = pair
     slot = bound(host, worker, "m", 10)
     worker.publish(slot, 3)
-    mem = map_raw(host)
-    try:
-        base = HEADER + slot * SLOT
-        put(mem, base + SLOT_UPDATED, 2**63 - 1)
-        loaded, stamp = host.read(slot)
-        assert stamp <= time.monotonic_ns() + 50_000_000
-    finally:
-        mem.close()
+    mem = writable(worker)
+    put(mem, HEADER + slot * SLOT + SLOT_UPDATED, 2**63 - 1)
+    loaded, stamp = host.read(slot)
+    assert stamp <= time.monotonic_ns() + 50_000_000
 
 
 def test_a_reused_slot_never_reports_another_models_bytes(pair):
@@ -474,42 +499,36 @@ def test_stuck_odd_slot_never_stalls_the_host(pair):
     release spin 250 ms each with the GIL held, and the stuck slot stayed
     the lowest free one, so every later assign failed."""
     host, worker = pair
-    mem = map_raw(host)
+    mem = writable(worker)
     clock = CpuClock()
-    try:
-        slot = bound(host, worker, "stuck", 100)
-        worker.publish(slot, 50)
-        put(mem, HEADER + slot * SLOT + SLOT_SEQ, 7)  # odd forever
-        for _ in range(20):
-            assert clock(host.status, slot) == "torn"
-            assert clock(host.read, slot) is None
-            clock(host.release, slot)
-            assert clock(host.assign, "next", 100) == slot  # reusable
-            clock(host.release, slot)
-            assert clock(host.assign, "stuck", 100) == slot
-        assert clock.worst < STALL_NS, clock.worst
-        put(mem, HEADER + slot * SLOT + SLOT_SEQ, 8)
-    finally:
-        mem.close()
+    slot = bound(host, worker, "stuck", 100)
+    worker.publish(slot, 50)
+    put(mem, HEADER + slot * SLOT + SLOT_SEQ, 7)  # odd forever
+    for _ in range(20):
+        assert clock(host.status, slot) == "torn"
+        assert clock(host.read, slot) is None
+        clock(host.release, slot)
+        assert clock(host.assign, "next", 100) == slot  # reusable
+        clock(host.release, slot)
+        assert clock(host.assign, "stuck", 100) == slot
+    assert clock.worst < STALL_NS, clock.worst
+    put(mem, HEADER + slot * SLOT + SLOT_SEQ, 8)
 
 
 def test_host_never_writes_the_segment(pair):
     host, worker = pair
-    mem = map_raw(host)
-    try:
-        before = bytes(mem)
-        for i in range(4):
-            host.assign(f"m{i}", 100)
-        host.release(1)
-        host.assign("again", 5)
-        for i in range(4):
-            host.read(i)
-            host.status(i)
-        host.expected_owner = 1
-        host.worker_gone()
-        assert bytes(mem) == before
-    finally:
-        mem.close()
+    mem = writable(worker)
+    before = bytes(mem)
+    for i in range(4):
+        host.assign(f"m{i}", 100)
+    host.release(1)
+    host.assign("again", 5)
+    for i in range(4):
+        host.read(i)
+        host.status(i)
+    host.expected_owner = 1
+    host.worker_gone()
+    assert bytes(mem) == before
 
 
 # ---- fork ----------------------------------------------------------------
@@ -533,7 +552,6 @@ def test_fork_child_closing_a_host_board_leaves_the_parent_alone(pair):
     host, worker = pair
     slot = bound(host, worker, "m", 100)
     worker.publish(slot, 42)
-    fd = host.fd
 
     def child():
         if host.status(slot) != "other process":
@@ -548,8 +566,7 @@ def test_fork_child_closing_a_host_board_leaves_the_parent_alone(pair):
         return 0
 
     assert _fork(child) == 0
-    assert host.fd == fd and os.fstat(fd).st_size == HEADER + 4 * SLOT
-    assert host.read(slot)[0] == 42 and host.linked
+    assert host.read(slot)[0] == 42 and host.attached
 
 
 def test_fork_child_closing_a_worker_board_does_not_detach(pair):
@@ -587,6 +604,11 @@ def sampler_lib(tmp_path_factory):
     lib.test_sampler_set_fail.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.test_sampler_calls.restype = ctypes.c_uint64
     lib.test_sampler_calls.argtypes = [ctypes.c_void_p]
+    for name in ("hold",):
+        getattr(lib, f"test_sampler_{name}").argtypes = [ctypes.c_void_p,
+                                                         ctypes.c_int]
+    for name in ("holding", "held_out"):
+        getattr(lib, f"test_sampler_{name}").argtypes = [ctypes.c_void_p]
     return lib
 
 
@@ -694,15 +716,14 @@ SIZES = [1000, 5000]
 
 @pytest.fixture(scope="module")
 def scribble_board():
-    host = Board.create(2, heartbeat_limit=None)
-    worker = Board.open(host.fd)
+    host, worker = make_pair(2, heartbeat_limit=None)
     for i, size in enumerate(SIZES):
         slot = host.assign(f"m{i}", size)
         worker.bind(slot, host.tag(slot))
         worker.publish(slot, size // 2)
-    mem = map_raw(host)
+    mem = writable(worker)
     yield host, mem
-    mem.close()
+    del mem
     worker.close()
     host.close()
 
@@ -736,19 +757,23 @@ def test_random_bytes_never_escape_the_size(scribble_board, patches):
 
 
 class Worker:
-    """tests/board_worker.py as a subprocess with the board's descriptor
-    inherited, driven over its pipes."""
+    """tests/board_worker.py as a subprocess, driven over its pipes: it
+    makes its board and hands it over; `board` is the host's side."""
 
-    def __init__(self, host):
-        fd = host.fd
-        self.proc = subprocess.Popen(
-            [sys.executable, str(WORKER), str(fd)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            bufsize=1, pass_fds=(fd,),
-        )
-        words = self.reply().split()
-        assert words[0] == "ready", words
-        self.pid = int(words[1])
+    def __init__(self, slots: int, generation: int = 0, **host_kwargs):
+        with Handoff() as handoff:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(WORKER), str(slots)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                bufsize=1, env={**os.environ, ENV_VAR: handoff.spec},
+            )
+            self.board = None
+            words = self.reply().split()
+            assert words[0] == "ready", words
+            self.pid = int(words[1])
+            self.board, _, _ = handoff.collect(self.proc.pid, lambda fd: (
+                Board.adopt(fd, slots, generation=generation,
+                            **host_kwargs)))
 
     def send(self, line: str) -> None:
         self.proc.stdin.write(line + "\n")
@@ -786,35 +811,40 @@ class Worker:
                 self.kill()
         self.proc.stdin.close()
         self.proc.stdout.close()
+        if self.board is not None:
+            self.board.close()
 
 
 @pytest.fixture
 def spawn():
+    """Starts workers; ends them after the test and checks that nothing
+    of their boards is left in this process."""
     workers = []
 
-    def start(host) -> Worker:
-        w = Worker(host)
-        workers.append(w)
+    def start(slots: int, **kwargs) -> Worker:
+        w = Worker(slots, **kwargs)
+        workers.append((w, w.board.name))
         return w
 
     yield start
-    for w in workers:
+    for w, name in workers:
         w.close()
+        gc.collect()
+        assert leftovers(name) == [], f"{name} outlived its host board"
 
 
-def attach(host, w, model_id: str, size: int) -> int:
-    slot = host.assign(model_id, size)
-    assert w.ask(f"bind {slot} {host.tag(slot)}") == "ok"
+def attach(w: Worker, model_id: str, size: int) -> int:
+    slot = w.board.assign(model_id, size)
+    assert w.ask(f"bind {slot} {w.board.tag(slot)}") == "ok"
     return slot
 
 
-def test_host_reads_changes_made_mid_call(boards, spawn):
-    host = boards(2, generation=1)
-    w = spawn(host)
-    slot = attach(host, w, "unet-0", 8 * GIB)
+def test_host_reads_changes_made_mid_call(spawn):
+    w = spawn(2, generation=1)
+    host = w.board
+    slot = attach(w, "unet-0", 8 * GIB)
     host.expected_owner = w.pid
     assert host.attached and host.owner_pid == w.pid
-    host.unlink()  # the worker has it mapped: the host drops its fd
     steps = [GIB, 3 * GIB, 2 * GIB, 0, 8 * GIB]
     w.send(f"page {slot} " + " ".join(map(str, steps)))
     for i, value in enumerate(steps):
@@ -826,29 +856,14 @@ def test_host_reads_changes_made_mid_call(boards, spawn):
     assert w.reply() == f"done {steps[-1]}"
 
 
-def test_worker_cannot_resize_the_segment(boards, spawn):
-    """Defect 1: a worker's ftruncate of the named segment made the host's
-    next read die of SIGBUS."""
-    host = boards(2)
-    w = spawn(host)
-    slot = attach(host, w, "m", 100)
-    assert w.ask(f"publish {slot} 60") == "ok"
-    host.unlink()  # before or after: the seals hold either way
-    assert w.ask("truncate") == "refused EPERM EPERM"
-    for _ in range(100):
-        assert host.read(slot)[0] == 60
-    assert os.getpid() > 0  # still here: no SIGBUS
-
-
-def test_hostile_workers_never_stall_or_crash_the_host(boards, spawn):
+def test_hostile_workers_never_stall_or_crash_the_host(spawn):
     clock = CpuClock()
     with GilProbe():
         for attack in ("scribble", "odd", "storm"):
-            host = boards(2, heartbeat_limit=1.0)
-            w = spawn(host)
-            slots = [attach(host, w, f"m{i}", 1000) for i in range(2)]
+            w = spawn(2, heartbeat_limit=1.0)
+            host = w.board
+            slots = [attach(w, f"m{i}", 1000) for i in range(2)]
             host.expected_owner = w.pid
-            host.unlink()
             cmd = f"storm {slots[0]} 1000" if attack == "storm" else attack
             assert w.ask(cmd) in ("scribbling", "odd", "storming")
             seen = set()
@@ -870,10 +885,10 @@ def test_hostile_workers_never_stall_or_crash_the_host(boards, spawn):
     assert clock.worst < STALL_NS, clock.worst
 
 
-def test_worker_fork_and_close_in_the_child(boards, spawn):
-    host = boards(1)
-    w = spawn(host)
-    slot = attach(host, w, "m", 100)
+def test_worker_fork_and_close_in_the_child(spawn):
+    w = spawn(1)
+    host = w.board
+    slot = attach(w, "m", 100)
     assert w.ask(f"publish {slot} 70") == "ok"
     assert w.ask("forkclose") == "forked 0"
     assert host.attached and host.owner_pid == w.pid
@@ -882,11 +897,11 @@ def test_worker_fork_and_close_in_the_child(boards, spawn):
     assert host.read(slot)[0] == 71
 
 
-def test_worker_reuses_slots(boards, spawn):
-    host = boards(1)
-    w = spawn(host)
+def test_worker_reuses_slots(spawn):
+    w = spawn(1)
+    host = w.board
     for i in range(20):
-        slot = attach(host, w, f"model-{i}", 1000 + i)
+        slot = attach(w, f"model-{i}", 1000 + i)
         old_tag = host.tag(slot)
         assert w.ask(f"publish {slot} {500 + i}") == "ok"
         assert host.read(slot)[0] == 500 + i
@@ -898,12 +913,13 @@ def test_worker_reuses_slots(boards, spawn):
         host.release(new)
 
 
-def test_second_open_in_another_process_is_refused(boards, spawn):
-    host = boards(1)
-    w = spawn(host)
-    assert w.ask("open") == "refused RuntimeError"
+def test_a_closed_worker_reads_not_attached(spawn):
+    w = spawn(1)
+    slot = attach(w, "m", 100)
+    assert w.ask(f"publish {slot} 5") == "ok"
     assert w.ask("close") == "closed"
-    assert not host.attached
+    assert not w.board.attached
+    assert w.board.status(slot) == "not attached"
 
 
 # ---- SIGKILL at random points --------------------------------------------
@@ -911,66 +927,91 @@ def test_second_open_in_another_process_is_refused(boards, spawn):
 KILL_BATCH = 25
 KILL_BATCHES = 4  # 100 trials
 
+# One process per batch forks a worker per board in turn: the worker makes
+# its board, hands it over (its handoff's spec in argv), reads its tag on
+# stdin, binds it and publishes in a tight loop until its parent kills it
+# at a random point.
 KILLER = r"""
 import os, random, signal, sys, time
-from comfy_standin._core import Board
+from comfy_standin._demo_worker import make_and_send
 
-fds = [int(a) for a in sys.argv[2].split(",")]
-tags = [int(a) for a in sys.argv[3].split(",")]
 rng = random.Random(int(sys.argv[1]))
-for fd, tag in zip(fds, tags):
+for i, spec in enumerate(sys.argv[2:]):
+    r, w = os.pipe()
+    os.environ["COMFY_STANDIN_BOARD"] = spec
     pid = os.fork()
     if pid == 0:
-        b = Board.open(fd)
-        b.bind(0, tag)
-        publish, r = b.publish, random.Random(fd)
-        while True:
-            publish(0, r.randrange(4000))
+        os.close(r)
+        try:
+            b = make_and_send(1, 0)
+            print("sent", i, flush=True)
+            b.bind(0, int(sys.stdin.readline()))
+            os.write(w, b"x")
+            publish, values = b.publish, random.Random(i)
+            while True:
+                publish(0, values.randrange(4000))
+        finally:
+            os._exit(1)
+    os.close(w)
+    os.read(r, 1)  # publishing (or, on b"", gone)
+    os.close(r)
     end = time.monotonic() + rng.uniform(0.0005, 0.01)
     while time.monotonic() < end:
         pass
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
-    print(fd, flush=True)
+    print("killed", i, flush=True)
 print("done", flush=True)
 """
 
 
-def test_sigkill_at_random_points_leaves_nothing(boards):
+def test_sigkill_at_random_points_leaves_nothing():
     clock = CpuClock()
     names = []
     with GilProbe():
         for batch in range(KILL_BATCHES):
-            hosts = [Board.create(1, heartbeat_limit=5.0)
-                     for _ in range(KILL_BATCH)]
-            names += [h.name for h in hosts]
-            for h in hosts:
-                h.assign("m", 1000)
-            fds = [h.fd for h in hosts]
+            handoffs = [Handoff() for _ in range(KILL_BATCH)]
             proc = subprocess.Popen(
                 [sys.executable, "-c", KILLER, str(batch),
-                 ",".join(map(str, fds)),
-                 ",".join(str(h.tag(0)) for h in hosts)],
-                stdout=subprocess.PIPE, text=True, pass_fds=fds,
+                 *(h.spec for h in handoffs)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                bufsize=1,
             )
-            by_fd = dict(zip(fds, hosts, strict=True))
-            for line in proc.stdout:
-                if line.strip() == "done":
-                    break
-                h = by_fd[int(line)]
-                # Killed at a random point, maybe inside a publish: the
-                # host reads at once, bounded, never more than the size.
-                for _ in range(50):
-                    r = clock(h.read, 0)
-                    assert r is None or 0 <= r[0] <= 1000
-                    assert clock(h.status, 0) in (
-                        "valid", "torn", "no reading", "not attached")
-                h.worker_gone()  # reaped: the pool tells the board
-                assert clock(h.status, 0) == "dead owner"
-            assert proc.wait(DEADLINE) == 0
-            proc.stdout.close()
-            for h in hosts:
-                h.close()
+            hosts = []
+            try:
+                for handoff in handoffs:
+                    assert proc.stdout.readline().split()[:1] == ["sent"]
+                    h, _, _ = handoff.collect(proc.pid, lambda fd: (
+                        Board.adopt(fd, 1, heartbeat_limit=5.0)))
+                    hosts.append(h)
+                    names.append(h.name)
+                    h.assign("m", 1000)
+                    proc.stdin.write(f"{h.tag(0)}\n")
+                    proc.stdin.flush()
+                    assert proc.stdout.readline().split()[:1] == [
+                        "killed"]
+                    # Killed at a random point, maybe inside a publish:
+                    # the host reads at once, bounded, never more than
+                    # the size.
+                    for _ in range(50):
+                        r = clock(h.read, 0)
+                        assert r is None or 0 <= r[0] <= 1000
+                        assert clock(h.status, 0) in (
+                            "valid", "torn", "no reading")
+                    h.worker_gone()  # reaped: the pool tells the board
+                    assert clock(h.status, 0) == "dead owner"
+                assert proc.stdout.readline().strip() == "done"
+                assert proc.wait(DEADLINE) == 0
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                proc.stdin.close()
+                proc.stdout.close()
+                for h in hosts:
+                    h.close()
+                for handoff in handoffs:
+                    handoff.close()
     assert clock.worst < STALL_NS, clock.worst
     gc.collect()
     for name in names:
@@ -978,12 +1019,12 @@ def test_sigkill_at_random_points_leaves_nothing(boards):
 
 
 def test_exit_leaves_no_segment():
-    """A host that never closes its board leaves nothing: a memfd has no
-    name, and the kernel frees it with the process."""
+    """A worker that never closes its board leaves nothing: a memfd has
+    no name, and the kernel frees it with the process."""
     code = textwrap.dedent("""
-        import ctypes
+        import ctypes, os
         from comfy_standin._core import Board
-        b = Board.create(1)
+        b, fd = Board.make(1)
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(b))  # leak it
         print(b.name, flush=True)
     """)
@@ -994,10 +1035,10 @@ def test_exit_leaves_no_segment():
     assert set(os.listdir("/dev/shm")) - before == set()
 
 
-def test_poll_owner_sees_an_exited_worker_through_a_pidfd(boards, spawn):
-    host = boards(1)
-    w = spawn(host)
-    slot = attach(host, w, "m", 100)
+def test_poll_owner_sees_an_exited_worker_through_a_pidfd(spawn):
+    w = spawn(1)
+    host = w.board
+    slot = attach(w, "m", 100)
     assert w.ask(f"publish {slot} 40") == "ok"
     host.expected_owner = w.pid
     assert host.poll_owner() is False
@@ -1015,44 +1056,81 @@ def test_poll_owner_sees_an_exited_worker_through_a_pidfd(boards, spawn):
     assert len(left) == len(pidfds) - 1  # close() dropped the pidfd
 
 
-SCM_WORKER = r"""
-import os, socket, sys
-from comfy_standin._core import Board
-sock = socket.socket(fileno=int(sys.argv[1]))
-msg, fds, _, _ = socket.recv_fds(sock, 64, 1)
-slot, tag = map(int, msg.split())
-board = Board.open(fds[0])
-os.close(fds[0])  # mapped: the descriptor is not needed
-board.bind(slot, tag)
-board.publish(slot, 77)
-sock.sendall(b"published")
-sock.recv(1)  # the host has read it
-board.close()
-"""
+# ---- no wait with the GIL held -------------------------------------------
 
 
-def test_descriptor_sent_over_a_unix_socket(boards):
-    """The other hand-over: SCM_RIGHTS to a worker that is already
-    running (socket.send_fds), for a board made after the spawn."""
-    import socket
+def test_publish_waits_for_another_writer_without_the_gil():
+    """Board.publish waited up to 100 ms for a slot another writer held,
+    with the GIL held: no other thread of the host could run meanwhile.
+    Here the writer inside is finished by a second Python thread, which
+    can run only if publish lets go of the GIL while it waits."""
+    host, worker = make_pair(1)
+    slot = host.assign("m", 100)
+    worker.bind(slot, host.tag(slot))
+    mem = writable(worker)
+    seq = HEADER + slot * SLOT + SLOT_SEQ
+    put(mem, seq, 1)  # a writer is inside
+    ran = []
+    go = threading.Lock()
+    go.acquire()
 
-    parent, child = socket.socketpair()
-    proc = subprocess.Popen([sys.executable, "-c", SCM_WORKER,
-                             str(child.fileno())], pass_fds=(child.fileno(),))
-    child.close()
+    def finish_the_write() -> None:
+        with go:  # waits without the GIL until the main thread is ready
+            ran.append(get(mem, seq))
+            put(mem, seq, 2)
+
+    thread = threading.Thread(target=finish_the_write)
+    thread.start()
+    interval = sys.getswitchinterval()
+    # From here the main thread keeps the GIL unless it lets go of it.
+    sys.setswitchinterval(1000.0)
     try:
-        host = boards(2)
-        slot = host.assign("m", 100)
-        socket.send_fds(parent, [f"{slot} {host.tag(slot)}".encode()],
-                        [host.fd])
-        host.unlink()  # sent: the host's own descriptor may go
-        assert parent.recv(64) == b"published"
-        assert host.read(slot)[0] == 77
-        parent.sendall(b"x")
-        assert proc.wait(DEADLINE) == 0
-        assert not host.attached
+        go.release()  # the thread now needs only the GIL
+        worker.publish(slot, 42)
     finally:
-        parent.close()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        sys.setswitchinterval(interval)
+        thread.join()
+        worker.close()
+        host.close()
+    assert ran == [1]  # it ran while publish waited
+
+
+@pytest.mark.parametrize("call", ["add_sampler", "remove_sampler"])
+def test_sampler_calls_wait_for_a_pass_without_the_gil(sampler_lib, call):
+    """add_sampler and remove_sampler wait for a running sampler pass (the
+    samplers run under the board's lock), and waited with the GIL held.
+    Here the pass is held until a second Python thread lets it go, which
+    it can do only if the call lets go of the GIL while it waits."""
+    host, worker = make_pair(2)
+    ctx = sampler_lib.test_sampler_new(5, -1)
+    fn = ctypes.cast(sampler_lib.test_sampler_sample, ctypes.c_void_p).value
+    go = threading.Lock()
+    go.acquire()
+
+    def let_go() -> None:
+        with go:  # waits without the GIL until the main thread is ready
+            sampler_lib.test_sampler_hold(ctx, 0)
+
+    try:
+        sampler_lib.test_sampler_hold(ctx, 1)
+        worker.add_sampler(0, fn, ctx)
+        wait_until(lambda: sampler_lib.test_sampler_holding(ctx),
+                   "the sampler to hold its pass")
+        thread = threading.Thread(target=let_go)
+        thread.start()
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1000.0)  # as in the publish test above
+        try:
+            go.release()
+            if call == "add_sampler":
+                worker.add_sampler(1, fn, ctx)
+            else:
+                worker.remove_sampler(0)
+        finally:
+            sys.setswitchinterval(interval)
+            thread.join()
+        assert not sampler_lib.test_sampler_held_out(ctx)
+    finally:
+        worker.close()
+        host.close()
+        sampler_lib.test_sampler_free(ctx)

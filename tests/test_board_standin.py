@@ -15,17 +15,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from board_worker import writable
 from comfy_standin import _core
-from test_board import Worker, leftovers, map_raw, wait_until
+from test_board import Worker, leftovers, make_pair, wait_until
 
 Board = _core.Board
 GIB = 1 << 30
 
-# The worker side here opens the host's memfd by descriptor (Linux); the
-# named path of other systems is exercised by the C core's build option.
 pytestmark = pytest.mark.skipif(
-    sys.platform != "linux",
-    reason="these tests hand the board over as a Linux memfd descriptor",
+    sys.platform != "linux", reason="the board is a sealed memfd: Linux only"
 )
 
 
@@ -40,17 +38,20 @@ class QuietWorker:
 
 
 @pytest.fixture
-def host_board():
+def boards():
+    """(host, worker side) pairs made in this process; closed after the
+    test, leaving nothing."""
     made = []
 
     def make(slots=4, **kwargs):
-        board = Board.create(slots, **kwargs)
-        made.append((board, board.name))
-        return board
+        host, worker_side = make_pair(slots, **kwargs)
+        made.append((host, worker_side, host.name))
+        return host, worker_side
 
     yield make
-    for board, name in made:
-        board.close()
+    for host, worker_side, name in made:
+        worker_side.close()
+        host.close()
         assert leftovers(name) == []
 
 
@@ -58,8 +59,8 @@ def host_board():
 def spawn():
     workers = []
 
-    def start(board):
-        w = Worker(board)
+    def start(slots):
+        w = Worker(slots)
         workers.append(w)
         return w
 
@@ -73,19 +74,16 @@ def make(impl, pool, size=8 * GIB, model_id="unet-0"):
                         pool=pool)
 
 
-def test_reads_a_real_worker_mid_call_with_no_message(
-    impl, pool, host_board, spawn
-):
-    board = host_board(2)
+def test_reads_a_real_worker_mid_call_with_no_message(impl, pool, spawn):
+    w = spawn(2)
+    board = w.board
     s = make(impl, pool)
     slot = s.attach_board(board)
     assert s.board == (board, slot)
     assert board.find("unet-0") == slot
     impl.apply_echo(s, 1 * GIB, seq=1)
-    w = spawn(board)
     assert w.ask(f"bind {slot} {board.tag(slot)}") == "ok"
     board.expected_owner = w.pid
-    board.unlink()  # the worker has it mapped: the host drops its fd
 
     steps = [2 * GIB, 5 * GIB, 3 * GIB]
     w.send(f"page {slot} " + " ".join(map(str, steps)))
@@ -116,35 +114,29 @@ def test_reads_a_real_worker_mid_call_with_no_message(
     assert s.receipt()[3] == "load echo"
 
 
-def test_board_values_clamp_and_zero_flips_the_device(impl, pool, host_board):
-    board = host_board(1)
+def test_board_values_clamp_and_zero_flips_the_device(impl, pool, boards):
+    board, worker_side = boards(1)
     s = make(impl, pool, size=1000)
     slot = s.attach_board(board)
-    worker_side = Board.open(board.fd)
     worker_side.bind(slot, board.tag(slot))
-    try:
-        impl.apply_echo(s, 500, seq=1)
-        worker_side.publish(slot, 0)
-        assert s.loaded_size() == 0
-        assert s.current_loaded_device() == "cpu"
-        # the board is untrusted: a value beyond the size clamps
-        mem = map_raw(board)
-        base = _core.BOARD_HEADER_SIZE + slot * _core.BOARD_SLOT_SIZE
-        mem[base + 16:base + 24] = (2**63).to_bytes(8, "little")
-        mem[base + 24:base + 32] = time.monotonic_ns().to_bytes(8, "little")
-        assert s.loaded_size() == 1000
-        mem.close()
-    finally:
-        worker_side.close()
+    impl.apply_echo(s, 500, seq=1)
+    worker_side.publish(slot, 0)
+    assert s.loaded_size() == 0
+    assert s.current_loaded_device() == "cpu"
+    # the board is untrusted: a value beyond the size clamps
+    mem = writable(worker_side)
+    base = _core.BOARD_HEADER_SIZE + slot * _core.BOARD_SLOT_SIZE
+    mem[base + 16:base + 24] = (2**63).to_bytes(8, "little")
+    mem[base + 24:base + 32] = time.monotonic_ns().to_bytes(8, "little")
+    assert s.loaded_size() == 1000
 
 
 def test_closed_or_detached_board_falls_back_to_the_receipt(
-    impl, pool, host_board
+    impl, pool, boards
 ):
-    board = host_board(1)
+    board, worker_side = boards(1)
     s = make(impl, pool, size=1000)
     slot = s.attach_board(board)
-    worker_side = Board.open(board.fd)
     worker_side.bind(slot, board.tag(slot))
     impl.apply_echo(s, 100, seq=1)
     worker_side.publish(slot, 900)
@@ -160,24 +152,20 @@ def test_closed_or_detached_board_falls_back_to_the_receipt(
     assert s.receipt()[3] == "load echo"
 
 
-def test_stale_standin_ignores_the_board(impl, pool, host_board):
-    board = host_board(1)
+def test_stale_standin_ignores_the_board(impl, pool, boards):
+    board, worker_side = boards(1)
     s = make(impl, pool, size=1000)
     slot = s.attach_board(board)
-    worker_side = Board.open(board.fd)
     worker_side.bind(slot, board.tag(slot))
-    try:
-        worker_side.publish(slot, 700)
-        assert s.loaded_size() == 700
-        pool.worker_gone(s.worker)
-        assert s.loaded_size() == 0
-        assert s.receipt()[3] == "worker gone"
-    finally:
-        worker_side.close()
+    worker_side.publish(slot, 700)
+    assert s.loaded_size() == 700
+    pool.worker_gone(s.worker)
+    assert s.loaded_size() == 0
+    assert s.receipt()[3] == "worker gone"
 
 
-def test_attach_refuses_what_does_not_fit(impl, pool, host_board):
-    board = host_board(2)
+def test_attach_refuses_what_does_not_fit(impl, pool, boards):
+    board, worker_side = boards(2)
     s = make(impl, pool, size=1000)
     other = board.assign("someone-else", 1000)
     with pytest.raises(ValueError, match="does not carry"):
@@ -187,12 +175,8 @@ def test_attach_refuses_what_does_not_fit(impl, pool, host_board):
         s.attach_board(object())
     with pytest.raises((TypeError, ValueError), match="slot"):
         s.attach_board(board, -1)
-    worker_side = Board.open(board.fd)
-    try:
-        with pytest.raises(ValueError, match="host"):
-            s.attach_board(worker_side)
-    finally:
-        worker_side.close()
+    with pytest.raises(ValueError, match="host"):
+        s.attach_board(worker_side)
     assert s.board is None
     assert s.attach_board(board, mine) == mine
     # another size under the same id: the board refuses at attach
@@ -203,32 +187,28 @@ def test_attach_refuses_what_does_not_fit(impl, pool, host_board):
     assert t.board is None
 
 
-def test_a_reused_slot_never_reads_as_the_old_model(impl, pool, host_board):
+def test_a_reused_slot_never_reads_as_the_old_model(impl, pool, boards):
     """Defect 2 (issue 9): stand-in A kept reading its slot after the host
     released it and gave it to model B, and reported B's bytes (clamped to
     A's size) as its own loaded_size(), source "board"."""
-    board = host_board(1)
+    board, worker_side = boards(1)
     a = make(impl, pool, size=4 * GIB, model_id="A")
     slot = a.attach_board(board)
-    worker_side = Board.open(board.fd)
-    try:
-        worker_side.bind(slot, board.tag(slot))
-        impl.apply_echo(a, 1 * GIB, seq=1)
-        worker_side.publish(slot, 3 * GIB)
-        assert a.loaded_size() == 3 * GIB
-        board.release(slot)  # A is done with it (its stand-in is not)
-        assert a.loaded_size() == 1 * GIB
-        b = make(impl, pool, size=4 * GIB, model_id="B")
-        assert b.attach_board(board) == slot  # the same slot, reused
-        worker_side.bind(slot, board.tag(slot))
-        worker_side.publish(slot, 2 * GIB)
-        assert b.loaded_size() == 2 * GIB
-        assert b.receipt()[3] == "board"
-        # A never takes B's bytes for its own.
-        assert a.loaded_size() == 1 * GIB
-        assert a.receipt()[3] == "load echo"
-    finally:
-        worker_side.close()
+    worker_side.bind(slot, board.tag(slot))
+    impl.apply_echo(a, 1 * GIB, seq=1)
+    worker_side.publish(slot, 3 * GIB)
+    assert a.loaded_size() == 3 * GIB
+    board.release(slot)  # A is done with it (its stand-in is not)
+    assert a.loaded_size() == 1 * GIB
+    b = make(impl, pool, size=4 * GIB, model_id="B")
+    assert b.attach_board(board) == slot  # the same slot, reused
+    worker_side.bind(slot, board.tag(slot))
+    worker_side.publish(slot, 2 * GIB)
+    assert b.loaded_size() == 2 * GIB
+    assert b.receipt()[3] == "board"
+    # A never takes B's bytes for its own.
+    assert a.loaded_size() == 1 * GIB
+    assert a.receipt()[3] == "load echo"
 
 
 SIZE = 10_000
@@ -236,11 +216,8 @@ SIZE = 10_000
 
 @pytest.fixture(scope="module")
 def scribbled():
-    board = Board.create(2, heartbeat_limit=None)
-    worker_side = Board.open(board.fd)
-    mem = map_raw(board)
-    yield board, worker_side, mem
-    mem.close()
+    board, worker_side = make_pair(2, heartbeat_limit=None)
+    yield board, worker_side, writable(worker_side)
     worker_side.close()
     board.close()
 
@@ -284,12 +261,14 @@ def test_pool_owned_board_never_outlives_worker_or_pool(impl, end):
     pool = impl.Pool(floor=0)
     worker = QuietWorker()
     s = impl.StandIn(worker, 3, "m", 1000, "cuda:0", "cpu", pool=pool)
-    board = pool.board_for(worker, slots=2)
-    assert pool.board_for(worker) is board  # one per worker
-    assert board.generation == 3
+    first, first_side = make_pair(2, generation=3)
+    pool.own_board(worker, first)
+    board, worker_side = make_pair(2, generation=3)
+    pool.own_board(worker, board)  # one per worker: the first is closed
+    assert first.closed and not board.closed
+    first_side.close()
     name = board.name
     slot = s.attach_board(board)
-    worker_side = Board.open(board.fd)
     worker_side.bind(slot, board.tag(slot))
     try:
         worker_side.publish(slot, 600)
@@ -316,8 +295,12 @@ def test_board_goes_with_the_pool(impl):
     pool = impl.Pool(floor=0)
     worker = QuietWorker()
     s = impl.StandIn(worker, 1, "m", 1000, "cuda:0", "cpu", pool=pool)
-    name = pool.board_for(worker).name
-    s.attach_board(pool.board_for(worker))
+    board, worker_side = make_pair(1)
+    worker_side.close()  # only the host's mapping is left
+    name = board.name
+    pool.own_board(worker, board)
+    s.attach_board(board)
+    del board
     assert leftovers(name)
     del s, pool  # the stand-in held the pool and the board
     gc.collect()
@@ -327,25 +310,28 @@ def test_board_goes_with_the_pool(impl):
 def test_pool_boards_are_per_worker(impl):
     pool = impl.Pool(floor=0)
     a, b = QuietWorker(), QuietWorker()
-    board_a, board_b = pool.board_for(a), pool.board_for(b)
-    assert board_a is not board_b and board_a.name != board_b.name
+    (board_a, side_a), (board_b, side_b) = make_pair(1), make_pair(1)
+    pool.own_board(a, board_a)
+    pool.own_board(b, board_b)
     pool.worker_gone(a)
     assert board_a.closed and not board_b.closed
-    again = pool.board_for(a)  # a new process of it gets a new board
-    assert again is not board_a and not again.closed
+    again, side_again = make_pair(1)  # a new process of it, a new board
+    pool.own_board(a, again)
+    assert not again.closed
     pool.forget(a)
     pool.forget(b)
     assert again.closed and board_b.closed
+    for side in (side_a, side_b, side_again):
+        side.close()
 
 
-def test_attach_in_a_fork_child_is_refused(impl, pool, host_board):
+def test_attach_in_a_fork_child_is_refused(impl, pool, boards):
     """A board handle inherited across fork() belongs to the parent: the
     child can neither attach to it nor read it (both implementations)."""
-    board = host_board(1)
+    board, worker_side = boards(1)
     s = make(impl, pool, size=1000)
     t = make(impl, pool, size=1000, model_id="other")
     slot = s.attach_board(board)
-    worker_side = Board.open(board.fd)
     worker_side.bind(slot, board.tag(slot))
     impl.apply_echo(s, 100, seq=1)
     worker_side.publish(slot, 700)
@@ -365,5 +351,4 @@ def test_attach_in_a_fork_child_is_refused(impl, pool, host_board):
             code = 4
         os._exit(code)
     _, status = os.waitpid(pid, 0)
-    worker_side.close()
     assert os.waitstatus_to_exitcode(status) == 0

@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import types
 import pytest
 
 from comfy_standin import _demo, _status
+from comfy_standin._handoff import ENV_VAR, Handoff
 
 TIMEOUT = 120  # a hang fails the test instead of blocking CI
 
@@ -186,7 +186,10 @@ def test_status_collects_a_populated_pool(impl):
                      model_size=1 << 30, load_device="cuda:0",
                      offload_device="cpu", kind="unet", pool=pool)
     impl.apply_echo(s, resident=1 << 29, seq=7)
-    with Board.create(4, generation=3) as board:
+    worker_side, fd = Board.make(4, generation=3)
+    worker_side.close()  # the worker closed it: reads say "not attached"
+    with Board.adopt(fd, 4, generation=3) as board:
+        os.close(fd)
         s.attach_board(board)
         data = _status.collect(pool)
         text = _status.render(data, probe=False)
@@ -499,22 +502,19 @@ def test_a_demo_worker_whose_host_is_gone_exits_quietly(gone):
     board, or its greeting, meets a closed socket or pipe: it exits 1 with
     nothing on stderr (which is the interrupted host's terminal), not with
     a BrokenPipeError traceback."""
-    host_end, worker_end = socket.socketpair(socket.AF_UNIX,
-                                             socket.SOCK_SEQPACKET)
+    handoff = Handoff()
     read_end, write_end = os.pipe()
     if gone == "handoff":
-        host_end.close()
+        handoff.close()
     else:
         os.close(read_end)
     try:
         process = subprocess.Popen(
-            [sys.executable, "-m", "comfy_standin._demo_worker",
-             f"socket:{worker_end.fileno()}"],
+            [sys.executable, "-m", "comfy_standin._demo_worker"],
             stdin=subprocess.PIPE, stdout=write_end, stderr=subprocess.PIPE,
-            pass_fds=(worker_end.fileno(),),
+            env={**os.environ, ENV_VAR: handoff.spec},
         )
     finally:
-        worker_end.close()
         os.close(write_end)
     try:
         _, err = process.communicate(timeout=TIMEOUT)
@@ -522,7 +522,7 @@ def test_a_demo_worker_whose_host_is_gone_exits_quietly(gone):
         if gone == "handoff":
             os.close(read_end)
         else:
-            host_end.close()
+            handoff.close()
     assert (process.returncode, err.decode()) == (1, "")
 
 

@@ -1056,24 +1056,25 @@ class DifferentialMachine(RuleBasedStateMachine):
 
     @staticmethod
     def attach(w: World, s: Any) -> Any:
-        """The pool's board of the stand-in's worker, attached; the worker
-        side opened."""
+        """The pool's board of the stand-in's worker, attached: made by
+        the worker's side here and adopted by the pool the first time,
+        and again once the pool closed it (the worker gone, restarted or
+        forgotten)."""
         wi = w.worker_index(s.worker)
-        board = w.pool.board_for(s.worker, 8, heartbeat_limit=3600.0)
-        slot = s.attach_board(board)
-        side = w.worker_boards.get(wi)
         hosts = w.__dict__.setdefault("board_hosts", {})
-        if side is None or side.closed or hosts.get(wi) is not board:
+        board = hosts.get(wi)
+        if board is None or board.closed:
+            side = w.worker_boards.get(wi)
             if side is not None:
                 side.close()
-            # Board v2: the worker side opens the host's descriptor (no
-            # name on Linux) and binds the slot to the host's tag.
-            side = _core.Board.open(
-                board.fd if board.fd is not None else board.name
-            )
+            side, fd = _core.Board.make(8)
+            board = _core.Board.adopt(fd, 8, heartbeat_limit=3600.0)
+            os.close(fd)
+            w.pool.own_board(s.worker, board)
             w.worker_boards[wi] = side
             hosts[wi] = board
-        side.bind(slot, board.tag(slot))
+        slot = s.attach_board(board)
+        w.worker_boards[wi].bind(slot, board.tag(slot))
         return slot
 
     @precondition(has_standins)

@@ -748,17 +748,16 @@ def test_census_id_without_utf8_form_is_an_echo_error(impl, path):
     assert loaded(table) == [0, 0, 0]
 
 
-@pytest.mark.skipif(os.name != "posix", reason="the board needs POSIX shm")
+@pytest.mark.skipif(sys.platform != "linux", reason="the board: Linux")
 def test_echo_source_compares_with_the_receipt_not_the_board(impl):
     from comfy_standin import _core
 
     _, _, table = setup(impl)
     s = table["m0"]
-    board = _core.Board.create(1)
+    worker_side, fd = _core.Board.make(1)
+    board = _core.Board.adopt(fd, 1)
+    os.close(fd)
     slot = s.attach_board(board)
-    worker_side = _core.Board.open(
-        board.fd if board.fd is not None else board.name
-    )
     worker_side.bind(slot, board.tag(slot))
     try:
         impl.apply_echo(s, 800, seq=1)
@@ -1256,7 +1255,10 @@ def scenario_attach_board_keywords_emptied_by_a_collection(impl: Any) -> None:
             model_id = f"m{extra}"
             s = impl.StandIn(worker, 1, model_id, SIZE, "cuda:0", "cpu",
                              pool=pool)
-            board = impl.Board.create(slots=4)
+            worker_side, fd = impl.Board.make(4)
+            board = impl.Board.adopt(fd, 4)
+            os.close(fd)
+            worker_side.close()
             ref = weakref.ref(board, on_free)
             kwargs.update(board=board)
             del board
@@ -1307,19 +1309,19 @@ def scenario_apply_echo_keywords_emptied_by_a_flag(impl: Any) -> None:
     assert s.loaded_size() == 600 and s.receipt()[1] == 7
 
 
-def scenario_board_open_keywords_emptied_while_the_gil_is_released(
+def scenario_board_adopt_keywords_emptied_while_the_gil_is_released(
     impl: Any,
 ) -> None:
-    """Board.open(source=name) releases the GIL to open the segment:
-    another thread empties the dict then, and the name (and its UTF-8) is
-    still used after."""
+    """Board.adopt releases the GIL to check and map the descriptor:
+    another thread empties the dict then; the arguments were read before
+    (the board adopted has the slots asked for)."""
     import itertools
     import threading
 
     log: list[str] = []
     kwargs: dict[str, Any] = {}
 
-    class Name(str):
+    class Slots(int):
         def __del__(self) -> None:
             log.append("freed")
 
@@ -1328,33 +1330,38 @@ def scenario_board_open_keywords_emptied_while_the_gil_is_released(
             kwargs.clear()
             log.append("cleared")
 
+    worker_side, fd = impl.Board.make(3)
     call = c_call()
     sys.setswitchinterval(1e-4)
-    for skip in (10**6, 10**7, 10**8):
-        log.clear()
-        gate = threading.Lock()
-        gate.acquire()
-        thread = threading.Thread(target=other, args=(gate,))
-        thread.start()
-        kwargs.update(source=Name("".join(["cs-", "kw", "audit"])))
-        # One C call: release the gate, spin in C (no eval breaker, so
-        # the other thread waits for the GIL and asks for it), then
-        # Board.open, whose GIL release hands it over.
-        steps = itertools.chain(
-            [(gate.release, (), {})],
-            itertools.islice(
-                itertools.repeat((impl.Board.open, (), kwargs)), skip,
-                skip + 1,
-            ),
-        )
-        try:
-            list(itertools.starmap(call, steps))
-        except (ValueError, OSError):
-            pass
-        log.append("returned")
-        thread.join()
-        if log.index("cleared") < log.index("returned"):
-            break
+    try:
+        for skip in (10**6, 10**7, 10**8):
+            log.clear()
+            gate = threading.Lock()
+            gate.acquire()
+            thread = threading.Thread(target=other, args=(gate,))
+            thread.start()
+            kwargs.update(fd=fd, slots=Slots(3))
+            # One C call: release the gate, spin in C (no eval breaker, so
+            # the other thread waits for the GIL and asks for it), then
+            # Board.adopt, whose GIL release hands it over.
+            steps = itertools.chain(
+                [(gate.release, (), {})],
+                itertools.islice(
+                    itertools.repeat((impl.Board.adopt, (), kwargs)), skip,
+                    skip + 1,
+                ),
+            )
+            adopted = list(itertools.starmap(call, steps))[-1]
+            assert adopted.slots == 3
+            adopted.close()
+            del adopted
+            log.append("returned")
+            thread.join()
+            if log.index("cleared") < log.index("returned"):
+                break
+    finally:
+        os.close(fd)
+        worker_side.close()
     assert log == ["cleared", "freed", "returned"], log
 
 
@@ -1372,7 +1379,7 @@ def scenario_board_open_keywords_emptied_while_the_gil_is_released(
             ),
         ),
         scenario_apply_echo_keywords_emptied_by_a_flag,
-        scenario_board_open_keywords_emptied_while_the_gil_is_released,
+        scenario_board_adopt_keywords_emptied_while_the_gil_is_released,
     ],
     ids=lambda f: f.__name__.removeprefix("scenario_"),
 )

@@ -404,11 +404,12 @@ WORKLOADS = {
         ledger.forget(books.key)
     """, 2500, 3000),
     "board": ("""
-        board = cs.Board.create(2, heartbeat_limit=None)
+        other, fd = cs.Board.make(2)
+        board = cs.Board.adopt(fd, 2, heartbeat_limit=None)
+        os.close(fd)
         w = Worker()
         s = cs.StandIn(w, 1, "m", 1000, "cuda:0", "cpu", pool=pool)
         slot = s.attach_board(board)
-        other = cs.Board.open(board.fd)
         other.bind(slot, board.tag(slot))
         other.publish(slot, 600)
         s.loaded_size(); s.receipt(); board.read(slot); board.status(slot)
@@ -524,10 +525,6 @@ WORKLOADS = {
         bad(pool.reserve, "cuda:0", -1)
         bad(pool.reserve, "cuda:0", "x")
         bad(pool.reserve, "cuda:0", 10, total=-5)
-        board = pool.board_for(w, slots=2, heartbeat_limit=None)
-        bad(pool.board_for, w, slots=-1)
-        bad(pool.board_for, NotAWorker(), slots=0)
-        bad(pool.board_for)
         pool.restarted(v, 2)
         bad(pool.restarted, v, -1)
         bad(pool.restarted, v, "x")
@@ -559,7 +556,6 @@ WORKLOADS = {
         bad(cs.default_pool, 1)
         bad(cs.Pool, floor=-1)
         bad(cs.Pool, floor="x")
-        del board
     """, 1000, 1000),
     # The ledger's Python surface (Ledger, WorkerBooks, ModelRecord).
     "ledger_surface": ("""
@@ -624,8 +620,10 @@ WORKLOADS = {
     """, 1000, 1000),
     # The board's surface, open/close errors included.
     "board_surface": ("""
-        board = cs.Board.create(4, generation=1, heartbeat_limit=2.0)
-        (board.name, board.fd, board.owner_is_gone, board.is_host,
+        worker_side, fd = cs.Board.make(4, generation=1)
+        board = cs.Board.adopt(fd, 4, generation=1, heartbeat_limit=2.0)
+        os.close(fd)
+        (board.name, board.owner_is_gone, board.is_host,
          board.slots, board.generation, board.closed, board.attached,
          board.linked, board.owner_pid, board.expected_owner,
          board.heartbeat_limit, board.period, board.sampler_passes)
@@ -639,7 +637,6 @@ WORKLOADS = {
         bad(board.tag, 99)
         board.poll_owner()
         bad(board.poll_owner, 1)
-        worker_side = cs.Board.open(board.fd)
         bad(worker_side.publish, slot, 1)  # not bound yet
         worker_side.bind(slot, tag)
         bad(worker_side.bind, 99, tag)
@@ -672,26 +669,19 @@ WORKLOADS = {
         bad(board.worker_gone, 1)
         worker_side.close(); worker_side.close()
         bad(worker_side.read, 0)
-        board.unlink()
-        bad(board.unlink, 1)
         bad(board.close, 1)
         board.__enter__()
         bad(board.__enter__, 1)
-        fd = board.fd
         board.__exit__(None, None, None)
         bad(board.read, 0)
-        bad(cs.Board.open, "not a name")
-        bad(cs.Board.open, -1)
-        bad(cs.Board.open, 0, period=-1)
-        bad(cs.Board.open)
-        bad(cs.Board.create, -1)
-        bad(cs.Board.create, 2**32 + 3)
-        bad(cs.Board.create, 2, generation=-1)
-        bad(cs.Board.create, 2, heartbeat_limit=-1.0)
-        bad(cs.Board.create, "x")
-        with cs.Board.create(1, heartbeat_limit=None) as scoped:
-            scoped.assign("x", 1)
+        bad(cs.Board.make, -1)
+        bad(cs.Board.make, 2**32 + 3)
+        bad(cs.Board.make, "x")
         made, made_fd = cs.Board.make(2, generation=3)
+        bad(cs.Board.adopt, made_fd, 2, heartbeat_limit=-1.0)
+        bad(cs.Board.adopt, made_fd, 2, generation=-1)
+        with cs.Board.adopt(made_fd, 2, heartbeat_limit=None) as scoped:
+            scoped.assign("x", 1)
         adopted = cs.Board.adopt(made_fd, 2, generation=3,
                                  heartbeat_limit=None)
         bad(cs.Board.adopt, made_fd, 3)

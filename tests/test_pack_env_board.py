@@ -23,6 +23,7 @@ message saying which to install; it never skips them.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import pathlib
 import re
@@ -152,7 +153,7 @@ def test_another_python_with_nothing_installed_publishes(launch, minor,
     board, slot = s.board
     assert board.generation == generation == s.worker_generation
     assert board.owner_pid == board.expected_owner == about["pid"]
-    assert board.fd is None and not board.linked
+    assert not board.linked
     wait_for(lambda: board.status(slot) == "valid", "the first reading")
     assert board.read(slot)[0] == 4 * MiB
 
@@ -318,21 +319,29 @@ def test_another_user_flooding_the_handoff_cannot_keep_the_board_out(
 
 
 def test_the_attack_finds_a_board_that_is_not_write_sealed(launch):
-    """The control for the test above: the same attack against a board the
-    host created and still holds (the other way to begin a board, sealed
-    against resizing only) gets in, so the attack can see a way in."""
+    """The control for the test above: the same attack against a memfd
+    that is not write-sealed, which the host holds and maps as it would a
+    board it had made itself, gets in: the attack can see a way in."""
     minor = _chosen_pythons()[0]
     adapter.install()
     a = launch(minor)
     a.call("load", model_id="a", nbytes=MiB)
-    exposed = cs.Board.create(4)
+    size = cs._core.BOARD_HEADER_SIZE + 4 * cs._core.BOARD_SLOT_SIZE
+    fd = os.memfd_create("csb-control", os.MFD_CLOEXEC)
     try:
-        (won,) = a.call("attack", victim_pid=os.getpid(),
-                        host_pid=os.getpid())
+        os.ftruncate(fd, size)
+        exposed = mmap.mmap(fd, size)
+        try:
+            (won,) = a.call("attack", victim_pid=os.getpid(),
+                            host_pid=os.getpid())
+            written = exposed[64:72]
+        finally:
+            exposed.close()
     finally:
-        exposed.close()
+        os.close(fd)
     assert any(w.startswith("descriptor") for w in won), won
     assert any(w.startswith("wrote") for w in won), won
+    assert written == b"\xff" * 8
 
 
 @pytest.mark.parametrize("minor", _chosen_pythons())

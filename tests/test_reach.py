@@ -12,6 +12,7 @@ comfy-env 0.4.46's real worker.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 import fakes
@@ -102,8 +103,9 @@ def test_reload_in_the_very_next_call_is_listed(impl, pool, mm):
 def test_a_board_reading_lists_it_with_no_message(impl, pool, mm):
     """The newest true word is the board's: a model whose receipt says 0
     but whose slot says it is back is listed."""
-    board = Board.create(4)  # shared memory is C in both impls
-    worker_side = Board.open(board.fd)
+    worker_side, fd = Board.make(4)  # shared memory is C in both impls
+    board = Board.adopt(fd, 4)
+    os.close(fd)
     try:
         a = fakes.FakeWorker("a")
         s = make(impl, pool, a, "unet", 2 * GiB, 2 * GiB)

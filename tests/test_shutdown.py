@@ -171,7 +171,10 @@ CASES = {
     # A board attached (real shared memory) and a daemon thread reading.
     "board": """
         import threading
-        board = cs.Board.create(4)
+        import os
+        side, fd = cs.Board.make(4)
+        board = cs.Board.adopt(fd, 4)
+        os.close(fd)
         keep[0].attach_board(board)
         def read():
             while True:

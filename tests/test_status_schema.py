@@ -58,22 +58,20 @@ class Rig:
     def __init__(self, state: str) -> None:
         self.state = state
         stale = state == "stale heartbeat"
-        self.board = cs.Board.create(PER_BOARD + 1, generation=1,
-                                     heartbeat_limit=0.05 if stale
-                                     else None)
+        self.worker = Worker(PER_BOARD + 1, generation=1,
+                             heartbeat_limit=0.05 if stale else None)
+        self.board = self.worker.board
         self.ids = [f"m-{state}-{i}" for i in range(PER_BOARD)]
         self.slots = [self.board.assign(mid, SIZE) for mid in self.ids]
-        self.worker = None
-        if state == "not attached":
-            return
-        self.worker = Worker(self.board)
         for slot in self.slots:
             assert self.worker.ask(
                 f"bind {slot} {self.board.tag(slot)}") == "ok"
             assert self.worker.ask(f"publish {slot} {SIZE // 2}") == "ok"
-        self.board.expected_owner = (os.getpid() if state == "wrong owner"
-                                     else self.worker.pid)
-        self.board.unlink()
+        if state == "not attached":
+            assert self.worker.ask("close") == "closed"
+        else:
+            self.board.expected_owner = (
+                os.getpid() if state == "wrong owner" else self.worker.pid)
         if state == "torn":
             for slot in self.slots:
                 assert self.worker.ask(f"tear {slot}") == "torn"
@@ -94,9 +92,7 @@ class Rig:
             == "ok"
 
     def close(self) -> None:
-        if self.worker is not None:
-            self.worker.close()
-        self.board.close()
+        self.worker.close()
 
 
 @pytest.fixture(scope="module")
@@ -258,7 +254,10 @@ def built(scenario, rigs, probes):
                 if rig is not None:
                     s.attach_board(rig.board)
                 elif board == "closed":
-                    own = cs.Board.create(1, generation=1)
+                    own_side, fd = cs.Board.make(1, generation=1)
+                    own = cs.Board.adopt(fd, 1, generation=1)
+                    os.close(fd)
+                    own_side.close()
                     s.attach_board(own)
                     closed.append(own)
                 apply(impl, worker, s, event, rig, i)

@@ -25,6 +25,7 @@ pytestmark = pytest.mark.skipif(
 USE = textwrap.dedent("""
     import gc
     import logging
+    import os
     import comfy_standin as cs
     from comfy_standin import _core
 
@@ -60,9 +61,12 @@ USE = textwrap.dedent("""
     pool.report(w, {"held": 5, "residency": []})
     pool.reserve("cuda:0", 1000, 8000)
     pool.standins(), pool.worker_charges(), cs.probe()
-    board = cs.Board.create(2)
+    side, fd = cs.Board.make(2)
+    board = cs.Board.adopt(fd, 2)
+    os.close(fd)
     s.attach_board(board)
     board.close()
+    side.close()
     w.alive = False
     other = cs.StandIn(w, 1, "n", 100, "cuda:0", "cpu", pool=pool)
     cs.apply_echo(other, 40)

@@ -93,12 +93,11 @@ class Scene:
     def board(self, standin, published):
         """A board attached to `standin`, published by a real worker
         process."""
-        board = cs.Board.create(4, generation=1)
+        process = Worker(4, generation=1)
+        board = process.board
         slot = standin.attach_board(board)
-        process = Worker(board)
         assert process.ask(f"bind {slot} {board.tag(slot)}") == "ok"
         board.expected_owner = process.pid
-        board.unlink()
         assert process.ask(f"publish {slot} {published}") == "ok"
         self.boards.append(board)
         self.board_workers.append(process)

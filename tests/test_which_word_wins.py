@@ -9,6 +9,7 @@ _handle_model_to_device and _handle_model_partial)."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from typing import Any
@@ -208,9 +209,10 @@ board_only = pytest.mark.skipif(
 
 def attached(s):
     """The host board attached to `s`, and its worker side (in-process)."""
-    host = _core.Board.create(2, heartbeat_limit=3600.0)
+    side, fd = _core.Board.make(2)
+    host = _core.Board.adopt(fd, 2, heartbeat_limit=3600.0)
+    os.close(fd)
     slot = s.attach_board(host)
-    side = _core.Board.open(host.fd)
     side.bind(slot, host.tag(slot))
     return host, side, slot
 

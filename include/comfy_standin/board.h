@@ -4,34 +4,20 @@
  * models is on the card, and the host reads it between messages
  * (docs/board.md has the layout table, the trust rules and the lifecycle).
  *
- * Plain C11, no Python.  POSIX only: the extension does not build the
- * board on Windows.
+ * Plain C11, no Python.  Linux only: the board is a sealed memfd.
  *
- * Two roles, fixed when the handle is made, and two ways to begin:
+ * The worker makes the board (cs_board_make): an anonymous memfd it maps
+ * read-write and then seals against resizing and against any further
+ * writable mapping (F_SEAL_FUTURE_WRITE); it sends the descriptor to its
+ * host over a Unix socket and closes it.  The host adopts it
+ * (cs_board_adopt): checks the seals and the length, maps it read-only
+ * and keeps no descriptor.  No process but that worker can ever write it,
+ * whoever obtains a descriptor of it.
  *
- *   worker makes, host adopts (Linux; what the comfy-env adapter uses)
- *            cs_board_make() in the worker: an anonymous memfd it maps
- *            read-write and then seals against resizing and against any
- *            further writable mapping (F_SEAL_FUTURE_WRITE); the worker
- *            sends the descriptor to its host over a Unix socket and
- *            closes it.  cs_board_adopt() in the host checks the seals
- *            and the length, maps it read-only and keeps no descriptor.
- *            No process but that worker can ever write it, whoever
- *            obtains a descriptor of it.
- *   host creates, worker opens
- *            cs_board_create() in the host: an anonymous memfd sealed
- *            against resizing (F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_SEAL)
- *            before any other process can see it, handed to the worker
- *            as a descriptor (cs_board_fd(), inherited or sent);
- *            cs_board_open_fd() in the worker.  Elsewhere than Linux a
- *            named POSIX segment (cs_board_name(), cs_board_open()),
- *            which a worker could shrink (docs/board.md).  Until
- *            cs_board_unlink() the host holds a writable descriptor.
- *
- * Either way the host keeps which model each slot carries in its own
- * table, with a tag it chose per assignment, and never writes the
- * segment; the worker is told (slot, tag) per model (cs_board_bind) and is
- * the only writer: readings, the heartbeat, its pid.
+ * The host keeps which model each slot carries in its own table, with a
+ * tag it chose per assignment, and never writes the segment; the worker is
+ * told (slot, tag) per model (cs_board_bind) and is the only writer:
+ * readings, the heartbeat, its pid.
  *
  * The segment is untrusted input to the host.  A host read takes the slot
  * through a seqlock with a bounded number of retries (it never waits),
@@ -42,7 +28,7 @@
  *
  * Every handle remembers the process that made it: in a forked child it
  * refuses everything, and closing it there only drops the child's copy of
- * the mapping (no unlink, no detach, no thread join).
+ * the mapping (no detach, no thread join).
  *
  * Times are CLOCK_MONOTONIC nanoseconds, the clock of the ledger's
  * receipts (and of Python's time.monotonic_ns() on Linux).
@@ -50,6 +36,9 @@
  * Thread safety: every function may be called from any thread with or
  * without the GIL, except that cs_board_close() must not race any other
  * call on the same handle (the caller owns the handle's lifetime).
+ * cs_board_close(), cs_board_add_sampler() and cs_board_remove_sampler()
+ * wait for a running sampler pass; the host's slot table calls take a lock
+ * held only while another such call scans the table; nothing else waits.
  */
 #ifndef COMFY_STANDIN_BOARD_H
 #define COMFY_STANDIN_BOARD_H
@@ -71,16 +60,16 @@ extern "C" {
 #define CS_BOARD_SLOT_SIZE 64
 #define CS_BOARD_MAX_SLOTS 4096
 
-/* Header: eight 64-bit words.  The first five are written by the host
- * once, before any other process can see the segment, for the worker's
- * benefit; the host never reads them back. */
+/* Header: eight 64-bit words, all the worker's.  The first five are
+ * written once, before the board is sealed and sent; the host checks them
+ * at adoption and never reads them again. */
 #define CS_BOARD_OFF_MAGIC 0
 #define CS_BOARD_OFF_VERSION 8
 #define CS_BOARD_OFF_SLOT_SIZE 16
 #define CS_BOARD_OFF_SLOT_COUNT 24
 #define CS_BOARD_OFF_GENERATION 32
-#define CS_BOARD_OFF_OWNER_PID 40 /* worker */
-#define CS_BOARD_OFF_HEARTBEAT 48 /* worker */
+#define CS_BOARD_OFF_OWNER_PID 40
+#define CS_BOARD_OFF_HEARTBEAT 48
 
 /* Slot i starts at CS_BOARD_HEADER_SIZE + i * CS_BOARD_SLOT_SIZE; all of
  * it is the worker's.  Words 4..7 are reserved (zero). */
@@ -105,7 +94,7 @@ extern "C" {
 #define CS_BOARD_HEARTBEAT_LIMIT_MIN_NS UINT64_C(10000000)
 #define CS_BOARD_HEARTBEAT_LIMIT_MAX_NS UINT64_C(86400000000000)
 
-/* Longest name a handle carries, NUL included. */
+/* Longest label a handle carries, NUL included. */
 #define CS_BOARD_NAME_MAX 64
 
 /* ---- handles and results --------------------------------------------- */
@@ -114,36 +103,32 @@ typedef struct cs_board cs_board;
 
 typedef enum cs_board_status {
     CS_BOARD_OK = 0,
-    CS_BOARD_ERR_SYSTEM,      /* a system call failed; errno in *os_error */
-    CS_BOARD_ERR_NOMEM,       /* allocation failed; nothing changed */
-    CS_BOARD_ERR_NAME,        /* not a board name ("/" + [A-Za-z0-9_.-]) */
-    CS_BOARD_ERR_MAGIC,       /* the segment is not a board */
-    CS_BOARD_ERR_VERSION,     /* a board of another layout version */
-    CS_BOARD_ERR_SIZE,        /* slot size, slot count or segment size off */
-    CS_BOARD_ERR_OWNED,       /* another process has the board open */
-    CS_BOARD_ERR_RANGE,       /* slot index, tag or value out of range */
-    CS_BOARD_ERR_ROLE,        /* a host call on a worker handle or back */
-    CS_BOARD_ERR_FULL,        /* every slot is assigned */
-    CS_BOARD_ERR_BUSY,        /* a slot stayed locked by another writer */
-    CS_BOARD_ERR_UNBOUND,     /* worker: the slot has no tag (bind first) */
-    CS_BOARD_ERR_SEALS,       /* the segment is not sealed against resize */
-    CS_BOARD_ERR_FORKED,      /* the handle belongs to another process */
-    CS_BOARD_ERR_UNSUPPORTED  /* not on this platform (e.g. a name on
-                                 Linux, where boards have none) */
+    CS_BOARD_ERR_SYSTEM,  /* a system call failed; errno in *os_error */
+    CS_BOARD_ERR_NOMEM,   /* allocation failed; nothing changed */
+    CS_BOARD_ERR_MAGIC,   /* the segment is not a board */
+    CS_BOARD_ERR_VERSION, /* a board of another layout version */
+    CS_BOARD_ERR_SIZE,    /* slot size, slot count or segment size off */
+    CS_BOARD_ERR_RANGE,   /* slot index, tag or value out of range */
+    CS_BOARD_ERR_ROLE,    /* a host call on a worker handle or back */
+    CS_BOARD_ERR_FULL,    /* every slot is assigned */
+    CS_BOARD_ERR_BUSY,    /* another writer is inside the slot's write */
+    CS_BOARD_ERR_UNBOUND, /* worker: the slot has no tag (bind first) */
+    CS_BOARD_ERR_SEALS,   /* the segment is not sealed as a board must be */
+    CS_BOARD_ERR_FORKED   /* the handle belongs to another process */
 } cs_board_status;
 
 /* Why a host read is or is not valid (cs_board_read_slot_status). */
 typedef enum cs_board_reading {
     CS_BOARD_VALID = 0,
-    CS_BOARD_UNASSIGNED,     /* the host assigned no model to the slot */
-    CS_BOARD_NOT_ATTACHED,   /* no worker has it open (or it closed it) */
-    CS_BOARD_WRONG_OWNER,    /* not the pid the host expects */
-    CS_BOARD_DEAD_OWNER,     /* the host was told the worker is gone */
-    CS_BOARD_STALE,          /* heartbeat older than the limit (or absurd) */
-    CS_BOARD_TORN,           /* the seqlock never held still */
-    CS_BOARD_TAG_MISMATCH,   /* the slot's reading is for another model */
-    CS_BOARD_NO_READING,     /* assigned, never published */
-    CS_BOARD_OTHER_PROCESS,  /* a handle inherited across fork() */
+    CS_BOARD_UNASSIGNED,    /* the host assigned no model to the slot */
+    CS_BOARD_NOT_ATTACHED,  /* the worker closed the board */
+    CS_BOARD_WRONG_OWNER,   /* not the pid the host expects */
+    CS_BOARD_DEAD_OWNER,    /* the host was told the worker is gone */
+    CS_BOARD_STALE,         /* heartbeat older than the limit (or absurd) */
+    CS_BOARD_TORN,          /* the seqlock never held still */
+    CS_BOARD_TAG_MISMATCH,  /* the slot's reading is for another model */
+    CS_BOARD_NO_READING,    /* assigned, never published */
+    CS_BOARD_OTHER_PROCESS, /* a handle inherited across fork() */
     CS_BOARD_READING_COUNT
 } cs_board_reading;
 
@@ -161,17 +146,16 @@ int cs_board_layout_version(void);
 /* A short lower-case name ("valid", "torn", "tag mismatch", ...). */
 const char *cs_board_reading_name(cs_board_reading reading);
 
-/* ---- both roles ------------------------------------------------------ */
+/* ---- both sides ------------------------------------------------------ */
 
-/* In the process that made the handle: stops the sampler thread (joined),
- * then a worker marks the board detached and a host drops its way in (the
- * descriptor, or the name).  In another process (a fork() child) only the
- * child's mapping and its copy of the descriptor go.  Unmaps and frees.
- * NULL is a no-op. */
+/* In the process that made the handle: stops the sampler thread (joined)
+ * and, on the worker's side, marks the board detached.  In another
+ * process (a fork() child) only the child's copy of the mapping goes.
+ * Unmaps and frees.  NULL is a no-op. */
 void cs_board_close(cs_board *board);
 
-/* A host's memfd board: "memfd:csb-<random>" (informative); a named
- * board: its segment name. */
+/* "memfd:csb-<24 hex digits>": the label the kernel shows for the
+ * mapping in /proc/<pid>/maps (never a path). */
 const char *cs_board_name(const cs_board *board);
 bool cs_board_is_host(const cs_board *board);
 /* False in a process other than the one that made the handle. */
@@ -180,8 +164,62 @@ uint32_t cs_board_slot_count(const cs_board *board);
 uint64_t cs_board_generation(const cs_board *board);
 /* The header's owner pid as it is now (untrusted; 0: none). */
 int64_t cs_board_owner_pid(const cs_board *board);
+/* True while the worker has the board (the owner word is not 0). */
+bool cs_board_attached(const cs_board *board);
 /* The start of the mapping and its length (tests, tools). */
 void *cs_board_memory(const cs_board *board, size_t *length);
+
+/* ---- worker ---------------------------------------------------------- */
+
+/* Makes a board of `slots` slots (1..CS_BOARD_MAX_SLOTS) under the
+ * worker's `generation` in this (the worker's) process: an anonymous memfd
+ * mapped here read-write, then sealed against resizing, against every
+ * later writable mapping or write() (F_SEAL_FUTURE_WRITE: this mapping
+ * keeps working, no other one can be made writable, whoever opens the
+ * memfd) and against seal changes; the header written and the owner word
+ * set to this process.  *fd_out is the descriptor to send to the host with
+ * SCM_RIGHTS; close it once sent.  CS_BOARD_ERR_SEALS on a kernel without
+ * F_SEAL_FUTURE_WRITE (before Linux 5.1). */
+cs_board_status cs_board_make(uint32_t slots, uint64_t generation,
+                              cs_board **out, int *fd_out, int *os_error);
+
+/* Tells the worker which tag the host gave `slot` (0: unbind).  Later
+ * publishes of the slot carry it. */
+cs_board_status cs_board_bind(cs_board *board, uint32_t slot, uint64_t tag);
+uint64_t cs_board_bound_tag(const cs_board *board, uint32_t slot);
+
+/* Publishes `loaded` (<= CS_BOARD_VALUE_MAX) for `slot` under its bound
+ * tag, stamped now, and beats the heartbeat.  The stamp says when the
+ * value was true: the host prefers a reading to a receipt when the
+ * reading's stamp is newer, so a value measured earlier must go through
+ * cs_board_publish_at with the time its measurement began.  Wait-free:
+ * CS_BOARD_ERR_BUSY at once when another thread of the worker is inside a
+ * write of the slot (its sampler, say): try again. */
+cs_board_status cs_board_publish(cs_board *board, uint32_t slot,
+                                 uint64_t loaded);
+/* The same with the caller's own CLOCK_MONOTONIC stamp: the time the
+ * measurement of `loaded` began (never later).  A stamp of 0 or in the
+ * future is refused. */
+cs_board_status cs_board_publish_at(cs_board *board, uint32_t slot,
+                                    uint64_t loaded, uint64_t updated_ns);
+/* Tells the host the worker is alive (publish does it too). */
+cs_board_status cs_board_heartbeat(cs_board *board);
+
+/* Runs `fn(context, &loaded)` for `slot` every period on the board's
+ * sampler thread (started on first use) and publishes the result.  One
+ * sampler per slot; a second replaces the first.  The thread also beats
+ * the heartbeat every period.  Waits for a running pass. */
+cs_board_status cs_board_add_sampler(cs_board *board, uint32_t slot,
+                                     cs_board_sampler_fn fn, void *context,
+                                     int *os_error);
+/* Removes the slot's sampler; when this returns the sampler is not
+ * running and will not run again (its context may be freed). */
+cs_board_status cs_board_remove_sampler(cs_board *board, uint32_t slot);
+/* The sampler period (1 ms .. 1 h); takes effect at the next pass. */
+cs_board_status cs_board_set_period(cs_board *board, uint64_t period_ns);
+uint64_t cs_board_period(const cs_board *board);
+/* How many passes the sampler thread has completed (tests, diagnostics). */
+uint64_t cs_board_sampler_passes(const cs_board *board);
 
 /* ---- host ------------------------------------------------------------ */
 
@@ -194,26 +232,12 @@ void *cs_board_memory(const cs_board *board, size_t *length);
  * write seal no process but the worker that made it can either.  `fd`
  * stays the caller's: close it as soon as this returns (the mapping keeps
  * the memory; a host holding no descriptor lends none through
- * /proc/<pid>/fd).  The host's table starts empty; cs_board_fd() is -1.
- * Linux only (CS_BOARD_ERR_UNSUPPORTED elsewhere). */
+ * /proc/<pid>/fd).  heartbeat_limit_ns 0 disables the heartbeat check;
+ * otherwise it must be in [CS_BOARD_HEARTBEAT_LIMIT_MIN_NS,
+ * CS_BOARD_HEARTBEAT_LIMIT_MAX_NS].  The host's table starts empty. */
 cs_board_status cs_board_adopt(int fd, uint32_t slots, uint64_t generation,
                                uint64_t heartbeat_limit_ns, cs_board **out,
                                int *os_error);
-
-
-/* Makes a board of `slots` slots (1..CS_BOARD_MAX_SLOTS) under the
- * worker's `generation`.  heartbeat_limit_ns 0 disables the heartbeat
- * check; otherwise it must be in [CS_BOARD_HEARTBEAT_LIMIT_MIN_NS,
- * CS_BOARD_HEARTBEAT_LIMIT_MAX_NS].  On Linux, CS_BOARD_ERR_SEALS when the
- * kernel cannot seal a memfd (the host then has no board, rather than one
- * a worker can shrink under it). */
-cs_board_status cs_board_create(uint32_t slots, uint64_t generation,
-                                uint64_t heartbeat_limit_ns,
-                                cs_board **out, int *os_error);
-
-/* The descriptor to hand the worker (inherit it, or send it with
- * SCM_RIGHTS), or -1: a named board, or after cs_board_unlink(). */
-int cs_board_fd(const cs_board *board);
 
 /* Gives `id` a slot and a fresh tag, or returns the slot it already has
  * (then `size` must match: CS_BOARD_ERR_SIZE otherwise).  Only the host's
@@ -225,8 +249,8 @@ cs_board_status cs_board_assign(cs_board *board, const char *id,
 /* The tag of the slot's current assignment (0: unassigned).  Never
  * repeats within one board. */
 uint64_t cs_board_tag(const cs_board *board, uint32_t slot);
-/* Frees a slot for another model (the host's table only; wait-free with
- * respect to the segment).  Reads of it are then UNASSIGNED. */
+/* Frees a slot for another model (the host's table only).  Reads of it
+ * are then UNASSIGNED. */
 cs_board_status cs_board_release(cs_board *board, uint32_t slot);
 /* The size the host assigned to `slot` (0 when unassigned). */
 uint64_t cs_board_assigned_size(const cs_board *board, uint32_t slot);
@@ -234,14 +258,6 @@ uint64_t cs_board_assigned_size(const cs_board *board, uint32_t slot);
  * worker: the segment holds no ids). */
 cs_board_status cs_board_find(const cs_board *board, const char *id,
                               size_t id_len, uint32_t *slot);
-
-/* Drops the host's way in once the worker has the board: closes the
- * host's descriptor (memfd) or removes the name.  The mappings keep
- * working.  Idempotent; a worker handle gets CS_BOARD_ERR_ROLE. */
-cs_board_status cs_board_unlink(cs_board *board, int *os_error);
-bool cs_board_linked(const cs_board *board);
-/* True once a worker has opened the board (and not closed it). */
-bool cs_board_attached(const cs_board *board);
 
 /* The pid the host expects as owner (0: any).  With one set, a board
  * whose header names another pid reads CS_BOARD_WRONG_OWNER. */
@@ -251,10 +267,10 @@ int64_t cs_board_expected_owner(const cs_board *board);
  * worker is gone: every read is CS_BOARD_DEAD_OWNER from now on. */
 void cs_board_owner_gone(cs_board *board);
 bool cs_board_owner_is_gone(const cs_board *board);
-/* Off the read path: on Linux, cs_board_expect_owner() keeps a pidfd of
- * the expected owner; this polls it without waiting and, when the process
- * has exited, does cs_board_owner_gone().  True when the owner is known
- * gone.  (Elsewhere, or without a pidfd: only what owner_gone said.) */
+/* Off the read path: cs_board_expect_owner() keeps a pidfd of the
+ * expected owner; this polls it without waiting and, when the process has
+ * exited, does cs_board_owner_gone().  True when the owner is known gone.
+ * (Without a pidfd: only what owner_gone said.) */
 bool cs_board_poll_owner(cs_board *board);
 uint64_t cs_board_heartbeat_limit(const cs_board *board);
 
@@ -271,72 +287,6 @@ cs_board_reading cs_board_read_slot_status(const cs_board *board,
 bool cs_board_read_slot(const cs_board *board, uint32_t slot, uint64_t tag,
                         uint64_t size, uint64_t *loaded,
                         uint64_t *updated_ns);
-
-/* ---- worker ---------------------------------------------------------- */
-
-/* Makes a board of `slots` slots in this (the worker's) process, for the
- * host to adopt (cs_board_adopt): an anonymous memfd mapped here
- * read-write, then sealed against resizing, against every later writable
- * mapping or write() (F_SEAL_FUTURE_WRITE: this mapping keeps working, no
- * other one can be made writable, whoever opens the memfd) and against
- * seal changes; the header written and the owner word claimed.  *fd_out is
- * the descriptor to send to the host with SCM_RIGHTS; close it once sent.
- * Linux only (CS_BOARD_ERR_UNSUPPORTED elsewhere; CS_BOARD_ERR_SEALS on a
- * kernel without F_SEAL_FUTURE_WRITE, before Linux 5.1). */
-cs_board_status cs_board_make(uint32_t slots, uint64_t generation,
-                              cs_board **out, int *fd_out, int *os_error);
-
-
-/* Maps the board behind `fd` (the host's memfd, inherited or received).
- * The descriptor stays the caller's (close it after this returns).
- * Refused when the segment is not sealed against resizing (Linux), is not
- * a board of this layout, is sized wrongly, or another live process has
- * it open. */
-cs_board_status cs_board_open_fd(int fd, cs_board **out, int *os_error);
-/* The same by name, where boards have names (not Linux:
- * CS_BOARD_ERR_UNSUPPORTED there). */
-cs_board_status cs_board_open(const char *name, cs_board **out,
-                              int *os_error);
-
-/* Tells the worker which tag the host gave `slot` (0: unbind).  Later
- * publishes of the slot carry it. */
-cs_board_status cs_board_bind(cs_board *board, uint32_t slot, uint64_t tag);
-uint64_t cs_board_bound_tag(const cs_board *board, uint32_t slot);
-
-/* Publishes `loaded` (<= CS_BOARD_VALUE_MAX) for `slot` under its bound
- * tag, stamped now, and beats the heartbeat.  The stamp says when the
- * value was true: the host prefers a reading to a receipt when the
- * reading's stamp is newer, so a value measured earlier must go through
- * cs_board_publish_at with the time its measurement began.  Lock-free;
- * safe from any thread of the worker (writers of one slot exclude each
- * other through the seqlock word; a word that stays odd makes a writer
- * give up with CS_BOARD_ERR_BUSY after a bounded wait -- only a writer
- * killed inside or a foreign write can do that; the host never writes). */
-cs_board_status cs_board_publish(cs_board *board, uint32_t slot,
-                                 uint64_t loaded);
-/* The same with the caller's own CLOCK_MONOTONIC stamp: the time the
- * measurement of `loaded` began (never later).  A stamp of 0 or in the
- * future is refused. */
-cs_board_status cs_board_publish_at(cs_board *board, uint32_t slot,
-                                    uint64_t loaded, uint64_t updated_ns);
-/* Tells the host the worker is alive (publish does it too). */
-cs_board_status cs_board_heartbeat(cs_board *board);
-
-/* Runs `fn(context, &loaded)` for `slot` every period on the board's
- * sampler thread (started on first use) and publishes the result.  One
- * sampler per slot; a second replaces the first.  The thread also beats
- * the heartbeat every period. */
-cs_board_status cs_board_add_sampler(cs_board *board, uint32_t slot,
-                                     cs_board_sampler_fn fn, void *context,
-                                     int *os_error);
-/* Removes the slot's sampler; when this returns the sampler is not
- * running and will not run again (its context may be freed). */
-cs_board_status cs_board_remove_sampler(cs_board *board, uint32_t slot);
-/* The sampler period (1 ms .. 1 h); takes effect at the next pass. */
-cs_board_status cs_board_set_period(cs_board *board, uint64_t period_ns);
-uint64_t cs_board_period(const cs_board *board);
-/* How many passes the sampler thread has completed (tests, diagnostics). */
-uint64_t cs_board_sampler_passes(const cs_board *board);
 
 #ifdef __cplusplus
 }

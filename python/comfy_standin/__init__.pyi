@@ -183,13 +183,6 @@ class Pool:
     def forget(self, worker: Worker) -> None: ...
     def worker_charges(self) -> Mapping[Worker, int]: ...  # WorkerMap
     def standins(self) -> Mapping[Worker, list[StandIn]]: ...
-    def board_for(
-        self,
-        worker: Worker,
-        slots: int = 64,
-        heartbeat_limit: float = 5.0,
-        generation: int | None = None,
-    ) -> Board: ...
     def own_board(self, worker: Worker, board: Board) -> None: ...
     def graveyard_size(self) -> int: ...
     def charge_details(self) -> Mapping[Worker, dict[str, Any]]: ...
@@ -210,16 +203,6 @@ class Board:
     """A live residency board in shared memory (docs/board.md)."""
 
     @classmethod
-    def create(
-        cls,
-        slots: int = 64,
-        *,
-        generation: int = 0,
-        heartbeat_limit: float | None = ...,
-    ) -> Board: ...
-    @classmethod
-    def open(cls, source: int | str, *, period: float = ...) -> Board: ...
-    @classmethod
     def adopt(
         cls,
         fd: int,
@@ -233,7 +216,6 @@ class Board:
         cls, slots: int = 64, *, generation: int = 0
     ) -> tuple[Board, int]: ...
     name: str
-    fd: int | None
     owner_is_gone: bool
     is_host: bool
     slots: int
@@ -247,7 +229,6 @@ class Board:
     period: float
     sampler_passes: int
     def close(self) -> None: ...
-    def unlink(self) -> None: ...
     def assign(self, model_id: str, size: int, /) -> int: ...
     def release(self, slot: int, /) -> None: ...
     def tag(self, slot: int, /) -> int: ...

@@ -3,7 +3,8 @@
 Everything is real except the GPU: two worker processes
 (``comfy_standin._demo_worker``) hold fake models and speak comfy-env's
 command protocol over pipes; each publishes its models' residency on a
-live residency board this process created; a small ComfyUI-like memory
+live residency board it made and handed to this process, as a comfy-env
+worker does (comfy_standin._handoff); a small ComfyUI-like memory
 manager (:class:`MiniModelManagement`, written for the demo, not
 ComfyUI's code) lists host models and stand-ins side by side and evicts
 with ComfyUI's sort key; a simulated card (:class:`SimCard`) keeps the
@@ -22,7 +23,6 @@ each check); ``mode="quiet"`` only the verdict.
 
 from __future__ import annotations
 
-import array
 import contextlib
 import importlib
 import io
@@ -31,7 +31,6 @@ import logging
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -43,6 +42,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from ._handoff import ENV_VAR, Handoff
 from ._text import json_text
 
 MiB = 1 << 20
@@ -188,30 +188,19 @@ class PipeWorker:
     ``send_command_no_spawn(method, lock_timeout, **params)`` (``"busy"``
     when another thread's command holds the pipe, ``"dead"``)."""
 
-    def __init__(self, name: str, board: Any = None,
-                 handoff: socket.socket | None = None) -> None:
+    def __init__(self, name: str, handoff: Handoff) -> None:
         self.name = name
-        self.board = board
+        self.board: Any = None
         self._buffer = b""
         # One command on the pipe at a time (comfy-env's _lock: an RLock).
         self._lock = threading.RLock()
         #: Called with (method, params, reply or error) for each command
         #: when the demo runs with --verbose.
         self.trace: Callable[[str, dict, Any], None] | None = None
-        # Linux: the worker makes its board (a memfd only it can write) and
-        # sends it back over `handoff`, one end of a socket pair only it
-        # inherits.  Elsewhere it opens the host's named board.
-        # A board the host created (the benches' way) goes as an
-        # inherited descriptor.
-        if handoff is not None:
-            argument, passed = f"socket:{handoff.fileno()}", \
-                (handoff.fileno(),)
-        elif board.fd is not None:
-            argument, passed = str(board.fd), (board.fd,)
-        else:
-            argument, passed = board.name, ()
+        # The worker makes its board (a memfd only it can write) and sends
+        # it over the handoff named in its environment only.
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "comfy_standin._demo_worker", argument],
+            [sys.executable, "-m", "comfy_standin._demo_worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             bufsize=0,
@@ -219,11 +208,11 @@ class PipeWorker:
             # only, which then ends the worker itself (no second
             # traceback from the worker).
             start_new_session=True,
-            pass_fds=passed,
+            env={**os.environ, ENV_VAR: handoff.spec},
         )
 
     def wait_ready(self) -> None:
-        """The worker's greeting: it has opened the board."""
+        """The worker's greeting: it has sent its board."""
         hello = self._read_reply()
         if hello.get("pid") != self.process.pid:
             raise WorkerError(
@@ -298,7 +287,8 @@ class PipeWorker:
         code = self.process.wait(timeout=REPLY_TIMEOUT)
         # Reaped: the host knows it is dead, so its board says so at once
         # (reads do no liveness system call of their own).
-        self.board.worker_gone()
+        if self.board is not None:
+            self.board.worker_gone()
         return code
 
     def shut_down(self) -> None:
@@ -923,65 +913,24 @@ class Demo:
     def start_worker(self, name: str) -> PipeWorker:
         # Ctrl-C or SIGTERM between spawning a worker and recording it
         # would leave a process nobody ends: they wait for the record.
-        with signals_deferred():
-            if sys.platform.startswith("linux"):
-                host_end, worker_end = socket.socketpair(
-                    socket.AF_UNIX, socket.SOCK_SEQPACKET)
-                try:
-                    worker = PipeWorker(name, handoff=worker_end)
-                finally:
-                    worker_end.close()
-            else:
-                host_end = None
-                board = self.board_type.create(
-                    8, generation=1, heartbeat_limit=HEARTBEAT_LIMIT
-                )
-                self.boards.append(board)
-                self.board_names.append(board.name)
-                worker = PipeWorker(name, board=board)
-            self.workers[name] = worker  # cleaned up even if never greets
-        if self.verbose:
-            worker.trace = self.trace_command
-        try:
+        with Handoff() as handoff:
+            with signals_deferred():
+                worker = PipeWorker(name, handoff)
+                self.workers[name] = worker  # cleaned up even if never greets
+            if self.verbose:
+                worker.trace = self.trace_command
             worker.wait_ready()
-            if host_end is not None:
-                worker.board = self.adopt_board(host_end)
-        finally:
-            if host_end is not None:
-                host_end.close()
-        board = worker.board
+            # It greeted after sending: the board is waiting on the socket.
+            board, _, _ = handoff.collect(worker.pid, lambda fd: (
+                self.board_type.adopt(fd, 8, generation=1,
+                                      heartbeat_limit=HEARTBEAT_LIMIT)))
+        self.boards.append(board)
+        self.board_names.append(board.name)
+        worker.board = board
         board.expected_owner = worker.pid
         if self.verbose:
             self.say(f"    [board] {board.name} for {name}")
-        # A created board: the worker has mapped it (it greeted us), so
-        # the host drops its descriptor and the memory lives exactly as
-        # long as the two mappings (docs/board.md).
-        if board.attached and board.linked:
-            board.unlink()
         return worker
-
-    def adopt_board(self, host_end: socket.socket) -> Any:
-        """The board the worker made and sent (it greeted after sending):
-        adopted read-only, its descriptor closed at once."""
-        _, ancillary, flags, _ = host_end.recvmsg(
-            16, socket.CMSG_SPACE(4),
-            socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC)
-        fds = [
-            fd for level, kind, data in ancillary
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
-            for fd in array.array("i", data[: len(data) - len(data) % 4])
-        ]
-        try:
-            if len(fds) != 1 or flags & socket.MSG_CTRUNC:
-                raise WorkerError(f"the worker sent {len(fds)} descriptors")
-            board = self.board_type.adopt(
-                fds[0], 8, generation=1, heartbeat_limit=HEARTBEAT_LIMIT)
-        finally:
-            for fd in fds:
-                os.close(fd)
-        self.boards.append(board)
-        self.board_names.append(board.name)
-        return board
 
     def add_worker_models(self, worker: PipeWorker, specs: list) -> None:
         reply = worker.send_command("make_models", models=specs)
@@ -1030,7 +979,15 @@ class Demo:
     # -- the scenes -----------------------------------------------------
 
     def run(self) -> None:
-        c = self.checks
+        """The story, one method per section."""
+        self.introduce()
+        a, b = self.load()
+        self.busy_call(b)
+        self.pressure(b)
+        self.worker_killed(b)
+        self.worker_refuses(a)
+
+    def introduce(self) -> None:
         self.say(
             f"comfy_standin {_version()}"
             f" demo, implementation: {self.impl_name} "
@@ -1040,6 +997,9 @@ class Demo:
         self.say("Each term of docs/glossary.md is explained the first "
                  "time it comes up.")
 
+    def load(self) -> tuple[PipeWorker, PipeWorker]:
+        """1: host models, and two workers whose stand-ins load."""
+        c = self.checks
         self.title("1. load: host models, and two workers over pipes")
         a = self.start_worker("A")
         b = self.start_worker("B")
@@ -1073,7 +1033,11 @@ class Demo:
             c.check(self.models[name].loaded_size() == n,
                     f"{name}: partially_load returned {gib(n)} and the "
                     f"receipt says so")
+        return a, b
 
+    def busy_call(self, b: PipeWorker) -> None:
+        """2: a call pages B's unet in; only the board says so."""
+        c = self.checks
         self.title("2. a busy call: B pages its unet in, no message says so")
         unet_b = self.models["B/unet"]
         receipt_before = self.receipt_of(unet_b)[0]
@@ -1103,6 +1067,10 @@ class Demo:
                  f"worker), so the receipt stays behind the board")
         self.define("census")
 
+    def pressure(self, b: PipeWorker) -> None:
+        """3: free_memory for an upscaler, sorted with the board's help."""
+        c = self.checks
+        unet_b = self.models["B/unet"]
         self.title("3. pressure: ComfyUI needs room for a 6 GiB upscaler")
         need = 6 * GiB + self.mm.minimum_inference_memory()
         self.say(f"  ComfyUI asks for 6 GiB + 0.8 GiB for inference + its "
@@ -1132,6 +1100,10 @@ class Demo:
                  f"receipt now {gib(self.receipt_of(unet_b)[0])}")
         self.print_models()
 
+    def worker_killed(self, b: PipeWorker) -> None:
+        """4: B is killed mid-call; its stand-in returns what it held."""
+        c = self.checks
+        unet_b = self.models["B/unet"]
         self.title("4. worker B is killed (SIGKILL) in the middle of a call")
         self.pool.begin_call(b)
         b.send_command("call_begin", model_id="B/unet", resident=3 * GiB)
@@ -1173,6 +1145,9 @@ class Demo:
                 "kill: B costs the card nothing any more")
         self.pool.boundary()
 
+    def worker_refuses(self, a: PipeWorker) -> None:
+        """5: A's lock is busy: its eviction is deferred, not made up."""
+        c = self.checks
         self.title("5. worker A refuses (its lock is busy): eviction deferred")
         unet_a = self.models["A/unet"]
         if self.entry_of(unet_a) is None:

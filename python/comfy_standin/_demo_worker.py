@@ -2,16 +2,15 @@
 
 Started by ``python -m comfy_standin demo`` as::
 
-    python -m comfy_standin._demo_worker socket:FD | BOARD_FD | BOARD_NAME
+    COMFY_STANDIN_BOARD=<handoff> python -m comfy_standin._demo_worker
 
-On Linux it makes its residency board (a sealed memfd only it can write)
-and sends the descriptor to the host over the socket it inherited (FD,
-one end of a socket pair), as a comfy-env worker does over its handoff.
-Given a board the host created (the benches do that), it opens it: an
-inherited descriptor, or a name where boards have names.  Then it speaks
-comfy-env's command protocol (docs/comfyui.md, "Worker protocol") as JSON
-lines: one request per line on stdin, exactly one reply
-line per request on stdout, so the host never has to wait on a clock.
+It makes its residency board (a sealed memfd only it can write) and sends
+the descriptor to the host over the handoff named in its environment
+(comfy_standin._handoff), with the code a comfy-env worker's publisher uses
+(python/comfy_standin/_worker_side/).  Then it speaks comfy-env's command
+protocol (docs/comfyui.md, "Worker protocol") as JSON lines: one request
+per line on stdin, exactly one reply line per request on stdout, so the
+host never has to wait on a clock.
 
 Requests are ``{"method": ..., "params": {...}}``; replies are
 ``{"status": "ok", ...}`` or ``{"status": "error", "error": "..."}``.
@@ -45,10 +44,8 @@ the reply is written, so a host that has the reply also sees the board.
 
 from __future__ import annotations
 
-import array
 import json
 import os
-import socket
 import sys
 from typing import Any
 
@@ -192,24 +189,32 @@ class DemoWorker:
         return {"refusing": self.refusing}
 
 
-def _make_and_send(handoff_fd: int) -> Any:
-    """Linux: make this worker's board (a memfd only it can write) and send
-    its descriptor to the host over the socket it handed us; neither the
-    socket nor the descriptor stays open here."""
+def make_and_send(slots: int, generation: int) -> Any:
+    """Makes this worker's board (a memfd only it can write) and sends its
+    descriptor to the host over the handoff named in COMFY_STANDIN_BOARD,
+    as a comfy-env worker's publisher does; neither the variable nor the
+    descriptor stays here.  ConnectionError when the handoff is gone."""
     from comfy_standin._core import Board
+    from comfy_standin._worker_side import _comfy_standin_publisher as pub
 
-    board, fd = Board.make(8, generation=1)
-    with socket.socket(fileno=handoff_fd) as handoff:
-        handoff.sendmsg([b"board"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                      array.array("i", [fd]).tobytes())])
-    os.close(fd)  # the mapping keeps the board
+    spec = pub._parse_spec(os.environ.pop(pub.ENV_VAR, ""))
+    if isinstance(spec, str):
+        raise ValueError(spec)
+    board, fd = Board.make(slots, generation=generation)
+    try:
+        why = pub._send_board(*spec, fd)
+    finally:
+        os.close(fd)  # the mapping keeps the board
+    if why is not None:
+        board.close()
+        raise ConnectionError(why)
     return board
 
 
 def main() -> int:
     try:
-        return _serve(sys.argv[1])
-    except ConnectionError:  # BrokenPipeError and the like
+        return _serve()
+    except ConnectionError:  # BrokenPipeError, a handoff gone and the like
         # The host went away (interrupted, it ends its workers): nobody
         # is left to answer, and a traceback would land on the host's
         # terminal.  Nothing more goes to the broken pipe at exit either.
@@ -219,17 +224,9 @@ def main() -> int:
         return 1
 
 
-def _serve(source: str) -> int:
-    from comfy_standin._core import Board
-
-    if source.startswith("socket:"):  # Linux
-        board = _make_and_send(int(source.partition(":")[2]))
-    elif source.isdigit():  # a board the host created, inherited
-        board = Board.open(int(source))
-        os.close(int(source))  # mapped: the descriptor is not needed
-    else:  # a name, where boards have names
-        board = Board.open(source)
-    worker = DemoWorker(board)
+def _serve() -> int:
+    worker = DemoWorker(make_and_send(8, generation=1))
+    board = worker.board
     out = sys.stdout
 
     def reply(frame: dict[str, Any]) -> None:

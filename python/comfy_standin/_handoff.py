@@ -48,11 +48,13 @@ import tempfile
 import weakref
 from typing import Any, Callable
 
-__all__ = ["Handoff", "HandoffRefused", "PROTOCOL"]
+__all__ = ["ENV_VAR", "Handoff", "HandoffRefused", "PROTOCOL"]
 
-#: Must equal the publisher's PROTOCOL
-#: (python/comfy_standin/_worker_side/_comfy_standin_publisher.py).
+#: Must equal the publisher's PROTOCOL and ENV_VAR
+#: (python/comfy_standin/_worker_side/_comfy_standin_publisher.py): the
+#: variable naming a worker's handoff (its environment only).
 PROTOCOL = 2
+ENV_VAR = "COMFY_STANDIN_BOARD"
 # How many processes up from the peer the spawned one may be (python under
 # pixi run under ...): a bound on the walk, not a policy.
 _MAX_DEPTH = 8

@@ -1372,7 +1372,7 @@ class StandIn:
         if not board.is_host:
             raise ValueError(
                 f"attach_board: model {model_id!r} needs the host's side of "
-                f"the board (Board.create), got a worker's handle"
+                f"the board (Board.adopt), got a worker's handle"
             )
         if slot is None:
             slot = board.find(model_id)

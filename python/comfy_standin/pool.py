@@ -326,52 +326,11 @@ class Pool:
 
     # ---- residency boards (docs/board.md) -----------------------------------
 
-    def board_for(
-        self,
-        worker: Any,
-        slots: int = 64,
-        heartbeat_limit: float = 5.0,
-        generation: int | None = None,
-    ) -> Any:
-        """The host side of `worker`'s live residency board, created on the
-        first call and owned by the pool: it is closed (unmapped, its
-        descriptor dropped) when the worker is gone, restarted or forgotten,
-        and when the pool is.  Hand the worker ``board.fd`` (``pass_fds`` at
-        spawn, or SCM_RIGHTS; ``board.name`` where boards have names),
-        have each stand-in ``attach_board(board)`` and tell the worker
-        ``(slot, board.tag(slot))``, and ``board.unlink()`` once the worker
-        has mapped it.  `generation`: the worker process's (default: its
-        books', 0 before any stand-in).  Where the worker makes its own
-        board and the host adopts it, use ``own_board``."""
-        from ._core import Board  # shared memory is C in both impls
-
-        with self._lock:
-            held = self._boards.get(id(worker))
-            if held is not None and not held[1].closed:
-                return held[1]
-        if generation is None:
-            books = self._ledger.find(worker)
-            generation = books.generation if books is not None else 0
-        board = Board.create(
-            slots, generation=generation, heartbeat_limit=heartbeat_limit
-        )
-        with self._lock:
-            held = self._boards.get(id(worker))
-            if held is not None and not held[1].closed:
-                raced = held[1]
-            else:
-                self._boards[id(worker)] = (worker, board)
-                raced = None
-        if raced is not None:  # another thread made one first
-            board.close()
-            return raced
-        return board
-
     def own_board(self, worker: Any, board: Any) -> None:
-        """Takes `board` (a host-side Board, e.g. ``Board.adopt``ed from
-        the worker) as `worker`'s: closed with the worker (gone, restarted,
-        forgotten) or the pool, like ``board_for``'s.  A board the pool
-        held for the worker before is closed."""
+        """Takes `board` (the host's side, ``Board.adopt``ed from the
+        board the worker made) as `worker`'s: it is closed (unmapped) when
+        the worker is gone, restarted or forgotten, and when the pool is.
+        A board the pool held for the worker before is closed."""
         with self._lock:
             held = self._boards.get(id(worker))
             self._boards[id(worker)] = (worker, board)
@@ -382,7 +341,7 @@ class Pool:
         with self._lock:
             held = self._boards.pop(id(worker), None)
         if held is not None:
-            held[1].close()  # unmaps, drops the fd; stand-ins fall back
+            held[1].close()  # unmaps; its stand-ins fall back to receipts
 
     # ---- workers ----------------------------------------------------------
 

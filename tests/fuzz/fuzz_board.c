@@ -1,23 +1,24 @@
 /*
- * fuzz_board.c -- libFuzzer harness for the board's host reader, the
- * worker's open-time validation and the host's adoption of a worker-made
- * segment (src/board.c, src/board_host.c, src/board_worker.c).
+ * fuzz_board.c -- libFuzzer harness for the board's host reader and the
+ * host's adoption of a worker-made segment (src/board.c,
+ * src/board_host.c, src/board_worker.c).
  *
  * Each input is a host table and a segment: the first bytes choose the
  * slot count, the heartbeat limit, the expected owner and, per slot,
  * whether the host assigned it, its size and which tag the reader passes;
- * the rest is written over the whole segment, as a hostile worker could.
- * The reader must never read outside the mapping, never return a valid
- * reading above the caller's size or stamped after now (plus the coarse
- * clock's tick), and never take a
- * reading for a tag the host did not give; opening the fuzzed segment as
- * a worker must refuse or succeed cleanly; so must adopting the same
- * bytes, at a length and with seals the input picks, as a board a worker
- * sent (and every reading of an adopted board obeys the same bounds).
+ * the rest is written over the whole segment through the worker's
+ * mapping, as a hostile worker could.  The reader must never read outside
+ * the mapping, never return a valid reading above the caller's size or
+ * stamped after now (plus the coarse clock's tick), and never take a
+ * reading for a tag the host did not give; adopting the same bytes, at a
+ * length and with seals the input picks, as a board a worker sent must
+ * refuse or succeed cleanly (and every reading of an adopted board obeys
+ * the same bounds).
  *
  * Build and run (see tests/fuzz/):
- *   clang -g -O1 -fsanitize=fuzzer,address,undefined -Iinclude \
- *       -D_GNU_SOURCE tests/fuzz/fuzz_board.c src/board.c -o /tmp/fb
+ *   clang -g -O1 -fsanitize=fuzzer,address,undefined -Iinclude -Isrc \
+ *       -D_GNU_SOURCE tests/fuzz/fuzz_board.c src/board.c \
+ *       src/board_host.c src/board_worker.c -o /tmp/fb
  *   /tmp/fb tests/fuzz/corpus/fuzz_board -max_total_time=30
  */
 #ifndef _GNU_SOURCE
@@ -38,8 +39,10 @@
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
-/* One host board per slot count, made once: a board per input would
+/* One board per slot count, made once (the worker's side) and adopted
+ * twice (with and without a heartbeat limit): a board per input would
  * spend the run in memfd_create and mmap. */
+static cs_board *workers[FUZZ_MAX_SLOTS + 1];
 static cs_board *hosts[FUZZ_MAX_SLOTS + 1][2];
 
 static uint64_t
@@ -113,7 +116,7 @@ adopt_segment(const unsigned char *bytes, size_t length, uint32_t slots,
         return;
     }
     if (actual != length || (seals & all) != all ||
-        cs_board_slot_count(host) != slots || cs_board_fd(host) != -1) {
+        cs_board_slot_count(host) != slots) {
         abort(); /* adopted what it must have refused */
     }
     for (uint32_t i = 0; i < slots; i++) {
@@ -138,26 +141,27 @@ int
 LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     uint64_t tick = 0;
-#if defined(CLOCK_MONOTONIC_COARSE)
     struct timespec res;
     if (clock_getres(CLOCK_MONOTONIC_COARSE, &res) == 0) {
         tick = (uint64_t)res.tv_sec * UINT64_C(1000000000) +
                (uint64_t)res.tv_nsec;
     }
-#endif
     uint64_t config = take(&data, &size, 2);
     uint32_t slots = 1 + (uint32_t)(config % FUZZ_MAX_SLOTS);
     int limited = (int)((config >> 3) & 1);
-    cs_board **slot_host = &hosts[slots][limited];
-    if (*slot_host == NULL) {
-        int err = 0;
-        if (cs_board_create(slots, 1,
-                            limited ? CS_BOARD_HEARTBEAT_LIMIT_MIN_NS : 0,
-                            slot_host, &err) != CS_BOARD_OK) {
+    if (workers[slots] == NULL) {
+        int fd = -1, err = 0;
+        if (cs_board_make(slots, 1, &workers[slots], &fd, &err) !=
+                CS_BOARD_OK ||
+            cs_board_adopt(fd, slots, 1, 0, &hosts[slots][0], &err) !=
+                CS_BOARD_OK ||
+            cs_board_adopt(fd, slots, 1, CS_BOARD_HEARTBEAT_LIMIT_MIN_NS,
+                           &hosts[slots][1], &err) != CS_BOARD_OK) {
             abort();
         }
+        close(fd);
     }
-    cs_board *host = *slot_host;
+    cs_board *host = hosts[slots][limited];
     cs_board_expect_owner(host, (config >> 4) & 1 ? (int64_t)(config >> 5)
                                                    : 0);
 
@@ -200,7 +204,7 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 
     /* The segment: whatever the worker wrote. */
     size_t length = 0;
-    unsigned char *mem = cs_board_memory(host, &length);
+    unsigned char *mem = cs_board_memory(workers[slots], &length);
     size_t n = size < length ? size : length;
     memset(mem, 0, length);
     memcpy(mem, data, n);
@@ -222,20 +226,6 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         if ((unsigned)r >= CS_BOARD_READING_COUNT) {
             abort();
         }
-    }
-
-    /* The same bytes as a segment a worker is handed. */
-    cs_board *worker = NULL;
-    int err = 0;
-    cs_board_status st = cs_board_open_fd(cs_board_fd(host), &worker, &err);
-    if (st == CS_BOARD_OK) {
-        if (cs_board_slot_count(worker) != slots) {
-            abort(); /* validated against the segment's real length */
-        }
-        /* No publish: on a slot left odd a worker's writer waits (up to
-         * 100 ms, by design), which would only slow the fuzzer. */
-        (void)cs_board_bind(worker, 0, 1);
-        cs_board_close(worker);
     }
 
     /* The same bytes as a board a worker made and sent: a length off by a

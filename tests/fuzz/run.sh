@@ -70,7 +70,7 @@ for source in "${harnesses[@]}"; do
   binary="$build/$name"
   echo "---- $name: build"
   "$cc" "${flags[@]}" "${harness_flags[@]}" "$source" "${objects[@]}" \
-    -o "$binary" -pthread -ldl -lrt
+    -o "$binary" -pthread -ldl
   seeds="tests/fuzz/corpus/$name"
   if [ ! -d "$seeds" ] || [ -z "$(ls -A "$seeds")" ]; then
     echo "$name: no seed corpus in $seeds (commit a few inputs)" >&2

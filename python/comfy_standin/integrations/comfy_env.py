@@ -97,13 +97,10 @@ from typing import Any, NamedTuple
 
 import comfy_standin as cs
 
-from .._handoff import PROTOCOL, Handoff, HandoffRefused
+from .._handoff import ENV_VAR, PROTOCOL, Handoff, HandoffRefused
 from .._text import LOG_TEXT_LIMIT, visible
 from ._shapes import Hook, mismatch, where
 from ._shapes import resolve as _resolve
-
-#: The variable naming a worker's board handoff (its environment only).
-ENV_VAR = "COMFY_STANDIN_BOARD"
 
 __all__ = ["counters", "install", "installed", "uninstall"]
 
