@@ -847,7 +847,7 @@ Board_repr(PyObject *op)
  * is the value's row here. */
 enum {
     VALUE_NAME, VALUE_OWNER_IS_GONE, VALUE_IS_HOST, VALUE_SLOTS,
-    VALUE_GENERATION, VALUE_ATTACHED, VALUE_LINKED, VALUE_OWNER_PID,
+    VALUE_GENERATION, VALUE_ATTACHED, VALUE_OWNER_PID,
     VALUE_HEARTBEAT_LIMIT, VALUE_SAMPLER_PASSES, VALUE_COUNT
 };
 
@@ -858,7 +858,6 @@ static const char *const board_value_names[VALUE_COUNT] = {
     [VALUE_SLOTS] = "Board.slots",
     [VALUE_GENERATION] = "Board.generation",
     [VALUE_ATTACHED] = "Board.attached",
-    [VALUE_LINKED] = "Board.linked",
     [VALUE_OWNER_PID] = "Board.owner_pid",
     [VALUE_HEARTBEAT_LIMIT] = "Board.heartbeat_limit",
     [VALUE_SAMPLER_PASSES] = "Board.sampler_passes",
@@ -898,8 +897,6 @@ Board_get_value(PyObject *op, void *closure)
         return PyLong_FromUnsignedLongLong(cs_board_generation(board));
     case VALUE_ATTACHED:
         return PyBool_FromLong(cs_board_attached(board));
-    case VALUE_LINKED: /* the host holds no descriptor of an adopted board */
-        Py_RETURN_FALSE;
     case VALUE_OWNER_PID:
         return positive_or_none(cs_board_owner_pid(board));
     case VALUE_HEARTBEAT_LIMIT:
@@ -1089,9 +1086,6 @@ static PyGetSetDef Board_getset[] = {
     {"closed", Board_get_closed, NULL, "True once closed.", NULL},
     {"attached", Board_get_value, NULL,
      "True while a worker has the board open.", VALUE(VALUE_ATTACHED)},
-    {"linked", Board_get_value, NULL,
-     "False: the host holds no descriptor of the board.",
-     VALUE(VALUE_LINKED)},
     {"owner_pid", Board_get_value, NULL,
      "The pid the header names as owner (untrusted), or None.",
      VALUE(VALUE_OWNER_PID)},

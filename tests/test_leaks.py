@@ -625,7 +625,7 @@ WORKLOADS = {
         os.close(fd)
         (board.name, board.owner_is_gone, board.is_host,
          board.slots, board.generation, board.closed, board.attached,
-         board.linked, board.owner_pid, board.expected_owner,
+         board.owner_pid, board.expected_owner,
          board.heartbeat_limit, board.period, board.sampler_passes)
         slot = board.assign("m", 1000)
         bad(board.assign, "m", -1)

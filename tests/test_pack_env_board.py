@@ -153,7 +153,6 @@ def test_another_python_with_nothing_installed_publishes(launch, minor,
     board, slot = s.board
     assert board.generation == generation == s.worker_generation
     assert board.owner_pid == board.expected_owner == about["pid"]
-    assert not board.linked
     wait_for(lambda: board.status(slot) == "valid", "the first reading")
     assert board.read(slot)[0] == 4 * MiB
 

@@ -211,7 +211,7 @@ def good_answer():
             "boards": [{"name": "memfd:csb-1", "slots": 4,
                         "generation": 1, "owner_pid": 4242,
                         "expected_owner": 4242, "attached": True,
-                        "linked": False, "worker_gone": False,
+                        "worker_gone": False,
                         "closed": False, "models": ["unet-x"]}],
         },
     }

@@ -222,7 +222,6 @@ class Board:
     generation: int
     closed: bool
     attached: bool
-    linked: bool
     owner_pid: int | None
     expected_owner: int | None
     heartbeat_limit: float | None

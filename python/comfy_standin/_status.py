@@ -79,7 +79,6 @@ def _board_summary(board: Any) -> dict[str, Any]:
         "owner_pid": board.owner_pid,
         "expected_owner": board.expected_owner,
         "attached": board.attached,
-        "linked": board.linked,
         "worker_gone": board.owner_is_gone,
         "closed": False,
         "models": [],
@@ -310,9 +309,7 @@ def render(status: dict[str, Any], probe: bool = True,
             lines.append(
                 f"    {b['name']}: {b.get('slots')} slots, generation "
                 f"{b.get('generation')}, owner pid {b.get('owner_pid')} "
-                f"(expected {b.get('expected_owner')}), "
-                + ("host holds a way in" if b.get("linked")
-                   else "handed over") +
+                f"(expected {b.get('expected_owner')})"
                 f"{', worker gone' if b.get('worker_gone') else ''}; models "
                 f"{', '.join(b['models'])}"
             )
@@ -1063,7 +1060,6 @@ BOARD = Object({
     "expected_owner": sometimes(Nullable(INTEGER), "the pid the host "
                                 "checked at the handoff"),
     "attached": sometimes(BOOLEAN, "the worker has mapped it"),
-    "linked": sometimes(BOOLEAN, "the host still holds a way in"),
     "worker_gone": sometimes(BOOLEAN, "the host marked its worker gone"),
 })
 POOL = Object({
