@@ -54,11 +54,12 @@ def run_story(name, tmp_path, **env):
     return json.loads(result.read_text())
 
 
+@pytest.mark.parametrize("launcher", ["direct", "pixi"])
 def test_bytes_only_the_driver_saw_come_back_as_the_worker_measured(
-        stubs, tmp_path):
+        stubs, tmp_path, launcher):
     cuda, nvml = stubs
     script = tmp_path / "gpu.txt"
-    seen = run_story("story_reading", tmp_path,
+    seen = run_story(f"story_reading_{launcher}", tmp_path,
                      COMFY_STANDIN_LIBCUDA=str(cuda),
                      COMFY_STANDIN_LIBNVML=str(nvml),
                      CS_STUB_SCRIPT=str(script))
@@ -79,9 +80,11 @@ def test_bytes_only_the_driver_saw_come_back_as_the_worker_measured(
     assert seen["reclaimed"] == [5 * MiB]
     assert seen["scratch_left"] == 0
     # status --url and the page show it as the driver's figure, for the
-    # pid the driver lists
+    # pid the driver lists: the worker Python's, not its launcher's
     worker = seen["status"]
     assert worker["pid"] == seen["worker_pid"]
+    if launcher == "pixi":
+        assert worker["launcher_pid"] not in (None, seen["worker_pid"])
     assert worker["charge"]["reading"] == floor + 10 * MiB
     assert f"driver's reading {(floor + 10 * MiB) >> 20} MiB" in seen["text"]
 
@@ -107,9 +110,12 @@ def test_no_nvml_changes_nothing_and_probes_once(tmp_path):
 # ---- the stories (each in an interpreter of its own) ------------------------
 
 
-def _world(root):
+def _world(root, launcher="direct"):
     """comfy-env's host with the mock model_management and the adapter
-    switched on; returns (mm, the Host, its namespace)."""
+    switched on; returns (mm, the Host, its namespace).  With `launcher`
+    "pixi" the pack's environment is laid out as comfy-env's pixi ones
+    (this Python, seeing this one's packages), which comfy-env starts
+    through a launcher that runs the worker Python as its child."""
     from mock_fixtures import mock_mm as mm
 
     import comfy_env_harness as harness
@@ -117,8 +123,18 @@ def _world(root):
 
     mm.reset()
     mm.processing_interrupted = lambda: False
-    host = harness.Host(mm, pathlib.Path(root) / "pack",
-                        pathlib.Path(sys.prefix))
+    root = pathlib.Path(root)
+    env = pathlib.Path(sys.prefix)
+    if launcher == "pixi":
+        import comfy_env.pixi
+
+        built = harness.same_python_env(root / "pixi")
+        env = root / "envs" / "pack" / ".pixi" / "envs" / "default"
+        env.parent.mkdir(parents=True)
+        built.rename(env)
+        (root / "envs" / "pack" / "pixi.toml").write_text("# unread\n")
+        comfy_env.pixi.PIXI = str(harness.fake_pixi(root, close_fds=True))
+    host = harness.Host(mm, root / "pack", env)
     adapter.install()
     return mm, host, harness.host_namespace(host)
 
@@ -144,11 +160,19 @@ def _record(pool, worker):
     return asked, reclaimed, unlisted
 
 
-def story_reading(root):
+def story_reading_direct(root):
+    return _story_reading(root, "direct")
+
+
+def story_reading_pixi(root):
+    return _story_reading(root, "pixi")
+
+
+def _story_reading(root, launcher):
     import comfy_standin as cs
     from comfy_standin import _status
 
-    mm, host, a = _world(root)
+    mm, host, a = _world(root, launcher)
     try:
         a.call("touch")  # starts the worker; no stand-in yet: no probe
         worker, _ = a.current()
