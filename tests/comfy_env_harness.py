@@ -139,12 +139,13 @@ PACK = textwrap.dedent('''
                 time.sleep(0.01)
             return ("held",)
 
-        def scratch(self, nbytes, pinned):
+        def scratch(self, nbytes, pinned, reported=True):
             """VRAM no registered model accounts for: a model the pack
             loads through the worker's own ComfyUI (a plain module with no
             parameters: comfy-env's hooks never see it) and `pinned` bytes
-            nothing can free; comfy-aimdo's usage figure, which the worker
-            reports as `held`, counts them with its models."""
+            nothing can free; with `reported`, comfy-aimdo's usage figure,
+            which the worker reports as `held`, counts them with its
+            models (without, only the driver sees them)."""
             import comfy.model_management as mm
 
             card = mm.sim.card(mm.CUDA0)
@@ -154,6 +155,8 @@ PACK = textwrap.dedent('''
             mm.current_loaded_models.insert(0, entry)
             _KEEP["scratch"] = model
             card.allocate("pinned-scratch", pinned)
+            if not reported:
+                return (card.used(),)
             control = types.ModuleType("comfy_aimdo.control")
             control.get_total_vram_usage = lambda: card.used() + sum(
                 m._params[0].nbytes for m in _KEEP.values()

@@ -262,6 +262,40 @@ def test_unlisted_bytes_come_back_measured(impl, pool, mm, caplog):
     assert pool.unlisted()[a] == 1 * GiB  # held dropped by what came back
 
 
+def test_a_driver_reading_counts_past_the_context(impl, mm):
+    """The driver's reading of a worker's process counts its CUDA context,
+    which the floor stands for and no release gives back: only what it
+    holds beyond that and its models is unlisted, and a reclaim counts
+    only what the worker measured coming back."""
+    pool = impl.Pool(floor=300 << 20)
+    a = fakes.FakeWorker("a", context_bytes=300 << 20)
+    b = fakes.FakeWorker("b", context_bytes=300 << 20)  # its context only
+    keep = [make(impl, pool, a, "unet", 2 * GiB, 2 * GiB),
+            make(impl, pool, b, "vae", 1 * GiB, 1 * GiB)]
+    a.add_cache(3 * GiB)  # never reported: its held stays 0
+    a.cache_pinned = 1 * GiB
+    pids = {id(a): 101, id(b): 202}
+
+    def read():  # the driver's figure per process, from the card
+        card = mm.sim.card()
+        pool.update_readings({"devices": [{"index": 0, "processes": {
+            pids[id(w)]: card.used(w.name) for w in (a, b)}}]},
+            lambda w: pids[id(w)])
+
+    read()
+    assert pool.charge_details()[a]["held"] == 0
+    assert pool.unlisted() == {a: 3 * GiB, b: 0}
+    mm.free_memory(1e30, mm.CUDA0)  # ComfyUI's own eviction: the models
+    read()
+    assert pool.unlisted() == {a: 3 * GiB, b: 0}
+    assert pool.reclaim(10 * GiB) == 2 * GiB  # 1 GiB of the cache stays
+    assert a.sent("partial_release") == [{"model_id": None,
+                                          "size": 3 * GiB}]
+    assert b.sent("partial_release") == []
+    assert len(keep) == 2
+    pool.boundary()
+
+
 def test_a_worker_that_cannot_release_says_so_once(impl, pool, mm, caplog):
     a = fakes.FakeWorker("a")
     make(impl, pool, a, "unet", 1 * GiB, 1 * GiB)

@@ -207,10 +207,11 @@ def charge_text(charge: dict[str, Any]) -> str:
         return (f"charge {_gib(total)} = {floor_text} + sizes "
                 f"{_gib(charge['sum_sizes'])} (in flight: all it could "
                 f"load)")
+    # A reading is the driver's figure for the worker's process (0: none).
     figures = [("loaded", charge["sum_loaded"]),
                ("peak", charge["sum_peak"]), ("held", charge["held"]),
-               ("reading", charge["reading"])]
-    largest = max(value for _, value in figures)
+               ("driver's reading", charge["reading"] or None)]
+    largest = max(value or 0 for _, value in figures)
     return (f"charge {_gib(total)} = {floor_text} + {_gib(largest)}, the "
             f"largest of "
             + ", ".join(f"{name} {_gib(value)}" for name, value in figures))
@@ -998,14 +999,16 @@ CHARGE = Object({
     "sum_loaded": always(INTEGER, "what its stand-ins answer as loaded"),
     "sum_peak": always(INTEGER, "its models' admission peaks"),
     "held": always(INTEGER, "what the worker last reported holding"),
-    "reading": always(INTEGER, "the probe's per-process reading"),
+    "reading": always(INTEGER, "the driver's figure for the worker's "
+                      "process (NVML, read by the probe with no message), "
+                      "its CUDA context included; 0: no reading"),
     "floor": always(INTEGER, "the per-process floor (CUDA context and "
                     "handles, `Pool.floor`); 0 when gone"),
     "in_flight": always(INTEGER, "calls in flight"),
     "models": always(INTEGER, "models on its books"),
     "alive": always(BOOLEAN, "as the ledger has it"),
-    "held_from_reading": always(BOOLEAN, "the reading, not the report, "
-                                "set `held`"),
+    "held_from_reading": always(BOOLEAN, "the driver's reading, not the "
+                                "worker's report, set `held`"),
 })
 MODEL = Object({
     "model_id": always(STRING, "comfy-env's model key"),
@@ -1046,8 +1049,8 @@ WORKER = Object({
     "models": always(ListOf(MODEL), "its stand-ins"),
     "unlisted": sometimes(INTEGER, "bytes the worker holds on the card that "
                        "none of its listed models accounts for (its "
-                       "`held`, floored by the probe, less `sum_loaded`; "
-                       "`Pool.unlisted`)"),
+                       "`held`, or the driver's `reading` less the "
+                       "`floor`, less `sum_loaded`; `Pool.unlisted`)"),
 })
 BOARD = Object({
     "name": always(STRING, "the board's name"),

@@ -541,9 +541,11 @@ class Pool:
 
     def unlisted(self) -> WorkerMap:
         """{worker: bytes it holds on the card that none of its models
-        accounts for}: its held figure less what its stand-ins answer (its
-        allocator cache, allocations past comfy-env's ``.to()`` hooks); 0
-        for a gone worker."""
+        accounts for}: its held figure (its report, or the driver's reading
+        less the floor, which stands for the CUDA context the reading
+        counts) less what its stand-ins answer (its allocator cache,
+        allocations past comfy-env's ``.to()`` hooks); 0 for a gone
+        worker."""
         out: list[tuple[Any, int]] = []
         for worker in self._ledger.keys():
             books = self._ledger.find(worker)
@@ -597,7 +599,7 @@ class Pool:
                                          _release_error(reply))
                 continue
             charge = books.charge()
-            freed = min(freed, max(charge["held"], charge["reading"]))
+            freed = min(freed, _holding(charge))
             if freed:
                 books.set_report(held=max(0, charge["held"] - freed))
                 got += freed
@@ -707,11 +709,18 @@ def _registration_over(s: Any) -> bool:
         return False
 
 
+def _holding(charge: Mapping[str, Any]) -> int:
+    """What a worker holds beyond its CUDA context: its report, or the
+    driver's reading of its process less the floor (the reading counts
+    the context, which no release gives back)."""
+    reading = charge.get("reading", 0) - charge.get("floor", 0)
+    return max(charge.get("held", 0), reading)
+
+
 def _unlisted_of(charge: Mapping[str, Any]) -> int:
     if not charge.get("alive", True):
         return 0
-    held = max(charge.get("held", 0), charge.get("reading", 0))
-    return max(0, held - charge.get("sum_loaded", 0))
+    return max(0, _holding(charge) - charge.get("sum_loaded", 0))
 
 
 def _in_a_call(worker: Any) -> bool:

@@ -38,13 +38,15 @@ What it swaps, all reversibly (``uninstall()``):
   followed by ``default_pool().census_at_creation(...)`` (the frame's
   census for the stand-ins it made) and ``default_pool().boundary(
   comfy.model_management)``: every stand-in ComfyUI dropped whose model is
-  on the card is listed again, finished registrations are released.
-  ``_handle_vram_budget`` (a worker's VRAM request) lists them again first
-  (``default_pool().relist``), before the ``free_memory`` it runs.
+  on the card is listed again, finished registrations are released; then
+  the driver's reading of each worker's process floors its held figure
+  (``Pool.update_readings``).  ``_handle_vram_budget`` (a worker's VRAM
+  request) lists them again first (``default_pool().relist``), before the
+  ``free_memory`` it runs.
 - ``comfy.model_management.free_memory`` is followed, when the card is
-  still short, by ``default_pool().reclaim(shortfall)``: idle workers give
-  back bytes no listed model accounts for (docs/architecture.md,
-  "Unlisted bytes").
+  still short, by a fresh driver's reading and ``default_pool().reclaim(
+  shortfall)``: idle workers give back bytes no listed model accounts for
+  (docs/architecture.md, "Unlisted bytes").
 - The default pool's ``on_pressure`` (unset before) forwards the shortfall
   to comfy-env's own pressure hook (``model_patcher._ON_PRESSURE``, which
   asks idle workers to release from a thread), as comfy-env's patcher
@@ -99,6 +101,7 @@ import comfy_standin as cs
 
 from .._handoff import ENV_VAR, PROTOCOL, Handoff, HandoffRefused
 from .._text import LOG_TEXT_LIMIT, visible
+from ..pool import _default_pid_of
 from ._shapes import Hook, mismatch, where
 from ._shapes import resolve as _resolve
 
@@ -439,6 +442,7 @@ def _wrap_register_new_patchers(original: Any) -> Any:
                 _take_report(pool, worker, report)
                 _log_relisted(pool.boundary(
                     importlib.import_module("comfy.model_management")))
+                _take_readings(pool)
             except Exception:
                 log.exception("comfy_standin: boundary failed (ignored)")
             try:
@@ -479,7 +483,9 @@ def _wrap_free_memory(original: Any) -> Any:
                     and getattr(device, "type", None) not in ("cpu", "mps"):
                 short = memory_required - mm.get_free_memory(device)
                 if short > 0:
-                    cs.default_pool().reclaim(short)
+                    pool = cs.default_pool()
+                    _take_readings(pool)  # what workers hold right now
+                    pool.reclaim(short)
         except Exception:
             log.exception("comfy_standin: reclaiming unlisted bytes failed "
                           "(ignored)")
@@ -501,6 +507,44 @@ def _take_report(pool: Any, worker: Any, report: Any) -> None:
         pool.report(worker, fields)
     except cs.EchoError:
         pass  # a value out of range: comfy-env's copy stands alone
+
+
+# Set once the probe found no NVML: it loads its libraries once per
+# process, so a failed load is final and no later probe is made.
+_no_readings = False
+
+
+def _take_readings(pool: Any) -> None:
+    """Floors each worker's held figure with the driver's reading of its
+    process (``Pool.update_readings``), taken with no message: bytes a
+    worker allocated since its last frame count.  Nothing with no worker
+    on the pool, or once the probe found no NVML."""
+    global _no_readings
+    if _no_readings or not pool._ledger.keys():
+        return
+    # GIL released; the first call loads NVML, later ones are a few
+    # driver calls per device.
+    result = cs.probe()
+    nvml = result.get("nvml")
+    if not isinstance(nvml, dict) or nvml.get("loaded") is not True:
+        _no_readings = True
+        return
+    pool.update_readings(result, _driver_pid)
+
+
+def _driver_pid(worker: Any) -> int | None:
+    """The pid the driver lists for `worker`'s memory: the worker Python
+    that made its board (under a launcher such as pixi, the process
+    comfy-env started is the launcher), else that process."""
+    spawned = _default_pid_of(worker)
+    try:
+        with _boards_lock:
+            state = _boards.get(worker)
+    except TypeError:  # unhashable: not a worker of comfy-env's
+        state = None
+    if state is not None and state.spawned == spawned:
+        return state.owner
+    return spawned
 
 
 def _patchers_of(env_dir: Any) -> dict[str, Any]:
