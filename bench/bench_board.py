@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import re
 import select
 import subprocess
 import sys
@@ -40,7 +39,6 @@ from comfy_standin._handoff import ENV_VAR, Handoff
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchutil  # noqa: E402
 
-RESULTS = Path(__file__).with_name("RESULTS.md")
 SCRIPT = "bench/bench_board.py"
 
 WORKER = r"""
@@ -206,8 +204,6 @@ def report(calls: dict[str, list[float]], stale: dict[str, object],
     published, observed = stale["published"], stale["observed"]
     rounds = len(calls["read"])
     lines = [
-        "## board",
-        "",
         f"Command: `{benchutil.command(SCRIPT, argv)}`  ",
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, "
         f"{platform.system()} {platform.release()}, Python "
@@ -263,15 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     text = report(calls, stale, argv, load_before)
     print(text)
     if args.write:
-        old = RESULTS.read_text() if RESULTS.exists() else "# Results\n\n"
-        # the heading line itself: "## board vs receipts" is another
-        # section (bench/bench_board_view.py) and must survive
-        heading = re.search(r"^## board$", old, re.MULTILINE)
-        start = heading.start() if heading else -1
-        if start >= 0:
-            end = old.find("\n## ", start + 1)
-            old = old[:start] + (old[end + 1:] if end >= 0 else "")
-        RESULTS.write_text(old.rstrip("\n") + "\n\n" + text)
+        benchutil.write_section("board", "## board", text, SCRIPT)
     return 0
 
 

@@ -52,7 +52,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import benchutil  # noqa: E402
 
-RESULTS = HERE / "RESULTS.md"
 WORKER = HERE / "busy_worker.py"
 SECTION = "## board vs receipts"
 SCRIPT = "bench/bench_board_view.py"
@@ -498,8 +497,6 @@ def report(reads, errors, stale, args, where: str | None = None,
     load = benchutil.load_text(load_before or benchutil.loadavg(),
                                benchutil.loadavg())
     lines = [
-        SECTION,
-        "",
         f"Command: `{benchutil.command(SCRIPT, args.argv)}`  ",
         f"Machine: {where or machine()}; {load}.",
         "",
@@ -590,23 +587,6 @@ def report(reads, errors, stale, args, where: str | None = None,
     return "\n".join(lines)
 
 
-def write_section(text: str, path: Path = RESULTS) -> None:
-    """Replaces the section (its heading line to the next "## " heading)
-    or appends it; every other section stays as it is."""
-    old = path.read_text() if path.exists() else "# Benchmark results\n"
-    lines = old.splitlines(keepends=True)
-    start = next((i for i, ln in enumerate(lines)
-                  if ln.rstrip("\n") == SECTION), None)
-    if start is None:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        end = next((i for i in range(start + 1, len(lines))
-                    if lines[i].startswith("## ")), len(lines))
-        new = "".join(lines[:start]) + text + (
-            "\n" + "".join(lines[end:]) if end < len(lines) else "")
-    path.write_text(new.rstrip("\n") + "\n")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true")
@@ -638,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
     text = report(reads, errors, stale, args, where, load_before)
     print(text)
     if args.write:
-        write_section(text)
+        benchutil.write_section("board-view", SECTION, text, SCRIPT)
     return 0
 
 

@@ -45,9 +45,6 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 import benchutil  # noqa: E402
 
-RESULTS_PATH = HERE / "RESULTS.md"
-BEGIN_MARKER = "<!-- edges:begin -->"
-END_MARKER = "<!-- edges:end -->"
 HEADING = "## what the edge checks cost"
 SCRIPT = "bench/bench_edges.py"
 GIB = 1 << 30
@@ -236,25 +233,12 @@ def section(results: dict[str, Any], argv: list[str] | None = None,
                                benchutil.loadavg())
     rounds = len(results["rows"][0][2]) if results["rows"] else 0
     return "\n".join([
-        HEADING, "", BEGIN_MARKER,
         f"Command: `{command}` ({rounds} rounds; {load}).  What each row "
         "times: the bench's docstring.  The ratio is this way's cost over "
         "the other's, of the best rounds.",
         "",
         table(results),
-        END_MARKER,
     ])
-
-
-def write(text: str) -> None:
-    old = RESULTS_PATH.read_text()
-    if BEGIN_MARKER in old:
-        head, _, rest = old.partition(HEADING + "\n")
-        _, _, tail = rest.partition(END_MARKER)
-        new = head + text + tail
-    else:
-        new = old.rstrip("\n") + "\n\n" + text + "\n"
-    RESULTS_PATH.write_text(new)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -269,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     text = section(run(SMOKE if args.smoke else FULL), argv, load_before)
     print(text)
     if args.write and not args.smoke:
-        write(text)
+        benchutil.write_section("edges", HEADING, text, SCRIPT)
     return 0
 
 

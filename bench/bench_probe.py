@@ -23,7 +23,6 @@ import argparse
 import ctypes
 import os
 import platform
-import re
 import sys
 import tempfile
 import textwrap
@@ -133,18 +132,6 @@ def seconds_per_call(function, seconds: float = 0.4,
                                                 number=number)]
 
 
-def write_results(section: str) -> Path:
-    path = HERE / "RESULTS.md"
-    text = path.read_text() if path.exists() else "# Benchmark results\n"
-    pattern = re.compile(r"^## probe\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section, text)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
-    return path
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--real", action="store_true",
@@ -201,8 +188,6 @@ def main(argv=None) -> int:
     load = benchutil.load_text(load_before, benchutil.loadavg())
     section = textwrap.dedent(
         f"""\
-        ## probe
-
         `{command}` on {platform.python_implementation()}
         {platform.python_version()}, {platform.machine()}
         ({libraries}); {rounds} rounds each, {load}.
@@ -219,7 +204,8 @@ def main(argv=None) -> int:
     ).replace("TABLE", table)
     print(section)
     if arguments.write:
-        print(f"written to {write_results(section)}")
+        benchutil.write_section("probe", "## probe", section,
+                                "bench/bench_probe.py")
     return 0
 
 

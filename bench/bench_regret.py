@@ -76,7 +76,6 @@ import math
 import os
 import platform
 import random
-import re
 import statistics
 import sys
 import threading
@@ -90,6 +89,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
+import benchutil  # noqa: E402
 import regret_sim as sim  # noqa: E402
 import regret_workloads as workloads  # noqa: E402
 from regret_sim import GiB, mm  # noqa: E402
@@ -97,11 +97,8 @@ from regret_sim import GiB, mm  # noqa: E402
 import comfy_standin  # noqa: E402
 import comfy_standin._reference as reference  # noqa: E402
 
-RESULTS_PATH = HERE / "RESULTS.md"
 REGRET_PNG = HERE / "regret.png"
 PASS_PNG = HERE / "free_memory_pass.png"
-BEGIN_MARKER = "<!-- regret:begin -->"
-END_MARKER = "<!-- regret:end -->"
 HEADING = "## eviction regret"
 
 COLUMNS = sim.COLUMNS
@@ -797,7 +794,6 @@ def format_section(scenarios, summaries, random_rows, traces, timings,
     best = best_of(timings)
     slopes = ", ".join(f"{n} {slope(p):.2f}" for n, p in best.items())
     lines = [
-        BEGIN_MARKER,
         f"Command: `{command}` (took {seconds:.0f} s; {label}).  "
         f"Machine: {machine_line(load_before)}.  What is real and what is "
         "modelled: bench/regret_sim.py's docstring; the columns, the "
@@ -887,7 +883,6 @@ def format_section(scenarios, summaries, random_rows, traces, timings,
             f"![cost of a pass against N]({PASS_PNG.name})",
             "",
         ]
-    lines.append(END_MARKER)
     return "\n".join(lines)
 
 
@@ -898,18 +893,6 @@ def machine_line(load_before: tuple[float, ...]) -> str:
             f"{platform.python_implementation()} "
             f"{platform.python_version()}; load average {before} before, "
             f"{after} after")
-
-
-def write_section(path: Path, section: str) -> None:
-    text = path.read_text() if path.exists() else "# Benchmark results\n"
-    pattern = re.compile(
-        re.escape(BEGIN_MARKER) + r".*?" + re.escape(END_MARKER), re.DOTALL
-    )
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section, text, count=1)
-    else:
-        text = f"{text.rstrip()}\n\n{HEADING}\n\n{section}\n"
-    path.write_text(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -958,13 +941,12 @@ def main(argv: list[str] | None = None) -> int:
         if note:
             print(note, file=sys.stderr)
         command = ("python bench/bench_regret.py " + " ".join(argv)).strip()
-        write_section(
-            RESULTS_PATH,
+        benchutil.write_section(
+            "regret", HEADING,
             format_section(scenarios, summaries, random_rows, traces,
                            timings, note, command, seconds, n, load_before,
                            f"comfy-env {ce.version}"),
-        )
-        print(f"wrote {RESULTS_PATH}")
+            "bench/bench_regret.py")
     return 0
 
 

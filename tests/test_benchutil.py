@@ -48,3 +48,38 @@ def test_command_and_load(benchutil):
     assert text.startswith("load average 1.00, 2.00, 3.00 before, "
                            "4.00, 5.00, 6.00 after on ")
     assert len(benchutil.loadavg()) == 3
+
+
+def test_a_section_is_written_stamped_and_replaces_only_its_own(
+        benchutil, tmp_path, monkeypatch):
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Benchmark results\n\n## probe\n\n"
+                       "<!-- probe:begin -->\nold probe\n<!-- probe:end -->"
+                       "\n\n## board\n\nboard figures\n")
+    monkeypatch.setattr(benchutil, "RESULTS", str(results))
+    monkeypatch.setattr(benchutil, "stamp", lambda script: "0123456789ab")
+    benchutil.write_section("probe", "## probe", "new probe\n",
+                            "bench/bench_probe.py")
+    benchutil.write_section("edges", "## edges", "edges figures",
+                            "bench/bench_edges.py")
+    text = results.read_text()
+    assert "old probe" not in text and "board figures" in text
+    assert text.count("<!-- probe:begin -->") == 1
+    assert ("<!-- probe:begin -->\n<!-- measured: bench/bench_probe.py at "
+            "0123456789ab -->\n\nMeasured at commit `0123456789ab` by "
+            "`bench/bench_probe.py`.\n\nnew probe\n\n<!-- probe:end -->"
+            ) in text
+    assert text.endswith("## edges\n\n<!-- edges:begin -->\n<!-- measured: "
+                         "bench/bench_edges.py at 0123456789ab -->\n\n"
+                         "Measured at commit `0123456789ab` by "
+                         "`bench/bench_edges.py`.\n\nedges figures\n\n"
+                         "<!-- edges:end -->\n")
+
+
+def test_every_bench_that_writes_says_what_it_measures(benchutil):
+    from pathlib import Path
+
+    bench = Path(benchutil.__file__).parent
+    writers = sorted(f"bench/{p.name}" for p in bench.glob("bench_*.py")
+                     if "write_section(" in p.read_text())
+    assert writers == sorted(benchutil.MEASURES)
