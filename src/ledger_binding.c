@@ -56,10 +56,10 @@ cleared_error(const char *what)
 
 /* ---- WorkerBooks ----------------------------------------------------- */
 
-/* Books with no worker yet: allocated before anything is looked up or
- * added, because the allocation may run the collector (and so any
- * Python); books_attach() then gives them their C record without running
- * any. */
+/* Books with no worker yet, untracked: allocated before anything is
+ * looked up or added, because the allocation may run the collector (and
+ * so any Python); books_attach() then gives them their C record and
+ * tracks them without running any. */
 static BooksObject *
 books_alloc(cs_module_state *state)
 {
@@ -73,12 +73,11 @@ books_alloc(cs_module_state *state)
     self->roster.head = self->roster.tail = NULL;
     self->roster.count = 0;
     self->weakreflist = NULL;
-    PyObject_GC_Track(self);
     return self;
 }
 
-/* The C record of `key`'s charges on `ledger`, made in the books: 0, or
- * -1 with MemoryError.  Runs no Python. */
+/* The C record of `key`'s charges on `ledger`, made in the books, which
+ * are then tracked: 0, or -1 with MemoryError.  Runs no Python. */
 static int
 books_attach(BooksObject *self, cs_ledger *ledger, PyObject *key,
              uint64_t generation)
@@ -91,6 +90,7 @@ books_attach(BooksObject *self, cs_ledger *ledger, PyObject *key,
     self->worker = worker; /* the reference cs_ledger_add_worker gave */
     self->key = Py_NewRef(key);
     self->floor = cs_ledger_floor(ledger);
+    PyObject_GC_Track(self);
     return 0;
 }
 
@@ -715,20 +715,26 @@ ledger_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
                    NULL;
         }
     }
-    self = (LedgerObject *)type->tp_alloc(type, 0);
-    if (self == NULL) {
+    /* The table and the C ledger first: the object's allocation may run a
+     * collection, and the collector must never reach a Ledger without
+     * them. */
+    PyObject *books = PyDict_New();
+    if (books == NULL) {
         return NULL;
     }
-    self->books = PyDict_New();
-    if (self->books == NULL) {
-        Py_DECREF(self);
-        return NULL;
-    }
-    self->ledger = cs_ledger_new(floor);
-    if (self->ledger == NULL) {
-        Py_DECREF(self);
+    cs_ledger *ledger = cs_ledger_new(floor);
+    if (ledger == NULL) {
+        Py_DECREF(books);
         return PyErr_NoMemory();
     }
+    self = (LedgerObject *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        cs_ledger_free(ledger);
+        Py_DECREF(books);
+        return NULL;
+    }
+    self->books = books;
+    self->ledger = ledger;
     return (PyObject *)self;
 }
 

@@ -563,13 +563,15 @@ standin_args(cs_module_state *state, PyObject **argv, uint64_t *generation,
 }
 
 /* The constructor proper, from parsed arguments (borrowed, and owned by
- * the caller for the whole call). */
+ * the caller for the whole call).  The object stays untracked until it is
+ * whole: making the books may run a collection, and a gc.callbacks hook
+ * must not find a stand-in without its record. */
 static PyObject *
 standin_make(PyTypeObject *type, cs_module_state *state, PyObject **argv)
 {
     PyObject *worker = argv[0], *size_obj = argv[3];
     PyObject *kind = NULL, *model_id = NULL, *pool = NULL, *ledger = NULL;
-    PyObject *profile = NULL;
+    PyObject *profile = NULL, *size_int = NULL;
     StandInObject *self = NULL;
     uint64_t generation = 0, size = 0;
 
@@ -585,28 +587,28 @@ standin_make(PyTypeObject *type, cs_module_state *state, PyObject **argv)
     }
     profile =
         cs_roster_profile_for(ledger, worker, argv[4], argv[5], kind);
-    self = profile ? (StandInObject *)type->tp_alloc(type, 0) : NULL;
+    /* An exact int (an int subclass is read from its digits, never kept). */
+    size_int = PyLong_CheckExact(size_obj) ? Py_NewRef(size_obj)
+                                           : PyLong_FromUnsignedLongLong(size);
+    if (profile == NULL || size_int == NULL) {
+        goto error;
+    }
+    self = PyObject_GC_New(StandInObject, type);
     if (self == NULL) {
         goto error;
     }
+    memset((char *)self + sizeof(PyObject), 0,
+           sizeof(StandInObject) - sizeof(PyObject));
     self->profile = profile;
-    profile = NULL;
     self->worker = Py_NewRef(worker);
     self->pool = pool;
-    pool = NULL;
     self->model_id = model_id;
-    model_id = NULL;
-    /* An exact int (an int subclass is read from its digits, never kept). */
-    self->size_int = PyLong_CheckExact(size_obj)
-                         ? Py_NewRef(size_obj)
-                         : PyLong_FromUnsignedLongLong(size);
-    /* The one step that registers the model and lists the stand-in on its
-     * worker's roster (roster.c); the pool keeps it from there for its
-     * graveyard (docs/architecture.md). */
-    if (self->size_int == NULL ||
-        cs_standin_enlist(self, ledger, generation, size, size_obj) < 0) {
+    self->size_int = size_int;
+    profile = pool = model_id = size_int = NULL;
+    if (cs_standin_enlist(self, ledger, generation, size, size_obj) < 0) {
         goto error;
     }
+    PyObject_GC_Track(self);
     Py_DECREF(ledger);
     Py_DECREF(kind);
     return (PyObject *)self;
@@ -618,6 +620,7 @@ error:
     Py_XDECREF(pool);
     Py_XDECREF(kind);
     Py_XDECREF(profile);
+    Py_XDECREF(size_int);
     return NULL;
 }
 
@@ -949,9 +952,9 @@ attach_body(StandInObject *self, PyObject *board_obj, PyObject *slot_obj)
         return NULL;
     }
     m = (ModuleObject *)module;
-    Py_XSETREF(m->board, Py_NewRef(board_obj));
     m->board_slot = slot;
     m->board_tag = tag;
+    Py_XSETREF(m->board, Py_NewRef(board_obj)); /* may run Python: last */
     Py_DECREF(module);
     return PyLong_FromUnsignedLong(slot);
 }

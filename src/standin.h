@@ -55,8 +55,8 @@ typedef struct {
  * pymalloc size class (bench/RESULTS.md, memory). */
 struct StandInObject {
     PyObject_HEAD
-    cs_model *record;   /* a handle (cs_model_release_handle); immutable
-                         * once set; NULL only while being constructed */
+    cs_model *record;   /* a handle (cs_model_release_handle); set before
+                         * the object is tracked; immutable */
     PyObject *module;   /* strong ModuleObject, or NULL until first use */
     PyObject *worker;   /* strong; immutable; NULL once GC-cleared */
     PyObject *pool;     /* strong; immutable */
