@@ -43,8 +43,8 @@ extern "C" {
 #define CS_VALUE_MAX ((uint64_t)INT64_MAX)
 
 /* The longest model id a record carries, in bytes (its length is kept in
- * 32 bits, with room for the NUL). */
-#define CS_MODEL_ID_MAX ((size_t)UINT32_MAX - 1)
+ * 16 bits: a record is one small allocation per stand-in). */
+#define CS_MODEL_ID_MAX ((size_t)UINT16_MAX)
 
 /* A receipt that has never carried a worker seq (a registration, or a
  * command reply from a worker too old to send one). Older than any seq. */
@@ -284,9 +284,14 @@ void cs_model_read(const cs_model *model, cs_receipt *out);
 uint64_t cs_model_loaded(const cs_model *model);
 uint64_t cs_model_admission_peak(const cs_model *model);
 /* How many receipts were ever written to this model (the seqlock's
- * generation count); lets a binding tell whether anything was written
- * since it last looked. */
+ * generation count, modulo 2**31). */
 uint64_t cs_model_write_count(const cs_model *model);
+/* The receipt's seqlock word: even, advanced by every write (and by the
+ * model turning stale), odd while a writer is inside.  A reader that saw
+ * an even version and sees it again knows that nothing it read changed. */
+uint32_t cs_model_version(const cs_model *model);
+/* cs_model_loaded and the (even) version it was read at. */
+uint64_t cs_model_loaded_at(const cs_model *model, uint32_t *version);
 
 /* A command echo (docs/semantics.md, "Which word wins"): written unless
  * its seq is strictly older than the receipt's (CS_ERR_OLDER: two
