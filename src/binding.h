@@ -222,14 +222,46 @@ typedef struct cs_worker cs_worker;
 typedef struct cs_ledger cs_ledger;
 typedef struct StandInObject StandInObject;
 
-/* A worker's roster: its live stand-ins in adoption order, an intrusive
- * list through them (standin.h).  It lives in the worker's books, which
- * every listed stand-in holds strongly, and changes only with the GIL
- * held, by code that runs no Python between reading and writing it. */
+/* A worker's roster: its live stand-ins in adoption order, in an array
+ * with a hole (NULL) where one left, compacted when half of it is holes.
+ * It lives in the worker's books, which every listed stand-in holds
+ * strongly, and changes only with the GIL held, by code that runs no
+ * Python between reading and writing it (roster.c). */
 typedef struct {
-    StandInObject *head, *tail; /* borrowed */
-    Py_ssize_t count;
+    StandInObject **items; /* PyMem; borrowed stand-ins */
+    uint32_t used;         /* items[0, used) are stand-ins or holes */
+    uint32_t capacity;
+    uint32_t count; /* stand-ins listed */
 } cs_roster;
+
+/* One worker's books: the C record of its charges and the roster of its
+ * stand-ins, made in one step (cs_ledger_books_for) and owned together. */
+typedef struct {
+    PyObject_HEAD
+    cs_worker *worker; /* strong (C refcount); immutable once made */
+    PyObject *key;     /* strong: the worker object; NULL once cleared */
+    uint64_t floor;    /* the ledger's floor; immutable */
+    cs_roster roster;  /* the worker's live stand-ins */
+    PyObject *weakreflist;
+} BooksObject;
+
+static inline PyObject *
+cs_books_key(PyObject *books)
+{
+    return ((BooksObject *)books)->key;
+}
+
+static inline cs_worker *
+cs_books_worker(PyObject *books)
+{
+    return ((BooksObject *)books)->worker;
+}
+
+static inline cs_roster *
+cs_books_roster(PyObject *books)
+{
+    return &((BooksObject *)books)->roster;
+}
 
 /* The books of `key` under `ledger` (a Ledger object), made in one step
  * (the Python object, then its C record and its entry) or bumped to
@@ -241,10 +273,19 @@ PyObject *cs_ledger_books_for(PyObject *ledger, PyObject *key,
 /* The books of `key`, a new reference, or NULL (with an exception only if
  * one was raised).  Runs no Python. */
 PyObject *cs_ledger_find(PyObject *ledger, PyObject *key);
-cs_worker *cs_books_worker(PyObject *books); /* borrowed */
-cs_roster *cs_books_roster(PyObject *books); /* borrowed */
+/* The profile tuple (load_device, offload_device, kind) for a stand-in of
+ * `worker`, a new reference: the one of the stand-in listed last on the
+ * worker's roster, or else on the roster used last under `ledger`, when
+ * it holds these very objects (identity only: no caller code runs;
+ * stand-ins come in runs with the same devices and kind), else a new one.
+ * Runs no Python but the allocation of a new one. */
+PyObject *cs_ledger_profile(PyObject *ledger, PyObject *worker,
+                            PyObject *load_device, PyObject *offload_device,
+                            PyObject *kind);
 /* The roster's stand-ins, a new list (roster.c). */
 PyObject *cs_roster_snapshot(cs_roster *roster);
+/* Frees the roster's array (an empty roster's). */
+void cs_roster_free(cs_roster *roster);
 
 /* A model id: a non-empty str (TypeError / ValueError naming model_id). */
 int cs_check_model_id(PyObject *id);

@@ -82,8 +82,11 @@ static int
 worker_alive(StandInObject *self, cs_module_state *state)
 {
     cs_caught caught;
-    PyObject *r = PyObject_CallMethodNoArgs(self->worker,
-                                            state->str_is_alive);
+    PyObject *worker = cs_standin_worker(self);
+    if (worker == NULL) {
+        return 1; /* GC-cleared: nothing is known, so nothing freed */
+    }
+    PyObject *r = PyObject_CallMethodNoArgs(worker, state->str_is_alive);
     if (r != NULL) {
         int alive = PyObject_IsTrue(r);
         Py_DECREF(r);
@@ -107,7 +110,12 @@ worker_alive(StandInObject *self, cs_module_state *state)
 static int
 no_spawn_method(StandInObject *self, PyObject **out)
 {
-    *out = cs_getattr_interned(self->worker, "send_command_no_spawn");
+    PyObject *worker = cs_standin_worker(self);
+    if (worker == NULL) {
+        *out = NULL;
+        return 0;
+    }
+    *out = cs_getattr_interned(worker, "send_command_no_spawn");
     if (*out != NULL) {
         if (PyCallable_Check(*out)) {
             return 1;
@@ -166,8 +174,15 @@ send_command(StandInObject *self, cs_module_state *state,
         }
     }
     if (method == NULL) {
-        method = PyObject_GetAttr(self->worker, state->str_send_command);
+        PyObject *worker = cs_standin_worker(self);
+        method = worker ? PyObject_GetAttr(worker, state->str_send_command)
+                        : NULL;
         if (method == NULL) {
+            if (worker == NULL) {
+                PyErr_SetString(PyExc_RuntimeError,
+                                "the stand-in was cleared by the garbage "
+                                "collector");
+            }
             goto done;
         }
     }
@@ -225,11 +240,13 @@ gone_path(StandInObject *self)
         return 0; /* cleared by the GC */
     }
     PyObject *r = NULL;
+    PyObject *worker = Py_XNewRef(cs_standin_worker(self));
     PyObject *method = cs_getattr_interned(self->pool, "worker_gone");
     if (method != NULL) {
-        r = PyObject_CallOneArg(method, self->worker);
+        r = PyObject_CallOneArg(method, worker ? worker : Py_None);
         Py_DECREF(method);
     }
+    Py_XDECREF(worker);
     if (r != NULL) {
         Py_DECREF(r);
         return 0;
@@ -523,7 +540,7 @@ load_body(StandInObject *self, cs_module_state *state, PyObject *device_to,
     int64_t seq;
     cs_caught caught;
 
-    if (cs_model_stale(self->record) || self->worker == NULL) {
+    if (cs_model_stale(self->record) || cs_standin_worker(self) == NULL) {
         /* (worker NULL: cleared by the GC, never to be used again) */
         return gone_error(self, state, NULL);
     }
@@ -619,7 +636,7 @@ unload_body(StandInObject *self, cs_module_state *state,
     int64_t seq;
     cs_caught caught;
 
-    if (cs_model_stale(self->record) || self->worker == NULL) {
+    if (cs_model_stale(self->record) || cs_standin_worker(self) == NULL) {
         return 0; /* reads 0 already: nothing of ours is on the card */
     }
     uint64_t before = cs_standin_loaded(self);
@@ -853,7 +870,7 @@ cs_standin_detach(StandInObject *self, PyObject *const *args,
     /* Never raises an Exception (runs inside free_memory); its arguments
      * (unpatch_all, unpatch_weights) mean nothing for a worker-held model
      * and are ignored, whatever they are.  Returns the inner module. */
-    if (self->worker == NULL) {
+    if (cs_standin_worker(self) == NULL) {
         Py_RETURN_NONE; /* GC-cleared */
     }
     cs_module_state *state = cs_state_checked(Py_TYPE(self));

@@ -35,17 +35,23 @@
 #define TABLE_TOMBSTONE (&table_tombstone)
 #define TABLE_MIN_CAPACITY 8
 
+/* A place on one of the lists of mutexes fork() takes (the fork section):
+ * circular, under fork_registry_lock. */
+typedef struct fork_node {
+    struct fork_node *prev, *next;
+} fork_node;
+
 /* One allocation per model, the id bytes inline at its end: 76 bytes
  * before the id, so a record with an id of up to 11 bytes is a 96-byte
  * malloc chunk (one record per stand-in: bench/RESULTS.md, memory). */
 struct cs_model {
-    _Atomic uint32_t refcount;
-    uint32_t handles; /* under worker->lock */
-
     /* The receipt.  Written only under worker->lock, inside the seqlock
      * (rc_version odd); read lock-free by cs_model_read.  32 bits: a
-     * reader would have to sleep through 2**31 writes to be fooled. */
+     * reader would have to sleep through 2**31 writes to be fooled.  The
+     * first word, which cs_model_version reads (ledger.h). */
     _Atomic uint32_t rc_version;
+    _Atomic uint32_t refcount;
+    uint32_t handles; /* under worker->lock */
     /* Malformed replies a binding rejected; any thread. */
     _Atomic uint32_t bad_replies;
 
@@ -72,6 +78,7 @@ struct cs_model {
 
 enum { MODEL_STALE = 1, MODEL_DEFERRED = 2, MODEL_IN_TABLE = 4 };
 
+static_assert(offsetof(struct cs_model, rc_version) == 0, "ledger.h");
 static_assert(offsetof(struct cs_model, id) == 76, "record header");
 
 static inline bool
@@ -119,8 +126,7 @@ struct cs_worker {
     _Atomic bool released;
     bool on_books; /* under the owning ledger's lock */
 
-    /* Under the fork registry's lock (fork_registry_*). */
-    cs_worker *registry_prev, *registry_next;
+    fork_node registered; /* on fork_workers (the fork section) */
 };
 
 struct cs_ledger {
@@ -138,8 +144,7 @@ struct cs_ledger {
      * is a release even when boundary() forgets it first). */
     bool released;
 
-    /* Under the fork registry's lock (fork_registry_*). */
-    cs_ledger *registry_prev, *registry_next;
+    fork_node registered; /* on fork_ledgers (the fork section) */
 };
 
 /* Objects alive, process-wide: what the leak tests compare. */
@@ -169,18 +174,22 @@ cs_ledger_live_counts(int64_t *workers, int64_t *models)
 #ifndef _WIN32
 static pthread_mutex_t fork_registry_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_once_t fork_registry_once = PTHREAD_ONCE_INIT;
-static cs_ledger *fork_ledgers; /* under fork_registry_lock */
-static cs_worker *fork_workers; /* under fork_registry_lock */
+static fork_node fork_ledgers = {&fork_ledgers, &fork_ledgers};
+static fork_node fork_workers = {&fork_workers, &fork_workers};
+
+/* The mutex of the ledger or worker registered at `node`. */
+#define FORK_LOCK(node, type)                                                 \
+    (&((type *)(void *)((char *)(node) - offsetof(type, registered)))->lock)
 
 static void
 fork_prepare(void)
 {
     pthread_mutex_lock(&fork_registry_lock);
-    for (cs_ledger *l = fork_ledgers; l != NULL; l = l->registry_next) {
-        cs_mutex_lock(&l->lock);
+    for (fork_node *n = fork_ledgers.next; n != &fork_ledgers; n = n->next) {
+        cs_mutex_lock(FORK_LOCK(n, cs_ledger));
     }
-    for (cs_worker *w = fork_workers; w != NULL; w = w->registry_next) {
-        cs_mutex_lock(&w->lock);
+    for (fork_node *n = fork_workers.next; n != &fork_workers; n = n->next) {
+        cs_mutex_lock(FORK_LOCK(n, cs_worker));
     }
 }
 
@@ -189,11 +198,11 @@ fork_prepare(void)
 static void
 fork_release(void)
 {
-    for (cs_worker *w = fork_workers; w != NULL; w = w->registry_next) {
-        cs_mutex_unlock(&w->lock);
+    for (fork_node *n = fork_workers.next; n != &fork_workers; n = n->next) {
+        cs_mutex_unlock(FORK_LOCK(n, cs_worker));
     }
-    for (cs_ledger *l = fork_ledgers; l != NULL; l = l->registry_next) {
-        cs_mutex_unlock(&l->lock);
+    for (fork_node *n = fork_ledgers.next; n != &fork_ledgers; n = n->next) {
+        cs_mutex_unlock(FORK_LOCK(n, cs_ledger));
     }
     pthread_mutex_unlock(&fork_registry_lock);
 }
@@ -204,67 +213,29 @@ fork_registry_install(void)
     (void)pthread_atfork(fork_prepare, fork_release, fork_release);
 }
 
-#define FORK_LINK(head, node)                                                 \
-    do {                                                                      \
-        (node)->registry_prev = NULL;                                         \
-        (node)->registry_next = (head);                                       \
-        if ((head) != NULL) {                                                 \
-            (head)->registry_prev = (node);                                   \
-        }                                                                     \
-        (head) = (node);                                                      \
-    } while (0)
-
-#define FORK_UNLINK(head, node)                                               \
-    do {                                                                      \
-        if ((node)->registry_prev != NULL) {                                  \
-            (node)->registry_prev->registry_next = (node)->registry_next;     \
-        }                                                                     \
-        else {                                                                \
-            (head) = (node)->registry_next;                                   \
-        }                                                                     \
-        if ((node)->registry_next != NULL) {                                  \
-            (node)->registry_next->registry_prev = (node)->registry_prev;     \
-        }                                                                     \
-    } while (0)
-
 static void
-fork_register_ledger(cs_ledger *ledger)
+fork_register(fork_node *list, fork_node *node)
 {
     pthread_once(&fork_registry_once, fork_registry_install);
     pthread_mutex_lock(&fork_registry_lock);
-    FORK_LINK(fork_ledgers, ledger);
+    node->prev = list;
+    node->next = list->next;
+    list->next->prev = node;
+    list->next = node;
     pthread_mutex_unlock(&fork_registry_lock);
 }
 
 static void
-fork_unregister_ledger(cs_ledger *ledger)
+fork_unregister(fork_node *node)
 {
     pthread_mutex_lock(&fork_registry_lock);
-    FORK_UNLINK(fork_ledgers, ledger);
-    pthread_mutex_unlock(&fork_registry_lock);
-}
-
-static void
-fork_register_worker(cs_worker *worker)
-{
-    pthread_once(&fork_registry_once, fork_registry_install);
-    pthread_mutex_lock(&fork_registry_lock);
-    FORK_LINK(fork_workers, worker);
-    pthread_mutex_unlock(&fork_registry_lock);
-}
-
-static void
-fork_unregister_worker(cs_worker *worker)
-{
-    pthread_mutex_lock(&fork_registry_lock);
-    FORK_UNLINK(fork_workers, worker);
+    node->prev->next = node->next;
+    node->next->prev = node->prev;
     pthread_mutex_unlock(&fork_registry_lock);
 }
 #else
-#define fork_register_ledger(ledger) ((void)(ledger))
-#define fork_unregister_ledger(ledger) ((void)(ledger))
-#define fork_register_worker(worker) ((void)(worker))
-#define fork_unregister_worker(worker) ((void)(worker))
+#define fork_register(list, node) ((void)(node))
+#define fork_unregister(node) ((void)(node))
 #endif
 
 /* ---- small helpers --------------------------------------------------- */
@@ -289,30 +260,25 @@ cs_source_name(cs_source source)
     return source_names[source];
 }
 
+static const char *const status_messages[] = {
+    [CS_OK] = "ok",
+    [CS_ERR_NOMEM] = "out of memory",
+    [CS_ERR_RANGE] = "value out of range",
+    [CS_ERR_UNKNOWN_ID] = "unknown model id",
+    [CS_ERR_DUPLICATE_ID] = "duplicate model id",
+    [CS_ERR_SIZE_MISMATCH] = "model id already registered with another size",
+    [CS_ERR_STALE] = "model's generation is over or its worker is gone",
+    [CS_ERR_STATE] = "call out of order",
+    [CS_ERR_OLDER] = "older than the receipt",
+};
+
 const char *
 cs_status_message(cs_status status)
 {
-    switch (status) {
-    case CS_OK:
-        return "ok";
-    case CS_ERR_NOMEM:
-        return "out of memory";
-    case CS_ERR_RANGE:
-        return "value out of range";
-    case CS_ERR_UNKNOWN_ID:
-        return "unknown model id";
-    case CS_ERR_DUPLICATE_ID:
-        return "duplicate model id";
-    case CS_ERR_SIZE_MISMATCH:
-        return "model id already registered with another size";
-    case CS_ERR_STALE:
-        return "model's generation is over or its worker is gone";
-    case CS_ERR_STATE:
-        return "call out of order";
-    case CS_ERR_OLDER:
-        return "older than the receipt";
+    if ((unsigned)status >= sizeof(status_messages) / sizeof(char *)) {
+        return "unknown status";
     }
-    return "unknown status";
+    return status_messages[status];
 }
 
 uint64_t
@@ -388,7 +354,7 @@ receipt_write_locked(cs_model *m, uint64_t loaded, int64_t seq,
     }
 }
 
-void
+uint32_t
 cs_model_read(const cs_model *model, cs_receipt *out)
 {
     cs_model *m = (cs_model *)model; /* atomics need non-const access */
@@ -411,7 +377,7 @@ cs_model_read(const cs_model *model, cs_receipt *out)
         atomic_thread_fence(memory_order_acquire);
         if (atomic_load_explicit(&m->rc_version, memory_order_relaxed) ==
             v1) {
-            return;
+            return v1;
         }
     }
 }
@@ -422,43 +388,6 @@ cs_model_loaded(const cs_model *model)
     /* A single word needs no seqlock; stale models were zeroed. */
     return atomic_load_explicit(&((cs_model *)model)->rc_loaded,
                                 memory_order_acquire);
-}
-
-uint64_t
-cs_model_write_count(const cs_model *model)
-{
-    return atomic_load_explicit(&((cs_model *)model)->rc_version,
-                                memory_order_acquire) /
-           2;
-}
-
-uint32_t
-cs_model_version(const cs_model *model)
-{
-    return atomic_load_explicit(&((cs_model *)model)->rc_version,
-                                memory_order_acquire);
-}
-
-uint64_t
-cs_model_loaded_at(const cs_model *model, uint32_t *version)
-{
-    cs_model *m = (cs_model *)model; /* atomics need non-const access */
-    for (;;) {
-        uint32_t v1 =
-            atomic_load_explicit(&m->rc_version, memory_order_acquire);
-        if (v1 & 1) {
-            cs_cpu_relax(); /* a writer is inside: a few stores long */
-            continue;
-        }
-        uint64_t loaded =
-            atomic_load_explicit(&m->rc_loaded, memory_order_relaxed);
-        atomic_thread_fence(memory_order_acquire);
-        if (atomic_load_explicit(&m->rc_version, memory_order_relaxed) ==
-            v1) {
-            *version = v1;
-            return loaded;
-        }
-    }
 }
 
 /* Peak rule (docs/semantics.md); caller holds the worker lock. */
@@ -800,7 +729,7 @@ worker_new(uint64_t generation)
     atomic_init(&w->reading, 0);
     atomic_init(&w->released, false);
     atomic_fetch_add_explicit(&live_workers, 1, memory_order_relaxed);
-    fork_register_worker(w);
+    fork_register(&fork_workers, &w->registered);
     return w;
 }
 
@@ -822,7 +751,7 @@ cs_worker_decref(cs_worker *worker)
     }
     /* The table holds references to models, and every model holds one to
      * its worker, so a worker whose count reached 0 has an empty table. */
-    fork_unregister_worker(worker);
+    fork_unregister(&worker->registered);
     free(worker->slots);
     cs_mutex_destroy(&worker->lock);
     free(worker);
@@ -1328,14 +1257,8 @@ figure_of(const cs_model *m, const cs_figure *figures, size_t n)
 }
 
 void
-cs_worker_charge(cs_worker *worker, uint64_t floor_bytes, cs_charge *out)
-{
-    cs_worker_charge_with(worker, floor_bytes, NULL, 0, out);
-}
-
-void
-cs_worker_charge_with(cs_worker *worker, uint64_t floor_bytes,
-                      const cs_figure *figures, size_t n, cs_charge *out)
+cs_worker_charge(cs_worker *worker, uint64_t floor_bytes,
+                 const cs_figure *figures, size_t n, cs_charge *out)
 {
     memset(out, 0, sizeof(*out));
     cs_mutex_lock(&worker->lock);
@@ -1391,7 +1314,7 @@ cs_ledger_new(uint64_t floor_bytes)
         return NULL;
     }
     l->floor = floor_bytes;
-    fork_register_ledger(l);
+    fork_register(&fork_ledgers, &l->registered);
     return l;
 }
 
@@ -1411,7 +1334,7 @@ cs_ledger_free(cs_ledger *ledger)
     if (ledger == NULL) {
         return;
     }
-    fork_unregister_ledger(ledger);
+    fork_unregister(&ledger->registered);
     for (size_t i = 0; i < ledger->count; i++) {
         worker_empty_table(ledger->workers[i]);
         cs_worker_decref(ledger->workers[i]);
@@ -1504,7 +1427,7 @@ ledger_total_charge_locked(cs_ledger *ledger, const cs_figure *figures,
     for (size_t i = 0; i < ledger->count; i++) {
         cs_charge charge;
         cs_worker *w = ledger->workers[i];
-        cs_worker_charge_with(w, ledger->floor, figures, n, &charge);
+        cs_worker_charge(w, ledger->floor, figures, n, &charge);
         total = add_saturating(total, charge.charge);
         if (released != NULL &&
             atomic_exchange_explicit(&w->released, false,
@@ -1516,14 +1439,8 @@ ledger_total_charge_locked(cs_ledger *ledger, const cs_figure *figures,
 }
 
 uint64_t
-cs_ledger_total_charge(cs_ledger *ledger)
-{
-    return cs_ledger_total_charge_with(ledger, NULL, 0);
-}
-
-uint64_t
-cs_ledger_total_charge_with(cs_ledger *ledger, const cs_figure *figures,
-                            size_t n)
+cs_ledger_total_charge(cs_ledger *ledger, const cs_figure *figures,
+                       size_t n)
 {
     cs_mutex_lock(&ledger->lock);
     uint64_t total = ledger_total_charge_locked(ledger, figures, n, NULL);
@@ -1533,16 +1450,7 @@ cs_ledger_total_charge_with(cs_ledger *ledger, const cs_figure *figures,
 
 uint64_t
 cs_ledger_reserve(cs_ledger *ledger, uint64_t base, uint64_t total_bytes,
-                  bool process_local)
-{
-    return cs_ledger_reserve_with(ledger, base, total_bytes, process_local,
-                                  NULL, 0);
-}
-
-uint64_t
-cs_ledger_reserve_with(cs_ledger *ledger, uint64_t base,
-                       uint64_t total_bytes, bool process_local,
-                       const cs_figure *figures, size_t n)
+                  bool process_local, const cs_figure *figures, size_t n)
 {
     if (!process_local) {
         /* Device-wide free memory already lacks every worker byte. */

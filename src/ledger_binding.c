@@ -23,19 +23,6 @@ typedef struct {
     PyObject *last_books;
 } LedgerObject;
 
-/* One worker's books: the C record of its charges and the roster of its
- * stand-ins, made in one step (cs_ledger_books_for) and owned together:
- * the roster changes only with the GIL held, by code that runs no Python
- * between reading and writing it (roster.c). */
-typedef struct {
-    PyObject_HEAD
-    cs_worker *worker; /* strong (C refcount); immutable once made */
-    PyObject *key;     /* strong: the worker object; immutable */
-    uint64_t floor;    /* the ledger's floor; immutable */
-    cs_roster roster;  /* the worker's live stand-ins */
-    PyObject *weakreflist;
-} BooksObject;
-
 /* The module state, or NULL with RuntimeError once the module was
  * cleared. */
 static inline cs_module_state *
@@ -70,8 +57,7 @@ books_alloc(cs_module_state *state)
     self->worker = NULL;
     self->key = NULL;
     self->floor = 0;
-    self->roster.head = self->roster.tail = NULL;
-    self->roster.count = 0;
+    self->roster = (cs_roster){NULL, 0, 0, 0};
     self->weakreflist = NULL;
     return self;
 }
@@ -92,18 +78,6 @@ books_attach(BooksObject *self, cs_ledger *ledger, PyObject *key,
     self->floor = cs_ledger_floor(ledger);
     PyObject_GC_Track(self);
     return 0;
-}
-
-cs_worker *
-cs_books_worker(PyObject *books)
-{
-    return ((BooksObject *)books)->worker;
-}
-
-cs_roster *
-cs_books_roster(PyObject *books)
-{
-    return &((BooksObject *)books)->roster;
 }
 
 static int
@@ -131,6 +105,7 @@ books_dealloc(BooksObject *self)
         PyObject_ClearWeakRefs((PyObject *)self);
     }
     books_clear(self);
+    cs_roster_free(&self->roster);
     if (self->worker != NULL) {
         cs_worker_decref(self->worker);
     }
@@ -356,7 +331,7 @@ books_charge(BooksObject *self, PyObject *unused)
         return NULL;
     }
     cs_figures_sort(&figures);
-    cs_worker_charge_with(self->worker, self->floor, figures.items,
+    cs_worker_charge(self->worker, self->floor, figures.items,
                           figures.n, &charge);
     cs_figures_release(&figures);
     return charge_to_dict(&charge);
@@ -445,7 +420,7 @@ record_get_deferred(RecordObject *self, void *closure)
 static PyObject *
 record_get_write_count(RecordObject *self, void *closure)
 {
-    return PyLong_FromUnsignedLongLong(cs_model_write_count(self->model));
+    return PyLong_FromUnsignedLong(cs_model_version(self->model) / 2);
 }
 
 static PyObject *
@@ -850,6 +825,47 @@ cs_ledger_books_for(PyObject *ledger, PyObject *key, uint64_t generation)
     return Py_NewRef(books);
 }
 
+/* The profile of the stand-in listed last on `books` when it holds these
+ * objects, borrowed, else NULL. */
+static PyObject *
+roster_tail_profile(PyObject *books, PyObject *load_device,
+                    PyObject *offload_device, PyObject *kind)
+{
+    cs_roster *roster = books ? cs_books_roster(books) : NULL;
+    if (roster == NULL || roster->used == 0) {
+        return NULL;
+    }
+    PyObject *profile = roster->items[roster->used - 1]->profile;
+    if (profile != NULL &&
+        PyTuple_GET_ITEM(profile, PROFILE_LOAD) == load_device &&
+        PyTuple_GET_ITEM(profile, PROFILE_OFFLOAD) == offload_device &&
+        PyTuple_GET_ITEM(profile, PROFILE_KIND) == kind) {
+        return profile;
+    }
+    return NULL;
+}
+
+PyObject *
+cs_ledger_profile(PyObject *ledger, PyObject *worker, PyObject *load_device,
+                  PyObject *offload_device, PyObject *kind)
+{
+    LedgerObject *self = (LedgerObject *)ledger;
+    /* Both are entries of the table, which holds them: no Python runs. */
+    PyObject *previous = self->last_books;
+    PyObject *books = self->books ? ledger_find_books(self, worker) : NULL;
+    if (books == NULL && PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *profile =
+        roster_tail_profile(books, load_device, offload_device, kind);
+    if (profile == NULL && previous != books) {
+        profile = roster_tail_profile(previous, load_device, offload_device,
+                                      kind);
+    }
+    return profile ? Py_NewRef(profile)
+                   : PyTuple_Pack(3, load_device, offload_device, kind);
+}
+
 PyObject *
 cs_ledger_find(PyObject *ledger, PyObject *key)
 {
@@ -1025,7 +1041,7 @@ ledger_reserve(LedgerObject *self, PyObject *const *args, Py_ssize_t nargs,
     }
     uint64_t reserve;
     Py_BEGIN_ALLOW_THREADS
-    reserve = cs_ledger_reserve_with(self->ledger, base, total,
+    reserve = cs_ledger_reserve(self->ledger, base, total,
                                      process_local != 0, figures.items,
                                      figures.n);
     Py_END_ALLOW_THREADS
@@ -1040,10 +1056,17 @@ ledger_total_charge(LedgerObject *self, PyObject *unused)
     if (ledger_figures(self, &figures) < 0) {
         return NULL;
     }
-    uint64_t total = cs_ledger_total_charge_with(self->ledger, figures.items,
+    uint64_t total = cs_ledger_total_charge(self->ledger, figures.items,
                                                  figures.n);
     cs_figures_release(&figures);
     return PyLong_FromUnsignedLongLong(total);
+}
+
+static PyObject *
+ledger_reread_boards(LedgerObject *self, PyObject *unused)
+{
+    cs_standin_reread_boards();
+    Py_RETURN_NONE;
 }
 
 static PyObject *
@@ -1077,6 +1100,10 @@ static PyMethodDef ledger_methods[] = {
      "publish (docs/reserve.md)."},
     {"total_charge", (PyCFunction)ledger_total_charge, METH_NOARGS,
      "total_charge($self, /)\n--\n\nSum of every worker's charge."},
+    {"reread_boards", (PyCFunction)ledger_reread_boards, METH_NOARGS,
+     "reread_boards($self, /)\n--\n\nEvery stand-in that reads a board "
+     "decides its reading again at its next loaded_size(), the heartbeat's "
+     "age included (the pool calls it where ComfyUI decides)."},
     {NULL},
 };
 

@@ -1,7 +1,7 @@
 /*
  * standin.c -- the stand-in type ComfyUI's model_management loads directly
- * (docs/semantics.md), its inner module and its clone_base_uuid sentinel:
- * construction, lifetime, and everything ComfyUI reads.  The roster is in
+ * (docs/semantics.md): construction, lifetime, and everything ComfyUI
+ * reads.  Its inner module and sentinel are in inner.c, the roster in
  * roster.c, the commands to the worker in commands.c, the state sync in
  * sync.c; standin.h has the object layouts they share.
  */
@@ -74,8 +74,8 @@ static PyMethodDef contract_getattr_def = {
  * `with_getattr`, then immutable.  Assigning __getattr__ to the type is
  * what gives it CPython's lookup-then-__getattr__ slot; a type is
  * mutable until that is done. */
-static PyTypeObject *
-make_type(PyObject *module, PyType_Spec *spec, bool with_getattr)
+PyTypeObject *
+cs_make_type(PyObject *module, PyType_Spec *spec, bool with_getattr)
 {
     PyTypeObject *type = (PyTypeObject *)PyType_FromModuleAndSpec(
         module, spec, NULL);
@@ -95,296 +95,6 @@ make_type(PyObject *module, PyType_Spec *spec, bool with_getattr)
     PyType_Modified(type);
     return type;
 }
-
-/* ---- sentinel --------------------------------------------------------- */
-
-/* A GC type: it owns an object (model_id, an exact str today) and is
- * visited like every other owner, so no later change of what it holds can
- * make an uncollectable cycle. */
-static int
-sentinel_traverse(SentinelObject *self, visitproc visit, void *arg)
-{
-    Py_VISIT(Py_TYPE(self));
-    Py_VISIT(self->model_id);
-    return 0;
-}
-
-static int
-sentinel_clear(SentinelObject *self)
-{
-    Py_CLEAR(self->model_id);
-    return 0;
-}
-
-static void
-sentinel_dealloc(SentinelObject *self)
-{
-    PyTypeObject *tp = Py_TYPE(self);
-    PyObject_GC_UnTrack(self);
-    sentinel_clear(self);
-    tp->tp_free(self);
-    Py_DECREF(tp);
-}
-
-static PyObject *
-sentinel_repr(SentinelObject *self)
-{
-    if (self->model_id == NULL) {
-        return PyUnicode_FromString("<comfy_standin private clone_base_uuid "
-                                    "(cleared; never equals a uuid)>");
-    }
-    return PyUnicode_FromFormat("<comfy_standin private clone_base_uuid of "
-                                "model %R (never equals a uuid)>",
-                                self->model_id);
-}
-
-/* Refused at dump for every protocol (0 and 1 would otherwise reduce it
- * through copyreg and fail only on load). */
-static PyMethodDef sentinel_methods[] = {
-    {"__reduce_ex__", cs_refuse_pickle, METH_O,
-     "__reduce_ex__($self, protocol, /)\n--\n\nRaises TypeError."},
-    {"__reduce__", (PyCFunction)cs_refuse_pickle, METH_NOARGS,
-     "__reduce__($self, /)\n--\n\nRaises TypeError."},
-    {NULL},
-};
-
-static PyType_Slot sentinel_slots[] = {
-    {Py_tp_doc, "A stand-in's clone_base_uuid: equal only to itself, so "
-                "unload_model_and_clones and the MultiGPU reuse loop never "
-                "match it with a host model or another stand-in."},
-    {Py_tp_traverse, sentinel_traverse},
-    {Py_tp_clear, sentinel_clear},
-    {Py_tp_dealloc, sentinel_dealloc},
-    {Py_tp_repr, sentinel_repr},
-    {Py_tp_methods, sentinel_methods},
-    {0, NULL},
-};
-
-static PyType_Spec sentinel_spec = {
-    .name = "comfy_standin._core.CloneBaseSentinel",
-    .basicsize = sizeof(SentinelObject),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC |
-             Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
-    .slots = sentinel_slots,
-};
-
-/* ---- the inner module ------------------------------------------------- */
-
-/* What the host knows of the model's residency: the receipt, or the
- * board's reading when one is attached, valid, and newer than the receipt
- * (docs/board.md).  Fills *out when given; its source is "board" when the
- * board won.  Never blocks: the board read is wait-free with bounded
- * retries, and an untrustworthy board (torn slot, dead or stale owner,
- * rewritten header) falls back to the receipt. */
-static uint64_t
-module_read(ModuleObject *m, cs_receipt *out)
-{
-    cs_receipt local;
-    uint64_t loaded, updated_ns;
-
-    if (m->board == NULL && out == NULL) {
-        return cs_model_loaded(m->record); /* the hot path: one load */
-    }
-    if (out == NULL) {
-        out = &local;
-    }
-    cs_model_read(m->record, out);
-    if (m->board == NULL || cs_model_stale(m->record)) {
-        return out->loaded;
-    }
-    /* A closed board, a slot reassigned since (its tag changed), or
-     * anything doubtful: the receipt is all we have. */
-    if (cs_board_object_read(m->board, m->board_slot, m->board_tag,
-                             cs_model_size(m->record), &loaded,
-                             &updated_ns) &&
-        updated_ns > out->time_ns) {
-        out->loaded = loaded;
-        out->time_ns = updated_ns;
-        out->source = CS_SOURCE_BOARD;
-    }
-    return out->loaded;
-}
-
-static uint64_t
-module_loaded(ModuleObject *m)
-{
-    return module_read(m, NULL);
-}
-
-static PyObject *
-module_device(ModuleObject *m)
-{
-    /* An assignment holds until the next receipt; then the receipt rules. */
-    if (m->device_assigned != NULL &&
-        cs_model_write_count(m->record) == m->device_assigned_at) {
-        return Py_NewRef(m->device_assigned);
-    }
-    PyObject *device = module_loaded(m) > 0 ? m->load_device
-                                            : m->offload_device;
-    return Py_NewRef(device != NULL ? device : Py_None); /* (GC cleared) */
-}
-
-static int
-module_traverse(ModuleObject *self, visitproc visit, void *arg)
-{
-    Py_VISIT(Py_TYPE(self));
-    Py_VISIT(self->load_device);
-    Py_VISIT(self->offload_device);
-    Py_VISIT(self->device_assigned);
-    Py_VISIT(self->board);
-    Py_VISIT(self->sentinel);
-    return 0;
-}
-
-static int
-module_clear(ModuleObject *self)
-{
-    Py_CLEAR(self->load_device);
-    Py_CLEAR(self->offload_device);
-    Py_CLEAR(self->device_assigned);
-    Py_CLEAR(self->board);
-    Py_CLEAR(self->sentinel);
-    return 0;
-}
-
-static void
-module_dealloc(ModuleObject *self)
-{
-    PyTypeObject *tp = Py_TYPE(self);
-    PyObject_GC_UnTrack(self);
-    if (self->weakreflist != NULL) {
-        PyObject_ClearWeakRefs((PyObject *)self);
-    }
-    module_clear(self);
-    cs_model_decref(self->record);
-    tp->tp_free(self);
-    Py_DECREF(tp);
-}
-
-static PyObject *
-module_get_device(ModuleObject *self, void *closure)
-{
-    return module_device(self);
-}
-
-static int
-module_set_device(ModuleObject *self, PyObject *value, void *closure)
-{
-    if (value == NULL) {
-        PyErr_SetString(PyExc_AttributeError, "device cannot be deleted");
-        return -1;
-    }
-    Py_XSETREF(self->device_assigned, Py_NewRef(value));
-    self->device_assigned_at = cs_model_write_count(self->record);
-    return 0;
-}
-
-static PyObject *
-module_get_loaded(ModuleObject *self, void *closure)
-{
-    return PyLong_FromUnsignedLongLong(module_loaded(self));
-}
-
-static int
-module_set_loaded(ModuleObject *self, PyObject *value, void *closure)
-{
-    uint64_t loaded;
-    uint64_t size = cs_model_size(self->record);
-
-    if (value == NULL) {
-        PyErr_SetString(PyExc_AttributeError,
-                        "model_loaded_weight_memory cannot be deleted");
-        return -1;
-    }
-    int code = cs_value_check(value, size, &loaded);
-    if (code != 0) {
-        return cs_value_error(NULL, code, "model_loaded_weight_memory",
-                              value, size);
-    }
-    /* Stale: the bytes went with the old process; nothing to assign. */
-    (void)cs_model_apply_echo(self->record, loaded, CS_SEQ_NONE,
-                              CS_SOURCE_ASSIGNED, false, 0);
-    return 0;
-}
-
-static PyObject *
-module_get_false(PyObject *self, void *closure)
-{
-    Py_RETURN_FALSE;
-}
-
-static PyObject *
-module_get_zero(PyObject *self, void *closure)
-{
-    return PyLong_FromLong(0);
-}
-
-static PyObject *
-module_get_none(PyObject *self, void *closure)
-{
-    Py_RETURN_NONE;
-}
-
-static PyGetSetDef module_getset[] = {
-    {"device", (getter)module_get_device, (setter)module_set_device,
-     "load_device while loaded > 0, else offload_device; an assignment "
-     "holds until the next receipt.",
-     NULL},
-    {"model_loaded_weight_memory", (getter)module_get_loaded,
-     (setter)module_set_loaded,
-     "The receipt's loaded bytes; assigning writes a receipt (\"assigned\").",
-     NULL},
-    {"model_lowvram", module_get_false, NULL, "Always False.", NULL},
-    {"lowvram_patch_counter", module_get_zero, NULL, "Always 0.", NULL},
-    {"current_weight_patches_uuid", module_get_none, NULL, "Always None.",
-     NULL},
-    {"model_offload_buffer_memory", module_get_zero, NULL, "Always 0.", NULL},
-    {NULL},
-};
-
-static PyMethodDef module_methods[] = {
-    {"__reduce_ex__", cs_refuse_pickle, METH_O,
-     "__reduce_ex__($self, protocol, /)\n--\n\nRaises TypeError."},
-    {NULL},
-};
-
-static PyMemberDef module_members[] = {
-    {"__weaklistoffset__", T_PYSSIZET, offsetof(ModuleObject, weakreflist),
-     READONLY},
-    {NULL},
-};
-
-static PyObject *
-module_repr(ModuleObject *self)
-{
-    size_t len;
-    const char *id = cs_model_id(self->record, &len);
-    return PyUnicode_FromFormat("<StandInModule of model '%.200s': %llu "
-                                "bytes loaded>",
-                                id, (unsigned long long)module_loaded(self));
-}
-
-static PyType_Slot module_slots[] = {
-    {Py_tp_doc, "The inner module of a stand-in (what ComfyUI calls "
-                "`model.model`): holds no weights, weak-referenceable."},
-    {Py_tp_traverse, module_traverse},
-    {Py_tp_clear, module_clear},
-    {Py_tp_dealloc, module_dealloc},
-    {Py_tp_getset, module_getset},
-    {Py_tp_members, module_members},
-    {Py_tp_methods, module_methods},
-    {Py_tp_repr, module_repr},
-    {0, NULL},
-};
-
-/* Immutable once its __getattr__ is set (make_type). */
-static PyType_Spec module_spec = {
-    .name = "comfy_standin._core.StandInModule",
-    .basicsize = sizeof(ModuleObject),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC |
-             Py_TPFLAGS_DISALLOW_INSTANTIATION,
-    .slots = module_slots,
-};
 
 /* ---- StandIn: construction and lifetime ------------------------------- */
 
@@ -580,17 +290,18 @@ standin_make(PyTypeObject *type, cs_module_state *state, PyObject **argv)
         return NULL;
     }
     pool = resolve_pool(argv[7], state, &ledger);
-    if (pool == NULL ||
+    /* The profile first: it looks at the roster the ledger used last. */
+    profile = pool ? cs_ledger_profile(ledger, worker, argv[4], argv[5], kind)
+                   : NULL;
+    if (profile == NULL ||
         restart_if_newer(state, pool, ledger, worker, argv[1], generation) <
             0) {
         goto error;
     }
-    profile =
-        cs_roster_profile_for(ledger, worker, argv[4], argv[5], kind);
     /* An exact int (an int subclass is read from its digits, never kept). */
     size_int = PyLong_CheckExact(size_obj) ? Py_NewRef(size_obj)
                                            : PyLong_FromUnsignedLongLong(size);
-    if (profile == NULL || size_int == NULL) {
+    if (size_int == NULL) {
         goto error;
     }
     self = PyObject_GC_New(StandInObject, type);
@@ -600,12 +311,12 @@ standin_make(PyTypeObject *type, cs_module_state *state, PyObject **argv)
     memset((char *)self + sizeof(PyObject), 0,
            sizeof(StandInObject) - sizeof(PyObject));
     self->profile = profile;
-    self->worker = Py_NewRef(worker);
     self->pool = pool;
     self->model_id = model_id;
     self->size_int = size_int;
     profile = pool = model_id = size_int = NULL;
-    if (cs_standin_enlist(self, ledger, generation, size, size_obj) < 0) {
+    if (cs_standin_enlist(self, ledger, worker, generation, size, size_obj) <
+        0) {
         goto error;
     }
     PyObject_GC_Track(self);
@@ -629,10 +340,9 @@ standin_traverse(StandInObject *self, visitproc visit, void *arg)
 {
     Py_VISIT(Py_TYPE(self));
     Py_VISIT(self->module);
-    Py_VISIT(self->worker);
+    Py_VISIT(self->books);
     Py_VISIT(self->pool);
     Py_VISIT(self->profile);
-    Py_VISIT(self->books);
     Py_VISIT(self->model_id);
     return 0;
 }
@@ -647,7 +357,6 @@ standin_clear(StandInObject *self)
 {
     cs_roster_unlink(self); /* first: the roster lists live ones only */
     Py_CLEAR(self->module);
-    Py_CLEAR(self->worker);
     Py_CLEAR(self->pool);
     Py_CLEAR(self->profile);
     return 0;
@@ -665,90 +374,12 @@ standin_dealloc(StandInObject *self)
     standin_clear(self);
     Py_CLEAR(self->model_id);
     Py_CLEAR(self->size_int);
-    Py_CLEAR(self->loaded_int);
+    Py_CLEAR(self->answer);
     if (self->record != NULL) {
         cs_model_release_handle(self->record);
     }
     tp->tp_free(self);
     Py_DECREF(tp);
-}
-
-/* The module, made on first use; a new reference.  None for a GC-cleared
- * stand-in (worker NULL), NULL with an exception on failure.  Allocation
- * may run the collector, which may run Python that makes the module
- * first or clears this stand-in: whoever made it first wins. */
-PyObject *
-cs_standin_module_get(StandInObject *self)
-{
-    if (self->module != NULL) {
-        return Py_NewRef(self->module);
-    }
-    if (self->worker == NULL) {
-        Py_RETURN_NONE;
-    }
-    cs_module_state *state = cs_state_checked(Py_TYPE(self));
-    ModuleObject *m = state == NULL ? NULL
-                                    : PyObject_GC_New(ModuleObject,
-                                                      state->module_type);
-    if (m == NULL) {
-        return NULL;
-    }
-    cs_model_incref(self->record);
-    m->record = self->record;
-    m->load_device = Py_XNewRef(cs_profile_item(self, PROFILE_LOAD));
-    m->offload_device = Py_XNewRef(cs_profile_item(self, PROFILE_OFFLOAD));
-    m->device_assigned = NULL;
-    m->device_assigned_at = 0;
-    m->board = NULL;
-    m->board_slot = 0;
-    m->board_tag = 0;
-    m->sentinel = NULL;
-    m->weakreflist = NULL;
-    PyObject_GC_Track(m);
-    if (self->module != NULL || self->worker == NULL) {
-        Py_DECREF(m);
-        return Py_NewRef(self->module ? self->module : Py_None);
-    }
-    self->module = Py_NewRef((PyObject *)m);
-    return (PyObject *)m;
-}
-
-/* The clone_base_uuid sentinel, made on first use and kept in the module
- * (made too if need be); as standin_module_get.  None once GC-cleared. */
-static PyObject *
-standin_sentinel_get(StandInObject *self)
-{
-    PyObject *module = cs_standin_module_get(self);
-    if (module == NULL || module == Py_None) {
-        return module;
-    }
-    ModuleObject *m = (ModuleObject *)module;
-    if (m->sentinel == NULL) {
-        cs_module_state *state = cs_state_checked(Py_TYPE(self));
-        SentinelObject *o =
-            state == NULL ? NULL
-                          : PyObject_GC_New(SentinelObject,
-                                            state->sentinel_type);
-        if (o == NULL) {
-            Py_DECREF(module);
-            return NULL;
-        }
-        o->model_id = Py_NewRef(self->model_id);
-        PyObject_GC_Track(o);
-        /* The allocation may have run the collector and Python that made
-         * the sentinel first: whoever made it first wins.  (cppcheck does
-         * not know that PyObject_GC_New can run Python.) */
-        // cppcheck-suppress knownConditionTrueFalse
-        if (m->sentinel == NULL) {
-            m->sentinel = (PyObject *)o;
-        }
-        else {
-            Py_DECREF(o);
-        }
-    }
-    PyObject *sentinel = Py_NewRef(m->sentinel);
-    Py_DECREF(module);
-    return sentinel;
 }
 
 /* ---- StandIn: what ComfyUI reads --------------------------------------- */
@@ -757,7 +388,7 @@ uint64_t
 cs_standin_loaded(StandInObject *self)
 {
     ModuleObject *m = cs_standin_module(self);
-    return m ? module_loaded(m) : cs_model_loaded(self->record);
+    return m ? cs_module_read(m, NULL) : cs_model_loaded(self->record);
 }
 
 static PyObject *
@@ -766,28 +397,84 @@ standin_model_size(StandInObject *self, PyObject *unused)
     return Py_NewRef(self->size_int);
 }
 
-/* loaded_size(): the size's int when fully loaded, CPython's cached small
- * ints up to 256, the int answered last when the figure has not changed
- * since (ComfyUI asks each candidate several times per pass), else a new
- * one, kept for the next call.  Runs no Python. */
+/* `loaded` as an int: the size's when fully loaded, else a new one (small
+ * ones are CPython's cached ints).  Runs no Python. */
 static PyObject *
-standin_loaded_size(StandInObject *self, PyObject *unused)
+loaded_int(StandInObject *self, uint64_t loaded)
 {
-    uint64_t loaded = cs_standin_loaded(self);
     if (loaded == cs_model_size(self->record)) {
         return Py_NewRef(self->size_int);
     }
-    /* The mask form reads the digits in a loop (the checked one converts
-     * through a byte array); the int is ours and in [0, 2**63-1]. */
-    PyObject *last = self->loaded_int;
-    if (last != NULL && PyLong_AsUnsignedLongLongMask(last) == loaded) {
-        return Py_NewRef(last);
-    }
-    PyObject *answer = PyLong_FromUnsignedLongLong(loaded);
-    if (answer != NULL && loaded > 256) {
-        Py_XSETREF(self->loaded_int, Py_NewRef(answer));
+    return PyLong_FromUnsignedLongLong(loaded);
+}
+
+/* Out of line, so loaded_size()'s kept answer needs no stack frame. */
+#if defined(__GNUC__)
+#define CS_COLD __attribute__((noinline, cold))
+#else
+#define CS_COLD
+#endif
+
+/* What loaded_size() answers from the receipt, kept in `answer` with the
+ * version it was read at.  Runs no Python. */
+static PyObject *
+receipt_answer(StandInObject *self)
+{
+    cs_receipt r;
+    uint32_t version = cs_model_read(self->record, &r);
+    PyObject *answer = loaded_int(self, r.loaded);
+    if (answer != NULL) {
+        Py_XSETREF(self->answer, Py_NewRef(answer)); /* an int: no Python */
+        self->answered = version;
     }
     return answer;
+}
+
+/* What loaded_size() answers now, kept in `answer`: from the receipt, at
+ * a version; or, for a stand-in that reads a board, the board's figure,
+ * kept in `answer` while it is the same.  Runs no Python. */
+CS_COLD static PyObject *
+standin_answer(StandInObject *self)
+{
+    ModuleObject *m = cs_standin_module(self);
+    uint64_t loaded;
+    if (!self->reads_board || m == NULL ||
+        !cs_module_board_figure(m, &loaded)) {
+        self->reads_board = 0; /* none any more, or closed: receipts */
+        return receipt_answer(self);
+    }
+    /* 2**31 writes ahead of any read: never met (the seqlock's bound). */
+    self->answered = cs_model_version(self->record) - 2;
+    if (m->board->answered == loaded) {
+        return Py_NewRef(self->answer);
+    }
+    PyObject *answer = loaded_int(self, loaded);
+    if (answer != NULL) {
+        Py_XSETREF(self->answer, Py_NewRef(answer)); /* an int: no Python */
+        m->board->answered = loaded;
+    }
+    return answer;
+}
+
+int
+cs_standin_answer_init(StandInObject *self)
+{
+    PyObject *answer = standin_answer(self);
+    Py_XDECREF(answer);
+    return answer ? 0 : -1;
+}
+
+/* loaded_size(): the answer kept while the receipt's version has not
+ * moved (ComfyUI asks each candidate several times per pass), else what it
+ * is now.  A stand-in that reads a board keeps `answered` behind the
+ * version, so it answers through standin_answer() every time. */
+static PyObject *
+standin_loaded_size(StandInObject *self, PyObject *unused)
+{
+    if (cs_model_version(self->record) == self->answered) {
+        return Py_NewRef(self->answer);
+    }
+    return standin_answer(self);
 }
 
 static PyObject *
@@ -795,9 +482,9 @@ standin_current_loaded_device(StandInObject *self, PyObject *unused)
 {
     ModuleObject *m = cs_standin_module(self);
     if (m != NULL) {
-        return module_device(m);
+        return cs_module_device(m);
     }
-    if (self->worker == NULL) {
+    if (cs_standin_worker(self) == NULL) {
         Py_RETURN_NONE; /* GC-cleared */
     }
     PyObject *device = cs_model_loaded(self->record) > 0
@@ -821,7 +508,7 @@ standin_is_clone(StandInObject *self, PyObject *other)
         Py_RETURN_FALSE;
     }
     StandInObject *o = (StandInObject *)other;
-    if (o->worker != self->worker ||
+    if (cs_standin_worker(o) != cs_standin_worker(self) ||
         cs_model_generation(o->record) !=
             cs_model_generation(self->record)) {
         Py_RETURN_FALSE;
@@ -863,7 +550,7 @@ standin_receipt(StandInObject *self, PyObject *unused)
     cs_receipt r;
     ModuleObject *m = cs_standin_module(self);
     if (m != NULL) {
-        module_read(m, &r);
+        cs_module_read(m, &r);
     }
     else {
         cs_model_read(self->record, &r);
@@ -930,7 +617,7 @@ attach_body(StandInObject *self, PyObject *board_obj, PyObject *slot_obj)
     size_t id_len;
     const char *id = cs_model_id(self->record, &id_len);
 
-    if (self->worker == NULL) {
+    if (cs_standin_worker(self) == NULL) {
         PyErr_SetString(PyExc_ValueError, "attach_board: stand-in cleared");
         return NULL;
     }
@@ -952,9 +639,13 @@ attach_body(StandInObject *self, PyObject *board_obj, PyObject *slot_obj)
         return NULL;
     }
     m = (ModuleObject *)module;
-    m->board_slot = slot;
-    m->board_tag = tag;
-    Py_XSETREF(m->board, Py_NewRef(board_obj)); /* may run Python: last */
+    /* Making the module may have run Python that closed the board. */
+    if (cs_module_set_board(m, board_obj, slot, tag) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    self->reads_board = 1;
+    self->answered = cs_model_version(self->record) - 2; /* answer again */
     Py_DECREF(module);
     return PyLong_FromUnsignedLong(slot);
 }
@@ -985,10 +676,11 @@ static PyObject *
 standin_detach_board(StandInObject *self, PyObject *unused)
 {
     ModuleObject *m = cs_standin_module(self);
+    self->reads_board = 0;
     if (m != NULL) {
-        Py_CLEAR(m->board);
+        cs_module_drop_board(m);
     }
-    Py_RETURN_NONE;
+    return cs_standin_answer_init(self) < 0 ? NULL : Py_NewRef(Py_None);
 }
 
 static PyObject *
@@ -998,7 +690,8 @@ standin_get_board(StandInObject *self, void *closure)
     if (m == NULL || m->board == NULL) {
         Py_RETURN_NONE;
     }
-    return Py_BuildValue("(Ok)", m->board, (unsigned long)m->board_slot);
+    return Py_BuildValue("(Ok)", m->board->object,
+                         (unsigned long)m->board->slot);
 }
 
 /* ---- StandIn: attributes ----------------------------------------------- */
@@ -1026,7 +719,7 @@ standin_get_model(StandInObject *self, void *closure)
 static PyObject *
 standin_get_sentinel(StandInObject *self, void *closure)
 {
-    return standin_sentinel_get(self);
+    return cs_standin_sentinel_get(self);
 }
 
 static PyObject *
@@ -1038,7 +731,8 @@ standin_get_size(StandInObject *self, void *closure)
 static PyObject *
 standin_get_worker(StandInObject *self, void *closure)
 {
-    return Py_NewRef(self->worker ? self->worker : Py_None);
+    PyObject *worker = cs_standin_worker(self);
+    return Py_NewRef(worker ? worker : Py_None);
 }
 
 static PyObject *
@@ -1308,19 +1002,11 @@ static PyType_Spec standin_spec = {
 int
 cs_standin_exec(PyObject *module, cs_module_state *state)
 {
-    state->sentinel_type = (PyTypeObject *)PyType_FromModuleAndSpec(
-        module, &sentinel_spec, NULL);
-    if (state->sentinel_type == NULL ||
-        PyModule_AddType(module, state->sentinel_type) < 0) {
-        return -1;
-    }
-    state->module_type = make_type(module, &module_spec, true);
-    if (state->module_type == NULL ||
-        PyModule_AddType(module, state->module_type) < 0) {
+    if (cs_inner_exec(module, state) < 0) {
         return -1;
     }
     state->standin_type =
-        make_type(module, &standin_spec, STANDIN_HAS_GETATTR);
+        cs_make_type(module, &standin_spec, STANDIN_HAS_GETATTR);
     if (state->standin_type == NULL) {
         return -1;
     }

@@ -304,6 +304,7 @@ class Pool:
         behalf, never inside ``free_memory``'s loop."""
         from ._register import register
 
+        self._ledger.reread_boards()
         listed = {id(entry.model) for entry in list(mm.current_loaded_models)}
         held = {key for key, _ in self._held_items()}
         restored: list[Any] = []
@@ -362,6 +363,8 @@ class Pool:
           would otherwise keep every dead one on the books forever).
         """
         restored: list[Any] = []
+        # A board whose heartbeat went stale is read as such from here on.
+        self._ledger.reread_boards()
         # A worker that died since its last command: its held stand-ins
         # would otherwise stay listed until ComfyUI happens to evict them.
         for worker in self._dead_workers_held():
