@@ -47,6 +47,15 @@ typedef struct {
     PyObject *str_get;
     PyObject *str_ledger;    /* "_ledger" */
     PyObject *str_restarted; /* "restarted" */
+    PyObject *str_default_pool; /* "_default_pool" */
+    /* Strong or NULL, kept for StandIn(): the comfy_standin package
+     * (imported on the first stand-in made without a pool), the pool its
+     * _default_pool was then and that pool's ledger, and the last class
+     * of worker found to have send_command() and is_alive(). */
+    PyObject *package;
+    PyObject *default_pool;
+    PyObject *default_ledger;
+    PyObject *worker_type;
     PyObject *mapping_abc; /* collections.abc.Mapping */
     /* The parameter names of args.c's signatures, interned. */
     PyObject *keywords[CS_KEYWORD_COUNT];
@@ -277,11 +286,12 @@ PyObject *cs_ledger_find(PyObject *ledger, PyObject *key);
  * `worker`, a new reference: the one of the stand-in listed last on the
  * worker's roster, or else on the roster used last under `ledger`, when
  * it holds these very objects (identity only: no caller code runs;
- * stand-ins come in runs with the same devices and kind), else a new one.
- * Runs no Python but the allocation of a new one. */
+ * stand-ins come in runs with the same devices and kind), else a new one;
+ * and the worker's books in *books (a new reference, or NULL).  Runs no
+ * Python but the allocation of a new tuple. */
 PyObject *cs_ledger_profile(PyObject *ledger, PyObject *worker,
                             PyObject *load_device, PyObject *offload_device,
-                            PyObject *kind);
+                            PyObject *kind, PyObject **books);
 /* The roster's stand-ins, a new list (roster.c). */
 PyObject *cs_roster_snapshot(cs_roster *roster);
 /* Frees the roster's array (an empty roster's). */

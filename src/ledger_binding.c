@@ -847,23 +847,33 @@ roster_tail_profile(PyObject *books, PyObject *load_device,
 
 PyObject *
 cs_ledger_profile(PyObject *ledger, PyObject *worker, PyObject *load_device,
-                  PyObject *offload_device, PyObject *kind)
+                  PyObject *offload_device, PyObject *kind,
+                  PyObject **books)
 {
     LedgerObject *self = (LedgerObject *)ledger;
     /* Both are entries of the table, which holds them: no Python runs. */
     PyObject *previous = self->last_books;
-    PyObject *books = self->books ? ledger_find_books(self, worker) : NULL;
-    if (books == NULL && PyErr_Occurred()) {
+    PyObject *found = self->books ? ledger_find_books(self, worker) : NULL;
+    if (found == NULL && PyErr_Occurred()) {
         return NULL;
     }
     PyObject *profile =
-        roster_tail_profile(books, load_device, offload_device, kind);
-    if (profile == NULL && previous != books) {
+        roster_tail_profile(found, load_device, offload_device, kind);
+    if (profile == NULL && previous != found) {
         profile = roster_tail_profile(previous, load_device, offload_device,
                                       kind);
     }
-    return profile ? Py_NewRef(profile)
-                   : PyTuple_Pack(3, load_device, offload_device, kind);
+    if (profile != NULL) {
+        *books = Py_XNewRef(found);
+        return Py_NewRef(profile);
+    }
+    profile = PyTuple_Pack(3, load_device, offload_device, kind);
+    /* The allocation may have run Python: look again. */
+    *books = profile ? cs_ledger_find(ledger, worker) : NULL;
+    if (*books == NULL && PyErr_Occurred()) {
+        Py_CLEAR(profile);
+    }
+    return profile;
 }
 
 PyObject *

@@ -98,12 +98,30 @@ cs_make_type(PyObject *module, PyType_Spec *spec, bool with_getattr)
 
 /* ---- StandIn: construction and lifetime ------------------------------- */
 
+/* The worker has a callable send_command and is_alive: methods of its
+ * class, looked up there (no bound method made) when the class keeps
+ * Python's own attribute lookup, and kept, so the next worker of that
+ * class is not looked at again; else attributes of the worker (its own,
+ * its __getattr__'s).  0, or -1 with TypeError or the worker's own
+ * exception. */
 static int
 check_worker(PyObject *worker, cs_module_state *state)
 {
     PyObject *names[2] = {state->str_send_command, state->str_is_alive};
+    PyObject *type = (PyObject *)Py_TYPE(worker);
+    bool of_class = Py_TYPE(worker)->tp_getattro == PyObject_GenericGetAttr;
+    if (type == state->worker_type) {
+        return 0;
+    }
     for (int i = 0; i < 2; i++) {
-        PyObject *method = PyObject_GetAttr(worker, names[i]);
+        PyObject *method =
+            of_class ? PyObject_GetAttr(type, names[i]) : NULL;
+        if (method == NULL &&
+            (!of_class || PyErr_ExceptionMatches(PyExc_AttributeError))) {
+            PyErr_Clear();
+            of_class = false;
+            method = PyObject_GetAttr(worker, names[i]);
+        }
         if (method == NULL && !PyErr_ExceptionMatches(PyExc_AttributeError)) {
             return -1; /* the worker's own error, KeyboardInterrupt too */
         }
@@ -119,30 +137,51 @@ check_worker(PyObject *worker, cs_module_state *state)
         }
         Py_DECREF(method);
     }
+    if (of_class) {
+        Py_XSETREF(state->worker_type, Py_NewRef(type));
+    }
     return 0;
+}
+
+/* comfy_standin.default_pool(), a new reference: the package's
+ * _default_pool once it is made (what the function then returns, without
+ * taking its lock), else the function's answer.  The package is imported
+ * once and kept in the module state. */
+static PyObject *
+default_pool(cs_module_state *state)
+{
+    if (state->package == NULL) {
+        PyObject *package = PyImport_ImportModule("comfy_standin");
+        if (package == NULL) {
+            return NULL;
+        }
+        Py_XSETREF(state->package, package);
+    }
+    PyObject *pool = PyDict_GetItemWithError(
+        PyModule_GetDict(state->package), state->str_default_pool);
+    if (pool != NULL && pool != Py_None) {
+        return Py_NewRef(pool);
+    }
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *factory = cs_getattr_interned(state->package, "default_pool");
+    pool = factory ? PyObject_CallNoArgs(factory) : NULL;
+    Py_XDECREF(factory);
+    return pool;
 }
 
 static PyObject *
 resolve_pool(PyObject *pool, cs_module_state *state, PyObject **ledger)
 {
-    if (pool == NULL || pool == Py_None) {
-        PyObject *package = PyImport_ImportModule("comfy_standin");
-        if (package == NULL) {
-            return NULL;
-        }
-        PyObject *factory = cs_getattr_interned(package, "default_pool");
-        Py_DECREF(package);
-        if (factory == NULL) {
-            return NULL;
-        }
-        pool = PyObject_CallNoArgs(factory);
-        Py_DECREF(factory);
-        if (pool == NULL) {
-            return NULL;
-        }
+    bool by_default = pool == NULL || pool == Py_None;
+    pool = by_default ? default_pool(state) : Py_NewRef(pool);
+    if (pool == NULL) {
+        return NULL;
     }
-    else {
-        Py_INCREF(pool);
+    if (by_default && pool == state->default_pool) {
+        *ledger = Py_NewRef(state->default_ledger);
+        return pool;
     }
     *ledger = PyObject_GetAttr(pool, state->str_ledger);
     if (*ledger == NULL && !PyErr_ExceptionMatches(PyExc_Exception)) {
@@ -159,6 +198,11 @@ resolve_pool(PyObject *pool, cs_module_state *state, PyObject **ledger)
                      pool);
         Py_DECREF(pool);
         return NULL;
+    }
+    if (by_default) {
+        /* Kept: a pool's ledger is made once, in its __init__. */
+        Py_XSETREF(state->default_ledger, Py_NewRef(*ledger));
+        Py_XSETREF(state->default_pool, Py_NewRef(pool));
     }
     return pool;
 }
@@ -209,17 +253,12 @@ standin_vectorcall(PyObject *type, PyObject *const *args, size_t nargsf,
  * stand-ins, releases their registrations and closes the old process's
  * board), as for any restart.  0, or -1 with an exception. */
 static int
-restart_if_newer(cs_module_state *state, PyObject *pool, PyObject *ledger,
+restart_if_newer(cs_module_state *state, PyObject *pool, PyObject *books,
                  PyObject *worker, PyObject *generation_obj,
                  uint64_t generation)
 {
-    PyObject *books = cs_ledger_find(ledger, worker);
-    if (books == NULL) {
-        return PyErr_Occurred() ? -1 : 0;
-    }
-    bool newer = generation > cs_worker_generation(cs_books_worker(books));
-    Py_DECREF(books);
-    if (!newer) {
+    if (books == NULL ||
+        generation <= cs_worker_generation(cs_books_worker(books))) {
         return 0;
     }
     PyObject *r = PyObject_CallMethodObjArgs(pool, state->str_restarted,
@@ -281,7 +320,7 @@ standin_make(PyTypeObject *type, cs_module_state *state, PyObject **argv)
 {
     PyObject *worker = argv[0], *size_obj = argv[3];
     PyObject *kind = NULL, *model_id = NULL, *pool = NULL, *ledger = NULL;
-    PyObject *profile = NULL, *size_int = NULL;
+    PyObject *profile = NULL, *size_int = NULL, *books = NULL;
     StandInObject *self = NULL;
     uint64_t generation = 0, size = 0;
 
@@ -290,14 +329,15 @@ standin_make(PyTypeObject *type, cs_module_state *state, PyObject **argv)
         return NULL;
     }
     pool = resolve_pool(argv[7], state, &ledger);
-    /* The profile first: it looks at the roster the ledger used last. */
-    profile = pool ? cs_ledger_profile(ledger, worker, argv[4], argv[5], kind)
+    profile = pool ? cs_ledger_profile(ledger, worker, argv[4], argv[5],
+                                       kind, &books)
                    : NULL;
     if (profile == NULL ||
-        restart_if_newer(state, pool, ledger, worker, argv[1], generation) <
+        restart_if_newer(state, pool, books, worker, argv[1], generation) <
             0) {
         goto error;
     }
+    Py_CLEAR(books);
     /* An exact int (an int subclass is read from its digits, never kept). */
     size_int = PyLong_CheckExact(size_obj) ? Py_NewRef(size_obj)
                                            : PyLong_FromUnsignedLongLong(size);
@@ -332,6 +372,7 @@ error:
     Py_XDECREF(kind);
     Py_XDECREF(profile);
     Py_XDECREF(size_int);
+    Py_XDECREF(books);
     return NULL;
 }
 
