@@ -22,6 +22,19 @@
 #define CS_DEAD_TEXT                                                        \
     "the worker's process is gone (send_command_no_spawn answered 'dead')"
 
+/* The model id for a message: an exact str, or None when even that
+ * could not be made (a message is never why a path fails). */
+static PyObject *
+message_id(StandInObject *self)
+{
+    PyObject *id = cs_standin_model_id(self);
+    if (id == NULL) {
+        PyErr_Clear();
+        id = Py_NewRef(Py_None);
+    }
+    return id;
+}
+
 /* ---- what to ask for -------------------------------------------------- */
 
 /* The byte count to ask for, in *out: `cap` unless `value` names a
@@ -97,9 +110,11 @@ worker_alive(StandInObject *self, cs_module_state *state)
     if (cs_catch(&caught) < 0) {
         return -1;
     }
+    PyObject *id = message_id(self);
     int logged = cs_log_warning("comfy_standin: is_alive() of the worker of "
                                 "model %R raised %S; treating it as alive",
-                                self->model_id, caught.text);
+                                id, caught.text);
+    Py_DECREF(id);
     cs_caught_release(&caught);
     return logged < 0 ? -1 : 1;
 }
@@ -164,7 +179,7 @@ send_command(StandInObject *self, cs_module_state *state,
              PyObject *k2, PyObject *v2)
 {
     PyObject *method = NULL, *args = NULL, *kwargs = NULL, *r = NULL;
-    PyObject *zero = NULL;
+    PyObject *zero = NULL, *model_id = NULL;
     int no_spawn = 0;
 
     if (evicting) {
@@ -188,8 +203,9 @@ send_command(StandInObject *self, cs_module_state *state,
     }
     args = Py_BuildValue("(s)", command);
     kwargs = PyDict_New();
-    if (args == NULL || kwargs == NULL ||
-        PyDict_SetItem(kwargs, state->str_model_id, self->model_id) < 0 ||
+    model_id = kwargs ? cs_standin_model_id(self) : NULL;
+    if (args == NULL || model_id == NULL ||
+        PyDict_SetItem(kwargs, state->str_model_id, model_id) < 0 ||
         PyDict_SetItem(kwargs, k1, v1) < 0 ||
         (k2 != NULL && PyDict_SetItem(kwargs, k2, v2) < 0)) {
         goto done;
@@ -213,6 +229,7 @@ done:
     Py_XDECREF(method);
     Py_XDECREF(args);
     Py_XDECREF(kwargs);
+    Py_XDECREF(model_id);
     Py_XDECREF(zero);
     return r;
 }
@@ -232,8 +249,11 @@ gone_path(StandInObject *self)
     }
     cs_worker_gone(cs_model_worker(self->record));
     cs_model_gone(self->record);
-    if (cs_log_warning("comfy_standin: the worker of model %R is gone",
-                       self->model_id) < 0) {
+    PyObject *id = message_id(self);
+    int logged =
+        cs_log_warning("comfy_standin: the worker of model %R is gone", id);
+    Py_DECREF(id);
+    if (logged < 0) {
         return -1;
     }
     if (self->pool == NULL) {
@@ -254,9 +274,11 @@ gone_path(StandInObject *self)
     if (cs_catch(&caught) < 0) {
         return -1;
     }
-    int logged = cs_log_warning("comfy_standin: pool.worker_gone() for "
-                                "model %R raised %S; receipts zeroed anyway",
-                                self->model_id, caught.text);
+    id = message_id(self);
+    logged = cs_log_warning("comfy_standin: pool.worker_gone() for model %R "
+                            "raised %S; receipts zeroed anyway",
+                            id, caught.text);
+    Py_DECREF(id);
     cs_caught_release(&caught);
     return logged;
 }
@@ -305,8 +327,11 @@ static int
 defer(StandInObject *self, const char *command, PyObject *text)
 {
     cs_model_set_eviction_deferred(self->record, true);
-    return cs_log_warning("comfy_standin: %s of model %R deferred: %S",
-                          command, self->model_id, text);
+    PyObject *id = message_id(self);
+    int logged = cs_log_warning("comfy_standin: %s of model %R deferred: %S",
+                                command, id, text);
+    Py_DECREF(id);
+    return logged;
 }
 
 /* The same for a detach (its own line in docs/troubleshooting.md): the
@@ -315,9 +340,12 @@ static int
 defer_detach(StandInObject *self, PyObject *text)
 {
     cs_model_set_eviction_deferred(self->record, true);
-    return cs_log_warning("comfy_standin: model_to_device of model %R "
-                          "deferred: %S",
-                          self->model_id, text);
+    PyObject *id = message_id(self);
+    int logged = cs_log_warning("comfy_standin: model_to_device of model %R "
+                                "deferred: %S",
+                                id, text);
+    Py_DECREF(id);
+    return logged;
 }
 
 /* A reply that did not decode (caught): counted, the eviction deferred
@@ -330,15 +358,15 @@ bad_reply(StandInObject *self, cs_caught *caught, const char *deferring)
     if (deferring != NULL) {
         cs_model_set_eviction_deferred(self->record, true);
     }
-    if (cs_log_warning("comfy_standin: bad reply for model %R: %S",
-                       self->model_id, caught->text) < 0) {
-        return -1;
+    PyObject *id = message_id(self);
+    int logged = cs_log_warning("comfy_standin: bad reply for model %R: %S",
+                                id, caught->text);
+    if (logged == 0 && deferring != NULL) {
+        logged = cs_log_warning("comfy_standin: %s of model %R deferred: %S",
+                                deferring, id, caught->text);
     }
-    if (deferring == NULL) {
-        return 0;
-    }
-    return cs_log_warning("comfy_standin: %s of model %R deferred: %S",
-                          deferring, self->model_id, caught->text);
+    Py_DECREF(id);
+    return logged;
 }
 
 /* ---- replies ---------------------------------------------------------- */
@@ -495,12 +523,13 @@ apply_reply(StandInObject *self, bool moved, bool measured,
 static PyObject *
 gone_error(StandInObject *self, cs_module_state *state, PyObject *cause)
 {
+    PyObject *id = message_id(self);
     cs_raise_from(state->worker_gone_error, cause,
                   "the worker of model %R (generation %llu) died or "
                   "restarted; the model is no longer available: reload the "
                   "node that loaded it.",
-                  self->model_id,
-                  (unsigned long long)cs_model_generation(self->record));
+                  id, (unsigned long long)cs_model_generation(self->record));
+    Py_DECREF(id);
     return NULL;
 }
 
@@ -716,14 +745,16 @@ unload_failed(StandInObject *self, bool bad_arguments)
     if (cs_catch(&caught) < 0) {
         return -1;
     }
+    PyObject *id = message_id(self);
     int logged =
         bad_arguments
             ? cs_log_warning("comfy_standin: partially_unload of model %R "
                              "called with bad arguments: %S; freed nothing",
-                             self->model_id, caught.text)
+                             id, caught.text)
             : cs_log_warning("comfy_standin: partially_unload of model %R "
                              "failed in the host: %S; freed nothing",
-                             self->model_id, caught.text);
+                             id, caught.text);
+    Py_DECREF(id);
     cs_caught_release(&caught);
     return logged;
 }
@@ -881,9 +912,11 @@ cs_standin_detach(StandInObject *self, PyObject *const *args,
         if (cs_catch(&caught) < 0) {
             return NULL;
         }
+        PyObject *id = message_id(self);
         int logged = cs_log_warning("comfy_standin: detach of model %R "
                                     "failed in the host: %S; receipt kept",
-                                    self->model_id, caught.text);
+                                    id, caught.text);
+        Py_DECREF(id);
         cs_caught_release(&caught);
         if (logged < 0) {
             return NULL;

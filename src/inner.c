@@ -554,7 +554,12 @@ cs_standin_sentinel_get(StandInObject *self)
             Py_DECREF(module);
             return NULL;
         }
-        o->model_id = Py_NewRef(self->model_id);
+        o->model_id = cs_standin_model_id(self);
+        if (o->model_id == NULL) {
+            Py_DECREF(o);
+            Py_DECREF(module);
+            return NULL;
+        }
         PyObject_GC_Track(o);
         /* The allocation may have run the collector and Python that made
          * the sentinel first: whoever made it first wins.  (cppcheck does

@@ -26,10 +26,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifndef _WIN32
-#include <time.h>
-#endif
-
 /* Marks a deleted slot of an open-addressing table: the address of an
  * object no table ever holds (not a pointer made from an integer). */
 #define TABLE_TOMBSTONE (&table_tombstone)
@@ -127,6 +123,7 @@ struct cs_worker {
     bool on_books; /* under the owning ledger's lock */
 
     fork_node registered; /* on fork_workers (the fork section) */
+    void *data;           /* the binding's (cs_worker_set_data) */
 };
 
 struct cs_ledger {
@@ -284,20 +281,7 @@ cs_status_message(cs_status status)
 uint64_t
 cs_monotonic_ns(void)
 {
-#ifdef _WIN32
-    static LARGE_INTEGER frequency; /* constant after boot; benign race */
-    LARGE_INTEGER now;
-    if (frequency.QuadPart == 0) {
-        QueryPerformanceFrequency(&frequency);
-    }
-    QueryPerformanceCounter(&now);
-    return (uint64_t)((double)now.QuadPart * 1e9 /
-                      (double)frequency.QuadPart);
-#else
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-#endif
+    return cs_clock_ns();
 }
 
 static uint64_t
@@ -574,12 +558,15 @@ cs_model_eviction_deferred(const cs_model *model)
 
 /* ---- the worker's table (caller holds worker->lock) ------------------- */
 
+/* The slot holding `id`, else the first empty one on its probe sequence,
+ * else (a full table) SIZE_MAX. */
 static size_t
 table_find_slot(const cs_worker *w, const char *id, size_t id_len,
                 uint64_t hash)
 {
     size_t mask = w->capacity - 1;
-    for (size_t i = (size_t)hash & mask;; i = (i + 1) & mask) {
+    size_t i = (size_t)hash & mask;
+    for (size_t probes = 0; probes < w->capacity; probes++) {
         cs_model *m = w->slots[i];
         if (m == NULL) {
             return i;
@@ -588,17 +575,26 @@ table_find_slot(const cs_worker *w, const char *id, size_t id_len,
             memcmp(m->id, id, id_len) == 0) {
             return i;
         }
+        i = (i + 1) & mask;
     }
+    return SIZE_MAX;
 }
 
 static cs_model *
 table_lookup(const cs_worker *w, const char *id, size_t id_len,
              uint64_t hash)
 {
-    if (w->capacity == 0) {
-        return NULL;
-    }
-    return w->slots[table_find_slot(w, id, id_len, hash)];
+    size_t i = w->capacity ? table_find_slot(w, id, id_len, hash) : SIZE_MAX;
+    return i == SIZE_MAX ? NULL : w->slots[i];
+}
+
+/* How many live and deleted entries a table of `capacity` holds before it
+ * grows: all of a small one (a worker's few models in one small array:
+ * a lookup probes 8 slots at most), 70% of a larger one. */
+static uint64_t
+table_room(uint64_t capacity)
+{
+    return capacity <= TABLE_MIN_CAPACITY ? capacity : capacity * 7 / 10;
 }
 
 /* The slot of `m`, which is in the table. */
@@ -613,8 +609,8 @@ table_grow(cs_worker *w)
 {
     uint64_t capacity =
         w->capacity ? (uint64_t)w->capacity * 2 : TABLE_MIN_CAPACITY;
-    /* Only tombstones filled the table: rehash in place at equal size. */
-    if (w->capacity && ((uint64_t)w->count + 1) * 2 <= w->capacity) {
+    /* Mostly tombstones filled the table: rehash in place at equal size. */
+    if (w->capacity && (uint64_t)w->count + 1 <= table_room(w->capacity) / 2) {
         capacity = w->capacity;
     }
     if (capacity > UINT32_MAX) {
@@ -645,9 +641,7 @@ table_grow(cs_worker *w)
 static cs_status
 table_insert(cs_worker *w, cs_model *m, uint64_t hash)
 {
-    /* Keep the load (live + tombstones) under 70%. */
-    if (((uint64_t)w->count + w->tombstones + 1) * 10 >
-        (uint64_t)w->capacity * 7) {
+    if ((uint64_t)w->count + w->tombstones + 1 > table_room(w->capacity)) {
         cs_status status = table_grow(w);
         if (status != CS_OK) {
             return status;
@@ -664,7 +658,7 @@ static cs_model *
 table_remove(cs_worker *w, cs_model *m)
 {
     size_t i = table_slot_of(w, m);
-    if (w->slots[i] != m) {
+    if (i == SIZE_MAX || w->slots[i] != m) {
         return NULL;
     }
     w->slots[i] = TABLE_TOMBSTONE;
@@ -756,6 +750,18 @@ cs_worker_decref(cs_worker *worker)
     cs_mutex_destroy(&worker->lock);
     free(worker);
     atomic_fetch_sub_explicit(&live_workers, 1, memory_order_relaxed);
+}
+
+void
+cs_worker_set_data(cs_worker *worker, void *data)
+{
+    worker->data = data;
+}
+
+void *
+cs_worker_data(const cs_worker *worker)
+{
+    return worker->data;
 }
 
 uint64_t

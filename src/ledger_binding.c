@@ -74,6 +74,7 @@ books_attach(BooksObject *self, cs_ledger *ledger, PyObject *key,
         return -1;
     }
     self->worker = worker; /* the reference cs_ledger_add_worker gave */
+    cs_worker_set_data(worker, self); /* how a stand-in finds its books */
     self->key = Py_NewRef(key);
     self->floor = cs_ledger_floor(ledger);
     PyObject_GC_Track(self);
@@ -107,6 +108,7 @@ books_dealloc(BooksObject *self)
     books_clear(self);
     cs_roster_free(&self->roster);
     if (self->worker != NULL) {
+        cs_worker_set_data(self->worker, NULL);
         cs_worker_decref(self->worker);
     }
     tp->tp_free(self);

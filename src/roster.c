@@ -44,7 +44,7 @@ roster_reserve(cs_roster *roster)
         roster_compact(roster);
         return 0;
     }
-    if (roster->capacity >= UINT32_C(1) << 30) { /* roster_index: 31 bits */
+    if (roster->capacity >= UINT32_C(1) << 29) { /* roster_index: 30 bits */
         PyErr_NoMemory();
         return -1;
     }
@@ -71,7 +71,7 @@ cs_roster_free(cs_roster *roster)
 void
 cs_roster_unlink(StandInObject *s)
 {
-    PyObject *books = s->books;
+    PyObject *books = cs_standin_books(s);
     if (books == NULL) {
         return;
     }
@@ -87,7 +87,7 @@ cs_roster_unlink(StandInObject *s)
     else if (roster->count < roster->used / 4) {
         roster_compact(roster);
     }
-    s->books = NULL;
+    s->listed = 0;
     Py_DECREF(books); /* last: it may free the books, and their worker */
 }
 
@@ -115,10 +115,11 @@ cs_roster_snapshot(cs_roster *roster)
 
 int
 cs_standin_enlist(StandInObject *self, PyObject *ledger, PyObject *worker,
-                  uint64_t generation, uint64_t size, PyObject *size_obj)
+                  PyObject *model_id, uint64_t generation, uint64_t size,
+                  PyObject *size_obj)
 {
     Py_ssize_t id_len;
-    const char *id = PyUnicode_AsUTF8AndSize(self->model_id, &id_len);
+    const char *id = PyUnicode_AsUTF8AndSize(model_id, &id_len);
     if (id == NULL) {
         return -1;
     }
@@ -132,14 +133,13 @@ cs_standin_enlist(StandInObject *self, PyObject *ledger, PyObject *worker,
     cs_roster *roster = cs_books_roster(books);
     cs_model *record = NULL;
     if (roster_reserve(roster) < 0 ||
-        cs_register_model(cs_books_worker(books), generation,
-                          self->model_id, id, (size_t)id_len, size, size_obj,
-                          &record) < 0) {
+        cs_register_model(cs_books_worker(books), generation, model_id, id,
+                          (size_t)id_len, size, size_obj, &record) < 0) {
         Py_DECREF(books);
         return -1;
     }
-    self->record = record;
-    self->books = books; /* the reference cs_ledger_books_for gave */
+    self->record = record; /* its worker's data are these books */
+    self->listed = 1;      /* the reference cs_ledger_books_for gave */
     self->roster_index = roster->used;
     roster->items[roster->used++] = self;
     roster->count++;

@@ -270,9 +270,8 @@ restart_if_newer(cs_module_state *state, PyObject *pool, PyObject *books,
 /* The constructor's checks, in the order a caller meets them: the worker,
  * the generation, the id, the size, the kind.  Fills *generation, *size,
  * *kind (a new reference; "other" when not given) and *model_id (an exact
- * str copy, new: a str subclass's __hash__, __eq__ or attributes never
- * reach the worker, the table or a cycle).  0, or -1 with an exception
- * and nothing owned. */
+ * str copy, new: a str subclass's __repr__ never runs in a message).  0,
+ * or -1 with an exception and nothing owned. */
 static int
 standin_args(cs_module_state *state, PyObject **argv, uint64_t *generation,
              uint64_t *size, PyObject **kind, PyObject **model_id)
@@ -352,14 +351,14 @@ standin_make(PyTypeObject *type, cs_module_state *state, PyObject **argv)
            sizeof(StandInObject) - sizeof(PyObject));
     self->profile = profile;
     self->pool = pool;
-    self->model_id = model_id;
     self->size_int = size_int;
-    profile = pool = model_id = size_int = NULL;
-    if (cs_standin_enlist(self, ledger, worker, generation, size, size_obj) <
-        0) {
+    profile = pool = size_int = NULL;
+    if (cs_standin_enlist(self, ledger, worker, model_id, generation, size,
+                          size_obj) < 0) {
         goto error;
     }
     PyObject_GC_Track(self);
+    Py_DECREF(model_id);
     Py_DECREF(ledger);
     Py_DECREF(kind);
     return (PyObject *)self;
@@ -381,18 +380,14 @@ standin_traverse(StandInObject *self, visitproc visit, void *arg)
 {
     Py_VISIT(Py_TYPE(self));
     Py_VISIT(self->module);
-    Py_VISIT(self->books);
+    Py_VISIT(cs_standin_books(self));
     Py_VISIT(self->pool);
     Py_VISIT(self->profile);
-    Py_VISIT(self->model_id);
     return 0;
 }
 
-/* model_id is kept: every message and accessor reads it, and a cycle
- * through it also runs through the other party (a str subclass's __dict__
- * or slots), whose own clear breaks it.  The profile goes (a device may be
- * any object, a tuple with no clear of its own): a cleared stand-in's
- * devices and kind read None. */
+/* The profile goes (a device may be any object, a tuple with no clear of
+ * its own): a cleared stand-in's devices and kind read None. */
 static int
 standin_clear(StandInObject *self)
 {
@@ -413,7 +408,6 @@ standin_dealloc(StandInObject *self)
         PyObject_ClearWeakRefs((PyObject *)self);
     }
     standin_clear(self);
-    Py_CLEAR(self->model_id);
     Py_CLEAR(self->size_int);
     Py_CLEAR(self->answer);
     if (self->record != NULL) {
@@ -554,11 +548,10 @@ standin_is_clone(StandInObject *self, PyObject *other)
             cs_model_generation(self->record)) {
         Py_RETURN_FALSE;
     }
-    int eq = PyUnicode_Compare(o->model_id, self->model_id);
-    if (eq == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    return PyBool_FromLong(eq == 0);
+    size_t len, other_len;
+    const char *id = cs_model_id(self->record, &len);
+    const char *other_id = cs_model_id(o->record, &other_len);
+    return PyBool_FromLong(len == other_len && memcmp(id, other_id, len) == 0);
 }
 
 static PyObject *
@@ -611,14 +604,27 @@ standin_receipt(StandInObject *self, PyObject *unused)
 static PyObject *
 standin_not_implemented(StandInObject *self, const char *what)
 {
-    PyErr_Format(PyExc_NotImplementedError,
-                 "model %R lives in a subprocess worker and cannot be %s in "
-                 "the host: the host holds no weights, so a %s would be "
-                 "silently wrong. Do it inside the node's own environment, "
-                 "where a real ModelPatcher holds the weights.",
-                 self->model_id, what,
-                 strcmp(what, "cloned") == 0 ? "clone" : "patch");
+    PyObject *id = cs_standin_model_id(self);
+    if (id != NULL) {
+        PyErr_Format(PyExc_NotImplementedError,
+                     "model %R lives in a subprocess worker and cannot be "
+                     "%s in the host: the host holds no weights, so a %s "
+                     "would be silently wrong. Do it inside the node's own "
+                     "environment, where a real ModelPatcher holds the "
+                     "weights.",
+                     id, what,
+                     strcmp(what, "cloned") == 0 ? "clone" : "patch");
+        Py_DECREF(id);
+    }
     return NULL;
+}
+
+PyObject *
+cs_standin_model_id(StandInObject *self)
+{
+    size_t len;
+    const char *id = cs_model_id(self->record, &len);
+    return PyUnicode_DecodeUTF8(id, (Py_ssize_t)len, NULL);
 }
 
 /* Neither object can cross a process boundary or be duplicated: a copy
@@ -665,9 +671,15 @@ attach_body(StandInObject *self, PyObject *board_obj, PyObject *slot_obj)
     /* The slot's identity is the host's (slot, tag): a slot released and
      * given to another model has a new tag, so this stand-in never reads
      * that model's bytes. */
-    if (cs_board_attach_model(board_obj, self->model_id, id, id_len,
-                              cs_model_size(self->record), slot_obj, &slot,
-                              &tag) < 0) {
+    PyObject *model_id = cs_standin_model_id(self); /* for messages */
+    int attached = model_id == NULL
+                       ? -1
+                       : cs_board_attach_model(board_obj, model_id, id,
+                                               id_len,
+                                               cs_model_size(self->record),
+                                               slot_obj, &slot, &tag);
+    Py_XDECREF(model_id);
+    if (attached < 0) {
         return NULL;
     }
     module = cs_standin_module_get(self); /* the board is read through it */
@@ -791,7 +803,7 @@ standin_get_generation(StandInObject *self, void *closure)
 static PyObject *
 standin_get_model_id(StandInObject *self, void *closure)
 {
-    return Py_NewRef(self->model_id);
+    return cs_standin_model_id(self);
 }
 
 static PyObject *
@@ -862,18 +874,24 @@ static PyObject *
 standin_repr(StandInObject *self)
 {
     PyObject *kind = cs_profile_item(self, PROFILE_KIND);
-    if (kind == NULL) { /* GC-cleared */
-        return PyUnicode_FromFormat("<StandIn %R (cleared)>",
-                                    self->model_id);
+    PyObject *id = cs_standin_model_id(self), *text;
+    if (id == NULL) {
+        return NULL;
     }
-    return PyUnicode_FromFormat(
-        "<StandIn %R (%U) of worker generation %llu: %llu of %llu bytes "
-        "loaded%s>",
-        self->model_id, kind,
-        (unsigned long long)cs_model_generation(self->record),
-        (unsigned long long)cs_standin_loaded(self),
-        (unsigned long long)cs_model_size(self->record),
-        cs_model_stale(self->record) ? ", stale" : "");
+    if (kind == NULL) { /* GC-cleared */
+        text = PyUnicode_FromFormat("<StandIn %R (cleared)>", id);
+    }
+    else {
+        text = PyUnicode_FromFormat(
+            "<StandIn %R (%U) of worker generation %llu: %llu of %llu "
+            "bytes loaded%s>",
+            id, kind, (unsigned long long)cs_model_generation(self->record),
+            (unsigned long long)cs_standin_loaded(self),
+            (unsigned long long)cs_model_size(self->record),
+            cs_model_stale(self->record) ? ", stale" : "");
+    }
+    Py_DECREF(id);
+    return text;
 }
 
 static PyGetSetDef standin_getset[] = {

@@ -75,23 +75,18 @@ typedef struct {
     PyObject *weakreflist;
 } ModuleObject;
 
-/* The size and generation live in the record, the worker in the books.
- * The inner module is made on first use (ComfyUI reads `.model` in a few
- * places only), the sentinel on its first use, in the module; both are
- * kept from then on, so every access returns the same object.  Until the
- * module exists no device was assigned and no board attached, and the
- * stand-in answers from the record and its profile.  Ten words: 112 bytes
- * with the GC header, one pymalloc size class (bench/RESULTS.md). */
+/* The id, size and generation live in the record, the worker in the
+ * books.  The inner module is made on first use (ComfyUI reads `.model` in
+ * a few places only), the sentinel on its first use, in the module; both
+ * are kept from then on, so every access returns the same object.  Until
+ * the module exists no device was assigned and no board attached, and the
+ * stand-in answers from the record and its profile.  Eight words: 96
+ * bytes with the GC header, one pymalloc size class (bench/RESULTS.md). */
 struct StandInObject {
     PyObject_HEAD
     cs_model *record;   /* a handle (cs_model_release_handle); set before
                          * the object is tracked; immutable */
-    /* The worker's books (WorkerBooks, whose key is the worker): strong
-     * from construction until the stand-in is cleared; it is listed on
-     * their roster at roster_index all that time (roster.c). */
-    PyObject *books;
     PyObject *pool;     /* strong; immutable; NULL once GC-cleared */
-    PyObject *model_id; /* strong exact str; immutable */
     /* Strong tuple (load_device, offload_device, kind); immutable; NULL
      * once GC-cleared.  Shared with the stand-in made before it under the
      * same ledger when they hold the same three objects. */
@@ -105,15 +100,29 @@ struct StandInObject {
      * version); strong; GIL. */
     PyObject *answer;
     uint32_t answered;
-    uint32_t roster_index : 31; /* GIL */
-    uint32_t reads_board : 1;   /* attach_board, detach_board; GIL */
+    /* While `listed`, the stand-in holds a reference to its worker's books
+     * (cs_standin_books) and is on their roster at roster_index: from
+     * construction until it is cleared (roster.c).  GIL. */
+    uint32_t roster_index : 30;
+    uint32_t listed : 1;
+    uint32_t reads_board : 1; /* attach_board, detach_board; GIL */
 };
+
+/* The worker's books (WorkerBooks, binding.h), borrowed: the record's
+ * worker keeps a pointer to them; NULL once GC-cleared. */
+static inline PyObject *
+cs_standin_books(StandInObject *self)
+{
+    return self->listed ? cs_worker_data(cs_model_worker(self->record))
+                        : NULL;
+}
 
 /* The worker, borrowed; NULL once GC-cleared. */
 static inline PyObject *
 cs_standin_worker(StandInObject *self)
 {
-    return self->books ? cs_books_key(self->books) : NULL;
+    PyObject *books = cs_standin_books(self);
+    return books ? cs_books_key(books) : NULL;
 }
 
 enum { PROFILE_LOAD, PROFILE_OFFLOAD, PROFILE_KIND };
@@ -146,6 +155,9 @@ int cs_standin_answer_init(StandInObject *self);
 /* Every kept board answer is decided again, the heartbeat's age included,
  * at the next loaded_size() (Ledger.reread_boards). */
 void cs_standin_reread_boards(void);
+/* The model id, an exact str decoded from the record: a new reference, or
+ * NULL with MemoryError. */
+PyObject *cs_standin_model_id(StandInObject *self);
 /* The exception raised for pickling or copying (METH_O / METH_NOARGS). */
 PyObject *cs_refuse_pickle(PyObject *self, PyObject *unused);
 /* `type` from `spec`, with the stand-in's __getattr__ when `with_getattr`
@@ -186,7 +198,8 @@ void cs_module_drop_board(ModuleObject *m);
  * books are found or made first, then nothing that can run Python happens
  * until the stand-in is listed.  0, or -1 with an exception. */
 int cs_standin_enlist(StandInObject *self, PyObject *ledger,
-                      PyObject *worker, uint64_t generation, uint64_t size,
+                      PyObject *worker, PyObject *model_id,
+                      uint64_t generation, uint64_t size,
                       PyObject *size_obj);
 /* Takes the stand-in off its roster and drops its books (idempotent).
  * Runs no Python until the roster is consistent again; dropping the books

@@ -131,26 +131,21 @@ table_add(cs_module_state *state, PyObject *table, PyObject *key,
                      key, value);
         goto done;
     }
-    PyObject *model_id = ((StandInObject *)value)->model_id;
-    /* Compares the characters: no __eq__ of a str subclass runs. */
-    int same = PyUnicode_Check(key) && model_id != NULL
-                   ? PyUnicode_Compare(model_id, key)
-                   : 1;
-    if (same == -1 && PyErr_Occurred()) {
+    PyObject *model_id = cs_standin_model_id((StandInObject *)value);
+    if (model_id == NULL) {
         goto done;
     }
-    if (same != 0) {
+    /* Compares the characters: no __eq__ of a str subclass runs. */
+    int same = PyUnicode_Check(key) ? PyUnicode_Compare(model_id, key) : 1;
+    if (same == 0) {
+        result = PyDict_SetItem(table, model_id, value); /* an exact str */
+    }
+    else if (same != -1 || !PyErr_Occurred()) {
         PyErr_Format(state->echo_error,
                      "standins[%R]: the stand-in is for model %R", key,
-                     model_id ? model_id : Py_None);
-        goto done;
+                     model_id);
     }
-    PyObject *exact = PyUnicode_FromObject(key);
-    if (exact == NULL) {
-        goto done;
-    }
-    result = PyDict_SetItem(table, exact, value);
-    Py_DECREF(exact);
+    Py_DECREF(model_id);
 done:
     Py_DECREF(key);
     Py_DECREF(value);

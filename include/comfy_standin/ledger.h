@@ -168,6 +168,12 @@ uint64_t cs_ledger_total_charge(cs_ledger *ledger, const cs_figure *figures,
 void cs_worker_incref(cs_worker *worker);
 void cs_worker_decref(cs_worker *worker);
 
+/* A pointer the caller keeps with the worker (a binding: its object for
+ * the worker), NULL until set.  Not synchronised: set it before the
+ * worker is shared. */
+void cs_worker_set_data(cs_worker *worker, void *data);
+void *cs_worker_data(const cs_worker *worker);
+
 uint64_t cs_worker_generation(const cs_worker *worker);
 bool cs_worker_alive(const cs_worker *worker);
 uint32_t cs_worker_in_flight(const cs_worker *worker);

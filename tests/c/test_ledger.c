@@ -422,6 +422,38 @@ test_many_models(void)
     cs_ledger_free(l);
 }
 
+static void
+test_a_full_small_table(void)
+{
+    /* Eight models fill a worker's first table: an absent id is found
+     * absent (the probe stops), a census naming one is refused, and a
+     * ninth model grows the table. */
+    cs_ledger *l = cs_ledger_new(0);
+    cs_worker *w = cs_ledger_add_worker(l, 1);
+    cs_model *models[9];
+    char id[32];
+    for (int i = 0; i < 8; i++) {
+        snprintf(id, sizeof(id), "m%d", i);
+        models[i] = reg(w, 1, id, 10);
+    }
+    CHECK(cs_worker_find_model(w, "absent", 6) == NULL);
+    cs_census_entry entry = {"absent", 6, false, 0, 1};
+    size_t bad = 99;
+    CHECK(cs_worker_apply_census(w, &entry, 1, NULL, &bad) ==
+          CS_ERR_UNKNOWN_ID);
+    CHECK(bad == 0);
+    models[8] = reg(w, 1, "m8", 10);
+    for (int i = 0; i < 9; i++) {
+        snprintf(id, sizeof(id), "m%d", i);
+        cs_model *m = cs_worker_find_model(w, id, strlen(id));
+        CHECK(m == models[i]);
+        cs_model_decref(m);
+        cs_model_release_handle(models[i]);
+    }
+    cs_worker_decref(w);
+    cs_ledger_free(l);
+}
+
 /* ---- threads: no torn pairs, seq never backwards, bounds hold -------- */
 
 enum { WRITERS = 3, READERS = 3, ROUNDS = 20000 };
@@ -615,6 +647,7 @@ main(void)
     test_generations();
     test_charges_and_reserve();
     test_many_models();
+    test_a_full_small_table();
     test_threads();
     test_census_race();
     /* Every test freed what it made: the refcounts balance. */
