@@ -204,6 +204,13 @@ class _Worker:
         return True
 
 
+#: Target sets the rounds take turns with: each round calls methods of
+#: objects at other addresses, so no coincidence of one layout (a load
+#: that aliases a store of the interpreter's, seen to cost either method
+#: 5 ns in some processes and not in others) decides a row.
+SETS = 16
+
+
 def measure(rounds: int, per_round: int) -> dict[str, Any]:
     """This interpreter's figures: per call, ns, bare loop subtracted."""
     import tempfile
@@ -211,33 +218,40 @@ def measure(rounds: int, per_round: int) -> dict[str, Any]:
     import comfy_standin as cs
 
     pool = cs.Pool(process_local=False)
-    worker = _Worker()
     size = 8 << 30
     with tempfile.TemporaryDirectory() as directory:
-        floor = build_floor(directory).Floor(5 << 30)
-    targets: dict[str, Any] = {"int": 1 << 40, "floor": floor}
-    for name, loaded in (("part", 5 << 30), ("all", size), ("none", 0),
-                         ("board", 2 << 30)):
-        s = cs.StandIn(worker, 1, name, size, "cuda:0", "cpu", pool=pool)
-        cs.apply_echo(s, loaded, seq=1)
-        targets[name] = s
-    board = cs.Board.create(1, generation=1)
+        floor_type = build_floor(directory).Floor
+    board = cs.Board.create(SETS, generation=1)
     worker_side = cs.Board.open(board.fd)
-    slot = targets["board"].attach_board(board)
-    worker_side.bind(slot, board.tag(slot))
-    worker_side.publish(slot, 5 << 30)  # newer than the receipt: it wins
-    if targets["board"].receipt()[3] != "board":
+    sets: list[dict[str, Any]] = []
+    for k in range(SETS):
+        worker = _Worker()
+        targets: dict[str, Any] = {"int": (1 << 40) + k,
+                                   "floor": floor_type(5 << 30)}
+        for name, loaded in (("part", 5 << 30), ("all", size),
+                             ("none", 0), ("board", 2 << 30)):
+            s = cs.StandIn(worker, 1, f"{name}-{k}", size, "cuda:0", "cpu",
+                           pool=pool)
+            cs.apply_echo(s, loaded, seq=1)
+            targets[name] = s
+        slot = targets["board"].attach_board(board)
+        worker_side.bind(slot, board.tag(slot))
+        worker_side.publish(slot, 5 << 30)  # newer than the receipt: it wins
+        sets.append(targets)
+    if any(t["board"].receipt()[3] != "board" for t in sets):
         raise RuntimeError("the board's reading does not win")
     namespace: dict[str, Any] = {}
     exec(compile(LOOPS, "<loops>", "exec"), namespace)  # noqa: S102
-    for _, loop, target in ROWS:  # warm-up: specialisation on 3.11+
-        namespace[loop](targets[target], 5000)
+    for targets in sets:  # warm-up: specialisation on 3.11+
+        for _, loop, target in ROWS:
+            namespace[loop](targets[target], 5000 // SETS + 1)
     namespace["empty"](None, 5000)
     load_before = os.getloadavg()
     samples: dict[str, list[float]] = {row: [] for row in CALLS}
     clock = time.perf_counter_ns
     for r in range(rounds):
         worker_side.heartbeat()  # what the worker's sampler thread does
+        targets = sets[r % SETS]
         order = list(ROWS)
         order = order[r % len(order):] + order[:r % len(order)]
         t0 = clock()
@@ -250,23 +264,36 @@ def measure(rounds: int, per_round: int) -> dict[str, Any]:
             elapsed = clock() - t0
             samples[row].append(max(0.0, (elapsed - empty) / per_round))
     load_after = os.getloadavg()
-    if targets["board"].receipt()[3] != "board":
+    if any(t["board"].receipt()[3] != "board" for t in sets):
         raise RuntimeError("the board's reading stopped winning")
     worker_side.close()
     board.close()
-    figures = {}
-    for name, values in samples.items():
-        values.sort()
-        figures[name] = {
-            "median": statistics.median(values),
-            "p95": values[int(0.95 * (len(values) - 1))],
-        }
     return {
         "python": platform.python_implementation() + " "
         + platform.python_version(),
         "rounds": rounds,
         "per_round": per_round,
         "load": [load_before[0], load_after[0]],
+        "samples": samples,
+    }
+
+
+def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One Python's figures from its processes' rounds, pooled: the median
+    and the 95th percentile of every round of every process."""
+    figures = {}
+    for name in CALLS:
+        values = sorted(v for run in runs for v in run["samples"][name])
+        figures[name] = {
+            "median": statistics.median(values),
+            "p95": values[int(0.95 * (len(values) - 1))],
+        }
+    return {
+        "python": runs[0]["python"],
+        "rounds": sum(run["rounds"] for run in runs),
+        "processes": len(runs),
+        "per_round": runs[0]["per_round"],
+        "load": [runs[0]["load"][0], runs[-1]["load"][1]],
         "figures": figures,
     }
 
@@ -321,18 +348,26 @@ def verdict(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def run_children(pythons: list[str], rounds: int,
-                 per_round: int) -> list[dict[str, Any]]:
-    results = []
-    for python in pythons:
-        done = subprocess.run(
-            [python, str(Path(__file__).resolve()), "--child",
-             "--rounds", str(rounds), "--per-round", str(per_round)],
-            capture_output=True, text=True, check=True,
-            cwd=str(HERE.parent),
-        )
-        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    return results
+def run_children(pythons: list[str], rounds: int, per_round: int,
+                 processes: int) -> list[dict[str, Any]]:
+    """Each Python's figures, from `processes` processes of it taking
+    turns, `rounds` rounds in all: where a process's code and objects
+    land decides a few ns of one call or another (a load aliasing a store,
+    a branch target another's), seen to flip between processes, so no one
+    process speaks for the interpreter."""
+    runs: dict[str, list[dict[str, Any]]] = {python: [] for python in pythons}
+    share = max(1, rounds // processes)
+    for _ in range(processes):
+        for python in pythons:
+            done = subprocess.run(
+                [python, str(Path(__file__).resolve()), "--child",
+                 "--rounds", str(share), "--per-round", str(per_round)],
+                capture_output=True, text=True, check=True,
+                cwd=str(HERE.parent),
+            )
+            runs[python].append(
+                json.loads(done.stdout.strip().splitlines()[-1]))
+    return [pooled(runs[python]) for python in pythons]
 
 
 def format_section(results: list[dict[str, Any]], command: str) -> str:
@@ -340,8 +375,9 @@ def format_section(results: list[dict[str, Any]], command: str) -> str:
     return "\n".join([
         BEGIN_MARKER,
         f"Command: `{command}` (each path a virtual environment's python "
-        "with comfy_standin installed).  Each Python in its own process: "
-        f"{first['rounds']} rounds of {first['per_round']:,} calls of each, "
+        "with comfy_standin installed).  Each Python in "
+        f"{first['processes']} processes of it, {first['rounds']} rounds in "
+        f"all of {first['per_round']:,} calls of each, "
         "taking turns, the bare loop of the same round subtracted; the "
         "median and the 95th percentile over the rounds, each as a ratio "
         "to the floor: `floor.value()`, a METH_NOARGS method of a tiny C "
@@ -379,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pythons", nargs="*", default=None)
     parser.add_argument("--rounds", type=int, default=400)
     parser.add_argument("--per-round", type=int, default=20_000)
+    parser.add_argument("--processes", type=int, default=8)
     parser.add_argument("--write", action="store_true")
     parser.add_argument("--child", action="store_true",
                         help=argparse.SUPPRESS)
@@ -386,16 +423,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(measure(args.rounds, args.per_round)))
         return 0
-    if args.pythons:
-        results = run_children(args.pythons, args.rounds, args.per_round)
-    else:
-        results = [measure(args.rounds, args.per_round)]
+    results = run_children(args.pythons or [sys.executable], args.rounds,
+                           args.per_round, args.processes)
     print(format_table(results))
     print(verdict(results))
     if args.write:
         command = "python bench/bench_method_calls.py"
         if args.pythons:
             command += " --pythons " + " ".join(args.pythons)
+        if args.processes != 8:
+            command += f" --processes {args.processes}"
         command += " --write"
         write_section(format_section(results, command))
     return 0
