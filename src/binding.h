@@ -135,15 +135,6 @@ int cs_value_in_range(PyObject *value, const char *field, PyObject *exc,
 int cs_seconds_in_range(PyObject *value, const char *field, uint64_t min_ns,
                         uint64_t max_ns, uint64_t *out_ns);
 
-/* Decodes census[index] (a dict with 'id', 'resident', optional 'seq' and
- * 'device').  Unused: *id is BORROWED from the entry and dies with it,
- * and looking keys up may run Python; use cs_census_snapshot_take.
- * Sets *id (borrowed str), *resident, *has_seq, *seq; or
- * raises EchoError naming the field and returns -1. */
-int cs_decode_census_entry(cs_module_state *state, PyObject *entry,
-                           Py_ssize_t index, PyObject **id,
-                           uint64_t *resident, int *has_seq, int64_t *seq);
-
 /* The module state of `type`'s module, or NULL with RuntimeError when
  * the module was cleared (m_clear ran; its fields are NULL). */
 cs_module_state *cs_state_checked(PyTypeObject *type);
@@ -171,10 +162,6 @@ typedef struct {
 int cs_census_snapshot_take(cs_module_state *state, PyObject *census,
                             cs_census_snapshot *out);
 void cs_census_snapshot_release(cs_census_snapshot *snapshot);
-
-/* Checks a census container: a list or tuple.  Returns a new reference to
- * a sequence-fast object or NULL with `echo_error` raised. */
-PyObject *cs_census_fast(PyObject *echo_error, PyObject *census);
 
 /* ---- exceptions (errors.c): one rule -------------------------------- */
 
@@ -279,9 +266,6 @@ cs_books_roster(PyObject *books)
  * with an exception. */
 PyObject *cs_ledger_books_for(PyObject *ledger, PyObject *key,
                               uint64_t generation);
-/* The books of `key`, a new reference, or NULL (with an exception only if
- * one was raised).  Runs no Python. */
-PyObject *cs_ledger_find(PyObject *ledger, PyObject *key);
 /* The profile tuple (load_device, offload_device, kind) for a stand-in of
  * `worker`, a new reference: the one of the stand-in listed last on the
  * worker's roster, or else on the roster used last under `ledger`, when
@@ -303,18 +287,12 @@ int cs_check_model_id(PyObject *id);
 typedef struct cs_model cs_model;
 /* cs_worker_register_model with the errors raised: a size mismatch is a
  * ValueError naming both sizes, an id too long a ValueError naming its
- * length; the rest as cs_raise_status.  *out is a handle. */
+ * length; the rest as what the core's status says (a MemoryError, a
+ * ValueError, a RuntimeError).  *out is a handle. */
 int cs_register_model(cs_worker *worker, uint64_t generation,
                       PyObject *id_obj, const char *id, size_t id_len,
                       uint64_t size, PyObject *size_obj, cs_model **out);
 
-/* Raises what a failed status of the core means ("WHAT: message"): only
- * CS_ERR_NOMEM is a MemoryError; a value out of range, an unknown or
- * repeated id or a size mismatch is a ValueError, a stale model or a call
- * out of order a RuntimeError.  Returns -1. */
-int cs_raise_status(int status, const char *what);
 
-int cs_state_traverse(cs_module_state *state, visitproc visit, void *arg);
-void cs_state_clear(cs_module_state *state);
 
 #endif /* COMFY_STANDIN_BINDING_H */

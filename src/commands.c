@@ -557,37 +557,48 @@ load_send_failed(StandInObject *self, cs_module_state *state)
     return NULL;
 }
 
-/* partially_load's body, on owned arguments (extra may be NULL). */
-static PyObject *
-load_body(StandInObject *self, cs_module_state *state, PyObject *device_to,
-          PyObject *extra)
+PyObject *
+cs_standin_partially_load(StandInObject *self, PyObject *const *args,
+                          Py_ssize_t nargs, PyObject *kwnames)
 {
+    PyObject *argv[3];
+    cs_module_state *state = cs_state_checked(Py_TYPE(self));
+    if (state == NULL ||
+        cs_parse_vector(state, CS_SIG_PARTIALLY_LOAD, args, nargs, kwnames,
+                        argv) < 0) {
+        return NULL;
+    }
     PyObject *want_obj = NULL, *device_str = NULL, *reply = NULL;
     PyObject *result = NULL;
-    uint64_t loaded = 0, resident = 0, want;
-    int has_resident = 0;
+    uint64_t loaded = 0, resident = 0, before, want;
+    int has_resident = 0, alive;
     int64_t seq;
     cs_caught caught;
 
+    /* Owned across the worker's code and the amount's (cs_args_hold). */
+    cs_args_hold(argv, 3);
     if (cs_model_stale(self->record) || cs_standin_worker(self) == NULL) {
-        /* (worker NULL: cleared by the GC, never to be used again) */
-        return gone_error(self, state, NULL);
+        gone_error(self, state, NULL); /* a GC-cleared one is never used */
+        goto done;
     }
-    int alive = worker_alive(self, state);
-    if (alive <= 0) {
-        return alive < 0 || gone_path(self) < 0
-                   ? NULL
-                   : gone_error(self, state, NULL);
+    alive = worker_alive(self, state);
+    if (alive < 0 || (alive == 0 && gone_path(self) < 0)) {
+        goto done;
+    }
+    if (alive == 0) {
+        gone_error(self, state, NULL);
+        goto done;
     }
     if (cs_model_size(self->record) == 0) {
-        return PyLong_FromLong(0);
+        result = PyLong_FromLong(0);
+        goto done;
     }
-    uint64_t before = cs_standin_loaded(self);
-    if (requested_bytes(extra, cs_model_size(self->record), &want) < 0) {
-        return NULL;
+    before = cs_standin_loaded(self);
+    if (requested_bytes(argv[1], cs_model_size(self->record), &want) < 0) {
+        goto done;
     }
     want_obj = PyLong_FromUnsignedLongLong(want);
-    device_str = PyObject_Str(device_to);
+    device_str = PyObject_Str(argv[0]);
     if (want_obj == NULL || device_str == NULL) {
         goto done;
     }
@@ -626,23 +637,6 @@ done:
     Py_XDECREF(want_obj);
     Py_XDECREF(device_str);
     Py_XDECREF(reply);
-    return result;
-}
-
-PyObject *
-cs_standin_partially_load(StandInObject *self, PyObject *const *args,
-                          Py_ssize_t nargs, PyObject *kwnames)
-{
-    PyObject *argv[3];
-    cs_module_state *state = cs_state_checked(Py_TYPE(self));
-    if (state == NULL ||
-        cs_parse_vector(state, CS_SIG_PARTIALLY_LOAD, args, nargs, kwnames,
-                        argv) < 0) {
-        return NULL;
-    }
-    /* Owned across the worker's code and the amount's (cs_args_hold). */
-    cs_args_hold(argv, 3);
-    PyObject *result = load_body(self, state, argv[0], argv[1]);
     cs_args_release(argv, 3);
     return result;
 }

@@ -427,10 +427,9 @@ model_new(cs_worker *worker, uint64_t generation, const char *id,
     atomic_init(&m->rc_version, 0);
     atomic_init(&m->rc_loaded, 0);
     atomic_init(&m->rc_seq, CS_SEQ_NONE);
-    /* The precise clock, not a coarse one: a board reading published
-     * before the registration must read as older than it (a coarse stamp
-     * lags by up to a tick, and the differential referee caught a board
-     * value winning over a newer registration that way). */
+    /* The precise clock: a board reading published before the
+     * registration must read as older than it (a coarse stamp lags by up
+     * to a tick). */
     atomic_init(&m->rc_time, cs_monotonic_ns());
     atomic_init(&m->rc_source, (uint8_t)CS_SOURCE_REGISTERED);
     atomic_init(&m->bad_replies, 0);

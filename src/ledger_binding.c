@@ -115,22 +115,23 @@ books_dealloc(BooksObject *self)
     Py_DECREF(tp);
 }
 
-static PyObject *
-books_get_generation(BooksObject *self, void *closure)
-{
-    return PyLong_FromUnsignedLongLong(cs_worker_generation(self->worker));
-}
+enum { BOOKS_GENERATION, BOOKS_ALIVE, BOOKS_IN_FLIGHT, BOOKS_READING };
 
+/* One getter for the worker's figures: the closure names the field. */
 static PyObject *
-books_get_alive(BooksObject *self, void *closure)
+books_get(BooksObject *self, void *closure)
 {
-    return PyBool_FromLong(cs_worker_alive(self->worker));
-}
-
-static PyObject *
-books_get_in_flight(BooksObject *self, void *closure)
-{
-    return PyLong_FromUnsignedLong(cs_worker_in_flight(self->worker));
+    const cs_worker *w = self->worker;
+    switch ((intptr_t)closure) {
+    case BOOKS_GENERATION:
+        return PyLong_FromUnsignedLongLong(cs_worker_generation(w));
+    case BOOKS_ALIVE:
+        return PyBool_FromLong(cs_worker_alive(w));
+    case BOOKS_IN_FLIGHT:
+        return PyLong_FromUnsignedLong(cs_worker_in_flight(w));
+    default:
+        return PyLong_FromUnsignedLongLong(cs_worker_reading(w));
+    }
 }
 
 static PyObject *
@@ -141,12 +142,6 @@ books_get_report(BooksObject *self, void *closure)
     return Py_BuildValue("(KKK)", (unsigned long long)held,
                          (unsigned long long)pinned,
                          (unsigned long long)overhead);
-}
-
-static PyObject *
-books_get_reading(BooksObject *self, void *closure)
-{
-    return PyLong_FromUnsignedLongLong(cs_worker_reading(self->worker));
 }
 
 static PyObject *
@@ -383,46 +378,37 @@ record_get_model_id(RecordObject *self, void *closure)
     return PyUnicode_DecodeUTF8(id, (Py_ssize_t)len, "surrogatepass");
 }
 
-static PyObject *
-record_get_size(RecordObject *self, void *closure)
-{
-    return PyLong_FromUnsignedLongLong(cs_model_size(self->model));
-}
+enum {
+    RECORD_SIZE,
+    RECORD_GENERATION,
+    RECORD_LOADED,
+    RECORD_PEAK,
+    RECORD_WRITES,
+    RECORD_STALE,
+    RECORD_DEFERRED
+};
 
+/* One getter for the record's figures: the closure names the field. */
 static PyObject *
-record_get_generation(RecordObject *self, void *closure)
+record_get(RecordObject *self, void *closure)
 {
-    return PyLong_FromUnsignedLongLong(cs_model_generation(self->model));
-}
-
-static PyObject *
-record_get_stale(RecordObject *self, void *closure)
-{
-    return PyBool_FromLong(cs_model_stale(self->model));
-}
-
-static PyObject *
-record_get_loaded(RecordObject *self, void *closure)
-{
-    return PyLong_FromUnsignedLongLong(cs_model_loaded(self->model));
-}
-
-static PyObject *
-record_get_peak(RecordObject *self, void *closure)
-{
-    return PyLong_FromUnsignedLongLong(cs_model_admission_peak(self->model));
-}
-
-static PyObject *
-record_get_deferred(RecordObject *self, void *closure)
-{
-    return PyBool_FromLong(cs_model_eviction_deferred(self->model));
-}
-
-static PyObject *
-record_get_write_count(RecordObject *self, void *closure)
-{
-    return PyLong_FromUnsignedLong(cs_model_version(self->model) / 2);
+    const cs_model *m = self->model;
+    switch ((intptr_t)closure) {
+    case RECORD_SIZE:
+        return PyLong_FromUnsignedLongLong(cs_model_size(m));
+    case RECORD_GENERATION:
+        return PyLong_FromUnsignedLongLong(cs_model_generation(m));
+    case RECORD_LOADED:
+        return PyLong_FromUnsignedLongLong(cs_model_loaded(m));
+    case RECORD_PEAK:
+        return PyLong_FromUnsignedLongLong(cs_model_admission_peak(m));
+    case RECORD_WRITES:
+        return PyLong_FromUnsignedLong(cs_model_version(m) / 2);
+    case RECORD_STALE:
+        return PyBool_FromLong(cs_model_stale(m));
+    default:
+        return PyBool_FromLong(cs_model_eviction_deferred(m));
+    }
 }
 
 static PyObject *
@@ -458,17 +444,19 @@ record_repr(RecordObject *self)
                                 cs_source_name(r.source));
 }
 
+#define RECORD_FIELD(name, field, doc)                                        \
+    {name, (getter)record_get, NULL, doc, (void *)(intptr_t)(field)}
+
 static PyGetSetDef record_getset[] = {
     {"model_id", (getter)record_get_model_id, NULL, NULL, NULL},
-    {"size", (getter)record_get_size, NULL, NULL, NULL},
-    {"generation", (getter)record_get_generation, NULL, NULL, NULL},
-    {"stale", (getter)record_get_stale, NULL,
-     "The model's generation is over, or its worker is gone.", NULL},
-    {"loaded", (getter)record_get_loaded, NULL, NULL, NULL},
-    {"peak", (getter)record_get_peak, NULL, "The admission peak.", NULL},
-    {"eviction_deferred", (getter)record_get_deferred, NULL, NULL, NULL},
-    {"write_count", (getter)record_get_write_count, NULL,
-     "Receipts written so far.", NULL},
+    RECORD_FIELD("size", RECORD_SIZE, NULL),
+    RECORD_FIELD("generation", RECORD_GENERATION, NULL),
+    RECORD_FIELD("stale", RECORD_STALE,
+                 "The model's generation is over, or its worker is gone."),
+    RECORD_FIELD("loaded", RECORD_LOADED, NULL),
+    RECORD_FIELD("peak", RECORD_PEAK, "The admission peak."),
+    RECORD_FIELD("eviction_deferred", RECORD_DEFERRED, NULL),
+    RECORD_FIELD("write_count", RECORD_WRITES, "Receipts written so far."),
     {NULL},
 };
 
@@ -583,17 +571,19 @@ books_find(BooksObject *self, PyObject *id_obj)
     return r;
 }
 
+#define BOOKS_FIELD(name, field, doc)                                         \
+    {name, (getter)books_get, NULL, doc, (void *)(intptr_t)(field)}
+
 static PyGetSetDef books_getset[] = {
-    {"generation", (getter)books_get_generation, NULL,
-     "The worker's current generation (bumped on restart).", NULL},
-    {"alive", (getter)books_get_alive, NULL,
-     "False once the worker is gone.", NULL},
-    {"in_flight", (getter)books_get_in_flight, NULL,
-     "Calls in flight (begin_call minus end_call).", NULL},
+    BOOKS_FIELD("generation", BOOKS_GENERATION,
+                "The worker's current generation (bumped on restart)."),
+    BOOKS_FIELD("alive", BOOKS_ALIVE, "False once the worker is gone."),
+    BOOKS_FIELD("in_flight", BOOKS_IN_FLIGHT,
+                "Calls in flight (begin_call minus end_call)."),
     {"report", (getter)books_get_report, NULL,
      "(held, pinned, overhead) from the last _vram_report.", NULL},
-    {"reading", (getter)books_get_reading, NULL,
-     "The probe's per-pid reading of the worker (0: none).", NULL},
+    BOOKS_FIELD("reading", BOOKS_READING,
+                "The probe's per-pid reading of the worker (0: none)."),
     {"key", (getter)books_get_key, NULL, "The worker object.", NULL},
     {NULL},
 };
@@ -827,6 +817,15 @@ cs_ledger_books_for(PyObject *ledger, PyObject *key, uint64_t generation)
     return Py_NewRef(books);
 }
 
+/* The books of `key`, a new reference, or NULL (with an exception only if
+ * one was raised).  Runs no Python. */
+static PyObject *
+books_of(PyObject *ledger, PyObject *key)
+{
+    PyObject *books = ledger_find_books((LedgerObject *)ledger, key);
+    return Py_XNewRef(books);
+}
+
 /* The profile of the stand-in listed last on `books` when it holds these
  * objects, borrowed, else NULL. */
 static PyObject *
@@ -871,19 +870,13 @@ cs_ledger_profile(PyObject *ledger, PyObject *worker, PyObject *load_device,
     }
     profile = PyTuple_Pack(3, load_device, offload_device, kind);
     /* The allocation may have run Python: look again. */
-    *books = profile ? cs_ledger_find(ledger, worker) : NULL;
+    *books = profile ? books_of(ledger, worker) : NULL;
     if (*books == NULL && PyErr_Occurred()) {
         Py_CLEAR(profile);
     }
     return profile;
 }
 
-PyObject *
-cs_ledger_find(PyObject *ledger, PyObject *key)
-{
-    PyObject *books = ledger_find_books((LedgerObject *)ledger, key);
-    return Py_XNewRef(books);
-}
 
 static PyObject *
 ledger_worker(LedgerObject *self, PyObject *args)

@@ -8,8 +8,8 @@
 
 #include "comfy_standin/ledger.h"
 
-int
-cs_state_traverse(cs_module_state *state, visitproc visit, void *arg)
+static int
+state_traverse(cs_module_state *state, visitproc visit, void *arg)
 {
     Py_VISIT(state->ledger_type);
     Py_VISIT(state->books_type);
@@ -28,8 +28,8 @@ cs_state_traverse(cs_module_state *state, visitproc visit, void *arg)
     return 0;
 }
 
-void
-cs_state_clear(cs_module_state *state)
+static void
+state_clear(cs_module_state *state)
 {
     Py_CLEAR(state->ledger_type);
     Py_CLEAR(state->books_type);
@@ -68,13 +68,13 @@ cs_state_clear(cs_module_state *state)
 static int
 core_traverse(PyObject *module, visitproc visit, void *arg)
 {
-    return cs_state_traverse(cs_state_of_module(module), visit, arg);
+    return state_traverse(cs_state_of_module(module), visit, arg);
 }
 
 static int
 core_clear(PyObject *module)
 {
-    cs_state_clear(cs_state_of_module(module));
+    state_clear(cs_state_of_module(module));
     return 0;
 }
 

@@ -653,61 +653,15 @@ standin_add_patches(StandInObject *self, PyObject *args, PyObject *kwargs)
 
 /* ---- StandIn: the live residency board --------------------------------- */
 
-/* attach_board's body, on owned arguments. */
-static PyObject *
-attach_body(StandInObject *self, PyObject *board_obj, PyObject *slot_obj)
-{
-    PyObject *module;
-    ModuleObject *m;
-    uint32_t slot = 0;
-    uint64_t tag = 0;
-    size_t id_len;
-    const char *id = cs_model_id(self->record, &id_len);
-
-    if (cs_standin_worker(self) == NULL) {
-        PyErr_SetString(PyExc_ValueError, "attach_board: stand-in cleared");
-        return NULL;
-    }
-    /* The slot's identity is the host's (slot, tag): a slot released and
-     * given to another model has a new tag, so this stand-in never reads
-     * that model's bytes. */
-    PyObject *model_id = cs_standin_model_id(self); /* for messages */
-    int attached = model_id == NULL
-                       ? -1
-                       : cs_board_attach_model(board_obj, model_id, id,
-                                               id_len,
-                                               cs_model_size(self->record),
-                                               slot_obj, &slot, &tag);
-    Py_XDECREF(model_id);
-    if (attached < 0) {
-        return NULL;
-    }
-    module = cs_standin_module_get(self); /* the board is read through it */
-    if (module == NULL) {
-        return NULL;
-    }
-    if (module == Py_None) {
-        Py_DECREF(module);
-        PyErr_SetString(PyExc_ValueError, "attach_board: stand-in cleared");
-        return NULL;
-    }
-    m = (ModuleObject *)module;
-    /* Making the module may have run Python that closed the board. */
-    if (cs_module_set_board(m, board_obj, slot, tag) < 0) {
-        Py_DECREF(module);
-        return NULL;
-    }
-    self->reads_board = 1;
-    self->answered = cs_model_version(self->record) - 2; /* answer again */
-    Py_DECREF(module);
-    return PyLong_FromUnsignedLong(slot);
-}
-
 static PyObject *
 standin_attach_board(StandInObject *self, PyObject *const *args,
                      Py_ssize_t nargs, PyObject *kwnames)
 {
-    PyObject *argv[2];
+    PyObject *argv[2], *model_id = NULL, *module = NULL, *result = NULL;
+    uint32_t slot = 0;
+    uint64_t tag = 0;
+    size_t id_len;
+    const char *id = cs_model_id(self->record, &id_len);
     cs_module_state *state = cs_state_checked(Py_TYPE(self));
     if (state == NULL ||
         cs_parse_vector(state, CS_SIG_ATTACH_BOARD, args, nargs, kwnames,
@@ -720,7 +674,37 @@ standin_attach_board(StandInObject *self, PyObject *const *args,
     /* Owned until the board is stored: making the module allocates, and
      * an allocation may run the collector (cs_args_hold). */
     cs_args_hold(argv, 2);
-    PyObject *result = attach_body(self, argv[0], argv[1]);
+    if (cs_standin_worker(self) == NULL) {
+        PyErr_SetString(PyExc_ValueError, "attach_board: stand-in cleared");
+        goto done;
+    }
+    /* The slot's identity is the host's (slot, tag): a slot released and
+     * given to another model has a new tag, so this stand-in never reads
+     * that model's bytes. */
+    model_id = cs_standin_model_id(self); /* for messages */
+    if (model_id == NULL ||
+        cs_board_attach_model(argv[0], model_id, id, id_len,
+                              cs_model_size(self->record), argv[1], &slot,
+                              &tag) < 0) {
+        goto done;
+    }
+    module = cs_standin_module_get(self); /* the board is read through it */
+    if (module == Py_None) {
+        PyErr_SetString(PyExc_ValueError, "attach_board: stand-in cleared");
+        goto done;
+    }
+    /* Making the module may have run Python that closed the board. */
+    if (module == NULL ||
+        cs_module_set_board((ModuleObject *)module, argv[0], slot, tag) <
+            0) {
+        goto done;
+    }
+    self->reads_board = 1;
+    self->answered = cs_model_version(self->record) - 2; /* answer again */
+    result = PyLong_FromUnsignedLong(slot);
+done:
+    Py_XDECREF(model_id);
+    Py_XDECREF(module);
     cs_args_release(argv, 2);
     return result;
 }
@@ -749,18 +733,39 @@ standin_get_board(StandInObject *self, void *closure)
 
 /* ---- StandIn: attributes ----------------------------------------------- */
 
+/* load_device, offload_device and kind: the closure is the profile's
+ * index; None once GC-cleared. */
 static PyObject *
-standin_get_load_device(StandInObject *self, void *closure)
+standin_get_profile(StandInObject *self, void *closure)
 {
-    PyObject *device = cs_profile_item(self, PROFILE_LOAD);
-    return Py_NewRef(device ? device : Py_None);
+    PyObject *item = cs_profile_item(self, (Py_ssize_t)(intptr_t)closure);
+    return Py_NewRef(item ? item : Py_None);
 }
 
+enum { FIELD_GENERATION, FIELD_PEAK, FIELD_BAD_REPLIES, FIELD_SEQ,
+       FIELD_STALE, FIELD_DEFERRED };
+
+/* The record's figures: the closure names the field. */
 static PyObject *
-standin_get_offload_device(StandInObject *self, void *closure)
+standin_get_record(StandInObject *self, void *closure)
 {
-    PyObject *device = cs_profile_item(self, PROFILE_OFFLOAD);
-    return Py_NewRef(device ? device : Py_None);
+    cs_receipt r;
+    const cs_model *m = self->record;
+    switch ((intptr_t)closure) {
+    case FIELD_GENERATION:
+        return PyLong_FromUnsignedLongLong(cs_model_generation(m));
+    case FIELD_PEAK:
+        return PyLong_FromUnsignedLongLong(cs_model_admission_peak(m));
+    case FIELD_BAD_REPLIES:
+        return PyLong_FromUnsignedLong(cs_model_bad_replies(m));
+    case FIELD_SEQ:
+        cs_model_read(m, &r);
+        return PyLong_FromLongLong((long long)r.seq); /* -1: none */
+    case FIELD_STALE:
+        return PyBool_FromLong(cs_model_stale(m));
+    default:
+        return PyBool_FromLong(cs_model_eviction_deferred(m));
+    }
 }
 
 static PyObject *
@@ -795,34 +800,9 @@ standin_get_pool(StandInObject *self, void *closure)
 }
 
 static PyObject *
-standin_get_generation(StandInObject *self, void *closure)
-{
-    return PyLong_FromUnsignedLongLong(cs_model_generation(self->record));
-}
-
-static PyObject *
 standin_get_model_id(StandInObject *self, void *closure)
 {
     return cs_standin_model_id(self);
-}
-
-static PyObject *
-standin_get_kind(StandInObject *self, void *closure)
-{
-    PyObject *kind = cs_profile_item(self, PROFILE_KIND);
-    return Py_NewRef(kind ? kind : Py_None);
-}
-
-static PyObject *
-standin_get_stale(StandInObject *self, void *closure)
-{
-    return PyBool_FromLong(cs_model_stale(self->record));
-}
-
-static PyObject *
-standin_get_deferred(StandInObject *self, void *closure)
-{
-    return PyBool_FromLong(cs_model_eviction_deferred(self->record));
 }
 
 /* comfy-env's boundary writes False once it listed a refused stand-in
@@ -845,29 +825,9 @@ standin_set_deferred(StandInObject *self, PyObject *value, void *closure)
 }
 
 static PyObject *
-standin_get_bad_replies(StandInObject *self, void *closure)
-{
-    return PyLong_FromUnsignedLong(cs_model_bad_replies(self->record));
-}
-
-static PyObject *
 standin_get_parent(StandInObject *self, void *closure)
 {
     Py_RETURN_NONE; /* no clone chains across a process boundary */
-}
-
-static PyObject *
-standin_get_peak(StandInObject *self, void *closure)
-{
-    return PyLong_FromUnsignedLongLong(cs_model_admission_peak(self->record));
-}
-
-static PyObject *
-standin_get_seq(StandInObject *self, void *closure)
-{
-    cs_receipt r;
-    cs_model_read(self->record, &r);
-    return PyLong_FromLongLong((long long)r.seq); /* -1: none, as comfy-env */
 }
 
 static PyObject *
@@ -894,11 +854,16 @@ standin_repr(StandInObject *self)
     return text;
 }
 
+#define PROFILE(name, index, doc)                                             \
+    {name, (getter)standin_get_profile, NULL, doc, (void *)(intptr_t)(index)}
+#define RECORD(name, field, doc)                                              \
+    {name, (getter)standin_get_record, NULL, doc, (void *)(intptr_t)(field)}
+
 static PyGetSetDef standin_getset[] = {
-    {"load_device", (getter)standin_get_load_device, NULL,
-     "The device the worker loads the model to.", NULL},
-    {"offload_device", (getter)standin_get_offload_device, NULL,
-     "The device the worker offloads the model to.", NULL},
+    PROFILE("load_device", PROFILE_LOAD,
+            "The device the worker loads the model to."),
+    PROFILE("offload_device", PROFILE_OFFLOAD,
+            "The device the worker offloads the model to."),
     {"parent", (getter)standin_get_parent, NULL, "Always None.", NULL},
     {"model", (getter)standin_get_model, NULL,
      "The inner StandInModule (weak-referenceable).", NULL},
@@ -911,20 +876,20 @@ static PyGetSetDef standin_getset[] = {
     {"worker", (getter)standin_get_worker, NULL, "The worker object.", NULL},
     {"pool", (getter)standin_get_pool, NULL, "The pool keeping its books.",
      NULL},
-    {"worker_generation", (getter)standin_get_generation, NULL,
-     "The worker generation this stand-in belongs to.", NULL},
+    RECORD("worker_generation", FIELD_GENERATION,
+           "The worker generation this stand-in belongs to."),
     {"model_id", (getter)standin_get_model_id, NULL,
      "The worker's id for the model.", NULL},
-    {"kind", (getter)standin_get_kind, NULL,
-     "\"unet\", \"clip\", \"vae\" or \"other\".", NULL},
-    {"stale", (getter)standin_get_stale, NULL,
-     "True once the worker died or restarted: reads as offloaded.", NULL},
-    {"eviction_deferred", (getter)standin_get_deferred,
+    PROFILE("kind", PROFILE_KIND,
+            "\"unet\", \"clip\", \"vae\" or \"other\"."),
+    RECORD("stale", FIELD_STALE,
+           "True once the worker died or restarted: reads as offloaded."),
+    {"eviction_deferred", (getter)standin_get_record,
      (setter)standin_set_deferred,
      "True when a live worker refused the last eviction (receipt kept).",
-     NULL},
-    {"bad_replies", (getter)standin_get_bad_replies, NULL,
-     "Malformed replies rejected so far.", NULL},
+     (void *)(intptr_t)FIELD_DEFERRED},
+    RECORD("bad_replies", FIELD_BAD_REPLIES,
+           "Malformed replies rejected so far."),
     {"board", (getter)standin_get_board, NULL,
      "(board, slot) when a residency board is attached, else None.", NULL},
     /* comfy-env's own code reads these off its stand-in (pool.py's
@@ -932,16 +897,15 @@ static PyGetSetDef standin_getset[] = {
      * of the census apply); read-only views so it can run unchanged. */
     {"_worker", (getter)standin_get_worker, NULL,
      "comfy-env compatibility: worker.", NULL},
-    {"_worker_generation", (getter)standin_get_generation, NULL,
-     "comfy-env compatibility: worker_generation.", NULL},
+    RECORD("_worker_generation", FIELD_GENERATION,
+           "comfy-env compatibility: worker_generation."),
     {"_model_id", (getter)standin_get_model_id, NULL,
      "comfy-env compatibility: model_id.", NULL},
-    {"_kind", (getter)standin_get_kind, NULL,
-     "comfy-env compatibility: kind.", NULL},
-    {"_residency_peak", (getter)standin_get_peak, NULL,
-     "comfy-env compatibility: the admission peak.", NULL},
-    {"_residency_seq", (getter)standin_get_seq, NULL,
-     "comfy-env compatibility: the receipt's seq (-1: none).", NULL},
+    PROFILE("_kind", PROFILE_KIND, "comfy-env compatibility: kind."),
+    RECORD("_residency_peak", FIELD_PEAK,
+           "comfy-env compatibility: the admission peak."),
+    RECORD("_residency_seq", FIELD_SEQ,
+           "comfy-env compatibility: the receipt's seq (-1: none)."),
     {NULL},
 };
 
