@@ -146,10 +146,9 @@ board_closed(const cs_board_link *board)
 }
 
 static uint64_t
-board_word(const void *word)
+board_word(_Atomic uint64_t *word)
 {
-    return atomic_load_explicit((_Atomic uint64_t *)(uintptr_t)word,
-                                memory_order_acquire);
+    return atomic_load_explicit(word, memory_order_acquire);
 }
 
 /* What a verdict on `board` depends on, but the clock. */
@@ -204,13 +203,16 @@ static void
 board_link_words(cs_board_link *board, cs_board *handle)
 {
     size_t length;
-    const unsigned char *base = cs_board_memory(handle, &length);
-    const unsigned char *slot = base + CS_BOARD_HEADER_SIZE +
-                                (size_t)board->slot * CS_BOARD_SLOT_SIZE;
+    unsigned char *base = cs_board_memory(handle, &length);
+    unsigned char *slot = base + CS_BOARD_HEADER_SIZE +
+                          (size_t)board->slot * CS_BOARD_SLOT_SIZE;
     board->handle = board_handle(board->object) == handle ? handle : NULL;
-    board->seq_word = slot + CS_BOARD_SLOT_OFF_SEQ;
-    board->heartbeat_word = base + CS_BOARD_OFF_HEARTBEAT;
-    board->owner_word = base + CS_BOARD_OFF_OWNER_PID;
+    board->seq_word = (_Atomic uint64_t *)(void *)(slot +
+                                                    CS_BOARD_SLOT_OFF_SEQ);
+    board->heartbeat_word =
+        (_Atomic uint64_t *)(void *)(base + CS_BOARD_OFF_HEARTBEAT);
+    board->owner_word =
+        (_Atomic uint64_t *)(void *)(base + CS_BOARD_OFF_OWNER_PID);
 }
 
 #else /* _WIN32: no boards (attach_board refuses) */

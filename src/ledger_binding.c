@@ -115,14 +115,16 @@ books_dealloc(BooksObject *self)
     Py_DECREF(tp);
 }
 
+/* What a getter's closure points at: which field it reads. */
 enum { BOOKS_GENERATION, BOOKS_ALIVE, BOOKS_IN_FLIGHT, BOOKS_READING };
+static int books_fields[] = {0, 1, 2, 3};
 
-/* One getter for the worker's figures: the closure names the field. */
+/* One getter for the worker's figures: the closure points at the field. */
 static PyObject *
 books_get(BooksObject *self, void *closure)
 {
     const cs_worker *w = self->worker;
-    switch ((intptr_t)closure) {
+    switch (*(const int *)closure) {
     case BOOKS_GENERATION:
         return PyLong_FromUnsignedLongLong(cs_worker_generation(w));
     case BOOKS_ALIVE:
@@ -378,6 +380,7 @@ record_get_model_id(RecordObject *self, void *closure)
     return PyUnicode_DecodeUTF8(id, (Py_ssize_t)len, "surrogatepass");
 }
 
+/* What a getter's closure points at: which field it reads. */
 enum {
     RECORD_SIZE,
     RECORD_GENERATION,
@@ -387,13 +390,14 @@ enum {
     RECORD_STALE,
     RECORD_DEFERRED
 };
+static int record_fields[] = {0, 1, 2, 3, 4, 5, 6};
 
-/* One getter for the record's figures: the closure names the field. */
+/* One getter for the record's figures: the closure points at the field. */
 static PyObject *
 record_get(RecordObject *self, void *closure)
 {
     const cs_model *m = self->model;
-    switch ((intptr_t)closure) {
+    switch (*(const int *)closure) {
     case RECORD_SIZE:
         return PyLong_FromUnsignedLongLong(cs_model_size(m));
     case RECORD_GENERATION:
@@ -445,7 +449,7 @@ record_repr(RecordObject *self)
 }
 
 #define RECORD_FIELD(name, field, doc)                                        \
-    {name, (getter)record_get, NULL, doc, (void *)(intptr_t)(field)}
+    {name, (getter)record_get, NULL, doc, &record_fields[field]}
 
 static PyGetSetDef record_getset[] = {
     {"model_id", (getter)record_get_model_id, NULL, NULL, NULL},
@@ -572,7 +576,7 @@ books_find(BooksObject *self, PyObject *id_obj)
 }
 
 #define BOOKS_FIELD(name, field, doc)                                         \
-    {name, (getter)books_get, NULL, doc, (void *)(intptr_t)(field)}
+    {name, (getter)books_get, NULL, doc, &books_fields[field]}
 
 static PyGetSetDef books_getset[] = {
     BOOKS_FIELD("generation", BOOKS_GENERATION,
@@ -829,8 +833,8 @@ books_of(PyObject *ledger, PyObject *key)
 /* The profile of the stand-in listed last on `books` when it holds these
  * objects, borrowed, else NULL. */
 static PyObject *
-roster_tail_profile(PyObject *books, PyObject *load_device,
-                    PyObject *offload_device, PyObject *kind)
+roster_tail_profile(PyObject *books, const PyObject *load_device,
+                    const PyObject *offload_device, const PyObject *kind)
 {
     cs_roster *roster = books ? cs_books_roster(books) : NULL;
     if (roster == NULL || roster->used == 0) {

@@ -50,7 +50,7 @@ roster_reserve(cs_roster *roster)
     }
     uint32_t capacity = roster->capacity ? roster->capacity * 2 : 4;
     StandInObject **items =
-        PyMem_Realloc(roster->items, capacity * sizeof(*items));
+        PyMem_Realloc(roster->items, capacity * sizeof(StandInObject *));
     if (items == NULL) {
         PyErr_NoMemory();
         return -1;

@@ -733,25 +733,29 @@ standin_get_board(StandInObject *self, void *closure)
 
 /* ---- StandIn: attributes ----------------------------------------------- */
 
-/* load_device, offload_device and kind: the closure is the profile's
- * index; None once GC-cleared. */
+/* What a getter's closure points at: which field it reads. */
+enum { FIELD_GENERATION, FIELD_PEAK, FIELD_BAD_REPLIES, FIELD_SEQ,
+       FIELD_STALE, FIELD_DEFERRED, FIELD_COUNT };
+static int fields[FIELD_COUNT] = {0, 1, 2, 3, 4, 5};
+static Py_ssize_t profile_items[] = {PROFILE_LOAD, PROFILE_OFFLOAD,
+                                     PROFILE_KIND};
+
+/* load_device, offload_device and kind: the closure points at the
+ * profile's index; None once GC-cleared. */
 static PyObject *
 standin_get_profile(StandInObject *self, void *closure)
 {
-    PyObject *item = cs_profile_item(self, (Py_ssize_t)(intptr_t)closure);
+    PyObject *item = cs_profile_item(self, *(const Py_ssize_t *)closure);
     return Py_NewRef(item ? item : Py_None);
 }
 
-enum { FIELD_GENERATION, FIELD_PEAK, FIELD_BAD_REPLIES, FIELD_SEQ,
-       FIELD_STALE, FIELD_DEFERRED };
-
-/* The record's figures: the closure names the field. */
+/* The record's figures: the closure points at the field. */
 static PyObject *
 standin_get_record(StandInObject *self, void *closure)
 {
     cs_receipt r;
     const cs_model *m = self->record;
-    switch ((intptr_t)closure) {
+    switch (*(const int *)closure) {
     case FIELD_GENERATION:
         return PyLong_FromUnsignedLongLong(cs_model_generation(m));
     case FIELD_PEAK:
@@ -855,9 +859,9 @@ standin_repr(StandInObject *self)
 }
 
 #define PROFILE(name, index, doc)                                             \
-    {name, (getter)standin_get_profile, NULL, doc, (void *)(intptr_t)(index)}
+    {name, (getter)standin_get_profile, NULL, doc, &profile_items[index]}
 #define RECORD(name, field, doc)                                              \
-    {name, (getter)standin_get_record, NULL, doc, (void *)(intptr_t)(field)}
+    {name, (getter)standin_get_record, NULL, doc, &fields[field]}
 
 static PyGetSetDef standin_getset[] = {
     PROFILE("load_device", PROFILE_LOAD,
@@ -887,7 +891,7 @@ static PyGetSetDef standin_getset[] = {
     {"eviction_deferred", (getter)standin_get_record,
      (setter)standin_set_deferred,
      "True when a live worker refused the last eviction (receipt kept).",
-     (void *)(intptr_t)FIELD_DEFERRED},
+     &fields[FIELD_DEFERRED]},
     RECORD("bad_replies", FIELD_BAD_REPLIES,
            "Malformed replies rejected so far."),
     {"board", (getter)standin_get_board, NULL,

@@ -53,7 +53,7 @@ typedef struct {
      * the segment's words in its mapping: read only while the Board still
      * has that handle (it has none once closed). */
     void *handle;
-    const void *seq_word, *heartbeat_word, *owner_word;
+    _Atomic uint64_t *seq_word, *heartbeat_word, *owner_word;
     /* The verdict kept (standin.c, board_decide) and what it was decided
      * from. */
     cs_receipt verdict;
