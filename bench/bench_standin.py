@@ -224,6 +224,11 @@ class Impl:
     census: Callable[..., Any]
     echo_stmt: str
     module: Any = None
+    #: ``make`` exactly as comfy-env calls its patcher: keywords, no pool
+    #: (ours: the default pool); the pool argument is ignored.
+    make_as_comfy_env: Callable[[Any, Worker, str], Any] | None = None
+    #: Forgets a worker made for a construction round (the default pool's).
+    forget: Callable[[Worker], Any] = lambda worker: None
 
 
 def _ours(name: str, module: Any) -> Impl:
@@ -234,10 +239,19 @@ def _ours(name: str, module: Any) -> Impl:
             worker, 1, model_id, MODEL_SIZE, CUDA0, CPU, kind="unet", pool=pool
         )
 
+    def make_as_comfy_env(pool: Any, worker: Worker, model_id: str) -> Any:
+        return module.StandIn(
+            worker=worker, worker_generation=1, model_id=model_id,
+            model_size=MODEL_SIZE, load_device=CUDA0, offload_device=CPU,
+            kind="unet",
+        )
+
     return Impl(
         name=name,
         label=f"{module.__name__}.StandIn",
         make=make,
+        make_as_comfy_env=make_as_comfy_env,
+        forget=lambda worker: module.default_pool().forget(worker),
         new_pool=module.Pool,
         echo=module.apply_echo,
         census=module.apply_residency,
@@ -285,11 +299,20 @@ def load_comfy_env() -> tuple[Impl | None, str]:
             worker, 1, model_id, MODEL_SIZE, CUDA0, CPU, kind="unet"
         )
 
+    def make_as_comfy_env(pool: Any, worker: Worker, model_id: str) -> Any:
+        # comfy_env/isolation/pool.py, _register_new_patchers
+        return patcher_type(
+            worker=worker, worker_generation=1, model_id=model_id,
+            model_size=MODEL_SIZE, load_device=CUDA0, offload_device=CPU,
+            kind="unet",
+        )
+
     return (
         Impl(
             name="comfy-env",
             label=f"comfy_env {ver} SubprocessModelPatcher",
             make=make,
+            make_as_comfy_env=make_as_comfy_env,
             new_pool=lambda: None,
             echo=echo,
             census=census,
@@ -445,6 +468,13 @@ def row_names() -> list[tuple[str, str, str]]:
     rows.append(("construct", "construction", "ns/stand-in"))
     rows.append(
         (
+            "construct-comfy-env",
+            "construction as comfy-env calls it (keywords, no pool)",
+            "ns/stand-in",
+        )
+    )
+    rows.append(
+        (
             "construct-known",
             "construction, workers known to the pool",
             "ns/stand-in",
@@ -543,23 +573,26 @@ def measure_construction(impls: list[Impl], counts: Counts) -> Measured:
     starts and the stand-ins are dropped after it stops.  Implementations
     take turns, as in time_side_by_side.
 
-    ``construct-known``: the same, on workers the pool already keeps books
-    for (one stand-in each was made before the clock started), so the
-    per-worker bookkeeping a first stand-in pays -- paid once per worker
-    process, whose spawn costs far more -- is left out."""
+    ``construct-comfy-env``: the call comfy-env makes
+    (``SubprocessModelPatcher(worker=..., worker_generation=..., ...)``,
+    keywords, no pool: ours use the default pool, whose books for the
+    round's workers are forgotten after the clock stops).
+
+    ``construct-known``: the same as ``construct``, on workers the pool
+    already keeps books for (one stand-in each was made before the clock
+    started), so the per-worker bookkeeping a first stand-in pays -- paid
+    once per worker process, whose spawn costs far more -- is left out."""
     n = counts.construct_n
-    out: Measured = {"construct": {}, "construct-known": {}}
-    for key, new_pool in (
-        ("construct", lambda impl: impl.new_pool()),
-        ("construct-known", lambda impl: impl.new_pool()),
-    ):
+    keys = ("construct", "construct-comfy-env", "construct-known")
+    out: Measured = {key: {} for key in keys}
+    for key in keys:
         best = {impl.name: float("inf") for impl in impls}
         # Many short rounds: the minimum of each is what the type costs,
         # whatever else this (virtual) machine runs meanwhile.
         for round_ in range(max(counts.repeats, 1) * 15):
             k = round_ % len(impls)
             for impl in impls[k:] + impls[:k]:
-                pool = new_pool(impl)
+                pool = impl.new_pool()
                 workers = [
                     Worker(f"w{i}") for i in range(-(-n // MODELS_PER_WORKER))
                 ]
@@ -569,6 +602,9 @@ def measure_construction(impls: list[Impl], counts: Counts) -> Measured:
                 ]
                 made: list[Any] = []
                 make = impl.make
+                if key == "construct-comfy-env":
+                    assert impl.make_as_comfy_env is not None
+                    make = impl.make_as_comfy_env
                 append = made.append
                 if key == "construct-known":
                     made += [make(pool, w, f"known-{w.name}")
@@ -579,6 +615,9 @@ def measure_construction(impls: list[Impl], counts: Counts) -> Measured:
                 elapsed = time.perf_counter() - t0
                 best[impl.name] = min(best[impl.name], elapsed)
                 del made, pool
+                if key == "construct-comfy-env":
+                    for worker in workers:
+                        impl.forget(worker)
         out[key] = {name: t / n * 1e9 for name, t in best.items()}
     return out
 

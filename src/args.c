@@ -39,13 +39,9 @@ static const char *const keyword_names[] = {
     "held", "pinned", "overhead",
     /* 25: reserve */
     "base", "total", "process_local",
-    /* 28: Board.create */
-    "slots", "generation", "heartbeat_limit",
-    /* 31: Board.open */
-    "source", "period",
-    /* 33: Board.adopt */
+    /* 28: Board.adopt */
     "fd", "slots", "generation", "heartbeat_limit",
-    /* 37: Board.make */
+    /* 32: Board.make */
     "slots", "generation",
 };
 
@@ -62,10 +58,8 @@ static const signature signatures[CS_SIG_COUNT] = {
     [CS_SIG_LEDGER] = {"Ledger", 21, 1, 0, 1},
     [CS_SIG_SET_REPORT] = {"set_report", 22, 3, 0, 3},
     [CS_SIG_RESERVE] = {"reserve", 25, 3, 3, 3},
-    [CS_SIG_BOARD_CREATE] = {"create", 28, 3, 0, 1},
-    [CS_SIG_BOARD_OPEN] = {"open", 31, 2, 1, 1},
-    [CS_SIG_BOARD_ADOPT] = {"adopt", 33, 4, 2, 2},
-    [CS_SIG_BOARD_MAKE] = {"make", 37, 2, 0, 1},
+    [CS_SIG_BOARD_ADOPT] = {"adopt", 28, 4, 2, 2},
+    [CS_SIG_BOARD_MAKE] = {"make", 32, 2, 0, 1},
 };
 
 int

@@ -15,7 +15,7 @@
 #include <Python.h>
 
 /* The parameter names of every keyword signature (args.c). */
-#define CS_KEYWORD_COUNT 39
+#define CS_KEYWORD_COUNT 34
 
 typedef struct {
     /* Types (strong references, created from specs in the exec hooks). */
@@ -47,6 +47,15 @@ typedef struct {
     PyObject *str_get;
     PyObject *str_ledger;    /* "_ledger" */
     PyObject *str_restarted; /* "restarted" */
+    PyObject *str_default_pool; /* "_default_pool" */
+    /* Strong or NULL, kept for StandIn(): the comfy_standin package
+     * (imported on the first stand-in made without a pool), the pool its
+     * _default_pool was then and that pool's ledger, and the last class
+     * of worker found to have send_command() and is_alive(). */
+    PyObject *package;
+    PyObject *default_pool;
+    PyObject *default_ledger;
+    PyObject *worker_type;
     PyObject *mapping_abc; /* collections.abc.Mapping */
     /* The parameter names of args.c's signatures, interned. */
     PyObject *keywords[CS_KEYWORD_COUNT];
@@ -80,8 +89,6 @@ typedef enum {
     CS_SIG_LEDGER,
     CS_SIG_SET_REPORT,
     CS_SIG_RESERVE,
-    CS_SIG_BOARD_CREATE,
-    CS_SIG_BOARD_OPEN,
     CS_SIG_BOARD_ADOPT,
     CS_SIG_BOARD_MAKE,
     CS_SIG_COUNT
@@ -126,15 +133,6 @@ int cs_value_in_range(PyObject *value, const char *field, PyObject *exc,
 int cs_seconds_in_range(PyObject *value, const char *field, uint64_t min_ns,
                         uint64_t max_ns, uint64_t *out_ns);
 
-/* Decodes census[index] (a dict with 'id', 'resident', optional 'seq' and
- * 'device').  Unused: *id is BORROWED from the entry and dies with it,
- * and looking keys up may run Python; use cs_census_snapshot_take.
- * Sets *id (borrowed str), *resident, *has_seq, *seq; or
- * raises EchoError naming the field and returns -1. */
-int cs_decode_census_entry(cs_module_state *state, PyObject *entry,
-                           Py_ssize_t index, PyObject **id,
-                           uint64_t *resident, int *has_seq, int64_t *seq);
-
 /* The module state of `type`'s module, or NULL with RuntimeError when
  * the module was cleared (m_clear ran; its fields are NULL). */
 cs_module_state *cs_state_checked(PyTypeObject *type);
@@ -162,10 +160,6 @@ typedef struct {
 int cs_census_snapshot_take(cs_module_state *state, PyObject *census,
                             cs_census_snapshot *out);
 void cs_census_snapshot_release(cs_census_snapshot *snapshot);
-
-/* Checks a census container: a list or tuple.  Returns a new reference to
- * a sequence-fast object or NULL with `echo_error` raised. */
-PyObject *cs_census_fast(PyObject *echo_error, PyObject *census);
 
 /* ---- exceptions (errors.c): one rule -------------------------------- */
 
@@ -222,14 +216,46 @@ typedef struct cs_worker cs_worker;
 typedef struct cs_ledger cs_ledger;
 typedef struct StandInObject StandInObject;
 
-/* A worker's roster: its live stand-ins in adoption order, an intrusive
- * list through them (standin.h).  It lives in the worker's books, which
- * every listed stand-in holds strongly, and changes only with the GIL
- * held, by code that runs no Python between reading and writing it. */
+/* A worker's roster: its live stand-ins in adoption order, in an array
+ * with a hole (NULL) where one left, compacted when half of it is holes.
+ * It lives in the worker's books, which every listed stand-in holds
+ * strongly, and changes only with the GIL held, by code that runs no
+ * Python between reading and writing it (roster.c). */
 typedef struct {
-    StandInObject *head, *tail; /* borrowed */
-    Py_ssize_t count;
+    StandInObject **items; /* PyMem; borrowed stand-ins */
+    uint32_t used;         /* items[0, used) are stand-ins or holes */
+    uint32_t capacity;
+    uint32_t count; /* stand-ins listed */
 } cs_roster;
+
+/* One worker's books: the C record of its charges and the roster of its
+ * stand-ins, made in one step (cs_ledger_books_for) and owned together. */
+typedef struct {
+    PyObject_HEAD
+    cs_worker *worker; /* strong (C refcount); immutable once made */
+    PyObject *key;     /* strong: the worker object; NULL once cleared */
+    uint64_t floor;    /* the ledger's floor; immutable */
+    cs_roster roster;  /* the worker's live stand-ins */
+    PyObject *weakreflist;
+} BooksObject;
+
+static inline PyObject *
+cs_books_key(PyObject *books)
+{
+    return ((BooksObject *)books)->key;
+}
+
+static inline cs_worker *
+cs_books_worker(PyObject *books)
+{
+    return ((BooksObject *)books)->worker;
+}
+
+static inline cs_roster *
+cs_books_roster(PyObject *books)
+{
+    return &((BooksObject *)books)->roster;
+}
 
 /* The books of `key` under `ledger` (a Ledger object), made in one step
  * (the Python object, then its C record and its entry) or bumped to
@@ -238,13 +264,20 @@ typedef struct {
  * with an exception. */
 PyObject *cs_ledger_books_for(PyObject *ledger, PyObject *key,
                               uint64_t generation);
-/* The books of `key`, a new reference, or NULL (with an exception only if
- * one was raised).  Runs no Python. */
-PyObject *cs_ledger_find(PyObject *ledger, PyObject *key);
-cs_worker *cs_books_worker(PyObject *books); /* borrowed */
-cs_roster *cs_books_roster(PyObject *books); /* borrowed */
+/* The profile tuple (load_device, offload_device, kind) for a stand-in of
+ * `worker`, a new reference: the one of the stand-in listed last on the
+ * worker's roster, or else on the roster used last under `ledger`, when
+ * it holds these very objects (identity only: no caller code runs;
+ * stand-ins come in runs with the same devices and kind), else a new one;
+ * and the worker's books in *books (a new reference, or NULL).  Runs no
+ * Python but the allocation of a new tuple. */
+PyObject *cs_ledger_profile(PyObject *ledger, PyObject *worker,
+                            PyObject *load_device, PyObject *offload_device,
+                            PyObject *kind, PyObject **books);
 /* The roster's stand-ins, a new list (roster.c). */
 PyObject *cs_roster_snapshot(cs_roster *roster);
+/* Frees the roster's array (an empty roster's). */
+void cs_roster_free(cs_roster *roster);
 
 /* A model id: a non-empty str (TypeError / ValueError naming model_id). */
 int cs_check_model_id(PyObject *id);
@@ -252,18 +285,12 @@ int cs_check_model_id(PyObject *id);
 typedef struct cs_model cs_model;
 /* cs_worker_register_model with the errors raised: a size mismatch is a
  * ValueError naming both sizes, an id too long a ValueError naming its
- * length; the rest as cs_raise_status.  *out is a handle. */
+ * length; the rest as what the core's status says (a MemoryError, a
+ * ValueError, a RuntimeError).  *out is a handle. */
 int cs_register_model(cs_worker *worker, uint64_t generation,
                       PyObject *id_obj, const char *id, size_t id_len,
                       uint64_t size, PyObject *size_obj, cs_model **out);
 
-/* Raises what a failed status of the core means ("WHAT: message"): only
- * CS_ERR_NOMEM is a MemoryError; a value out of range, an unknown or
- * repeated id or a size mismatch is a ValueError, a stale model or a call
- * out of order a RuntimeError.  Returns -1. */
-int cs_raise_status(int status, const char *what);
 
-int cs_state_traverse(cs_module_state *state, visitproc visit, void *arg);
-void cs_state_clear(cs_module_state *state);
 
 #endif /* COMFY_STANDIN_BINDING_H */

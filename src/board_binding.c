@@ -26,15 +26,6 @@
 
 #ifdef __linux__
 
-typedef struct {
-    PyObject_HEAD
-    cs_board *board; /* owned; NULL once closed */
-    /* Calls using `board` that released the GIL to wait: close() waits
-     * (without the GIL) until they are done with it. */
-    _Atomic int waiting;
-    PyObject *weakreflist;
-} BoardObject;
-
 #define BOARD_DOC_NAME "comfy_standin.Board"
 
 /* Raises the exception that says what `status` means for `what`: a call

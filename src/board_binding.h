@@ -7,6 +7,26 @@
 #include "binding.h"
 #include "comfy_standin/board.h"
 
+#ifdef __linux__
+typedef struct {
+    PyObject_HEAD
+    cs_board *board; /* owned; NULL once closed (under the GIL) */
+    /* Calls using `board` that released the GIL to wait: close() waits
+     * (without the GIL) until they are done with it. */
+    _Atomic int waiting;
+    PyObject *weakreflist;
+} BoardObject;
+
+/* Board `obj`'s core handle, borrowed, NULL once closed; `obj` must be a
+ * Board (attach_board checked it).  For the stand-in's read path: no
+ * call, no Python, no exception. */
+static inline cs_board *
+cs_board_object_handle(PyObject *obj)
+{
+    return ((BoardObject *)obj)->board;
+}
+#endif
+
 /* For the stand-in type: which (slot, tag) of the host board `board_obj`
  * carries model `id` of `size` bytes.  slot_obj None assigns one (or finds
  * the one the model has); an int must be the slot the host gave the

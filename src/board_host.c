@@ -53,6 +53,7 @@ cs_board_expect_owner(cs_board *board, int64_t pid)
 {
     atomic_store_explicit(&board->expected_owner, pid < 0 ? 0 : pid,
                           memory_order_release);
+    atomic_fetch_add_explicit(&board->changes, 1, memory_order_release);
     if (!board->host || !board_here(board)) {
         return;
     }
@@ -110,6 +111,7 @@ void
 cs_board_owner_gone(cs_board *board)
 {
     atomic_store_explicit(&board->owner_gone, true, memory_order_release);
+    atomic_fetch_add_explicit(&board->changes, 1, memory_order_release);
 }
 
 bool
@@ -184,6 +186,7 @@ cs_board_assign(cs_board *board, const char *id, size_t id_len,
     copy = NULL;
     /* Readers take the tag without the lock: store it last. */
     atomic_store_explicit(&entry->tag, tag, memory_order_release);
+    atomic_fetch_add_explicit(&board->changes, 1, memory_order_release);
     *slot = free_slot;
 done:
     pthread_mutex_unlock(&board->lock);
@@ -210,8 +213,15 @@ cs_board_release(cs_board *board, uint32_t slot)
     free(entry->id);
     entry->id = NULL;
     entry->id_len = 0;
+    atomic_fetch_add_explicit(&board->changes, 1, memory_order_release);
     pthread_mutex_unlock(&board->lock);
     return CS_BOARD_OK;
+}
+
+const _Atomic uint64_t *
+cs_board_changes(const cs_board *board)
+{
+    return &board->changes;
 }
 
 uint64_t

@@ -149,6 +149,9 @@ struct cs_board {
      * its number). */
     int owner_pidfd;
     _Atomic bool owner_gone;
+    /* Moves after every change of the host's view: a slot assigned or
+     * released, the expected owner set, the owner marked gone. */
+    _Atomic uint64_t changes;
 
     /* Worker only. */
     _Atomic uint64_t *bound; /* `slots` tags */

@@ -22,6 +22,19 @@
 #define CS_DEAD_TEXT                                                        \
     "the worker's process is gone (send_command_no_spawn answered 'dead')"
 
+/* The model id for a message: an exact str, or None when even that
+ * could not be made (a message is never why a path fails). */
+static PyObject *
+message_id(StandInObject *self)
+{
+    PyObject *id = cs_standin_model_id(self);
+    if (id == NULL) {
+        PyErr_Clear();
+        id = Py_NewRef(Py_None);
+    }
+    return id;
+}
+
 /* ---- what to ask for -------------------------------------------------- */
 
 /* The byte count to ask for, in *out: `cap` unless `value` names a
@@ -82,8 +95,11 @@ static int
 worker_alive(StandInObject *self, cs_module_state *state)
 {
     cs_caught caught;
-    PyObject *r = PyObject_CallMethodNoArgs(self->worker,
-                                            state->str_is_alive);
+    PyObject *worker = cs_standin_worker(self);
+    if (worker == NULL) {
+        return 1; /* GC-cleared: nothing is known, so nothing freed */
+    }
+    PyObject *r = PyObject_CallMethodNoArgs(worker, state->str_is_alive);
     if (r != NULL) {
         int alive = PyObject_IsTrue(r);
         Py_DECREF(r);
@@ -94,9 +110,11 @@ worker_alive(StandInObject *self, cs_module_state *state)
     if (cs_catch(&caught) < 0) {
         return -1;
     }
+    PyObject *id = message_id(self);
     int logged = cs_log_warning("comfy_standin: is_alive() of the worker of "
                                 "model %R raised %S; treating it as alive",
-                                self->model_id, caught.text);
+                                id, caught.text);
+    Py_DECREF(id);
     cs_caught_release(&caught);
     return logged < 0 ? -1 : 1;
 }
@@ -107,7 +125,12 @@ worker_alive(StandInObject *self, cs_module_state *state)
 static int
 no_spawn_method(StandInObject *self, PyObject **out)
 {
-    *out = cs_getattr_interned(self->worker, "send_command_no_spawn");
+    PyObject *worker = cs_standin_worker(self);
+    if (worker == NULL) {
+        *out = NULL;
+        return 0;
+    }
+    *out = cs_getattr_interned(worker, "send_command_no_spawn");
     if (*out != NULL) {
         if (PyCallable_Check(*out)) {
             return 1;
@@ -156,7 +179,7 @@ send_command(StandInObject *self, cs_module_state *state,
              PyObject *k2, PyObject *v2)
 {
     PyObject *method = NULL, *args = NULL, *kwargs = NULL, *r = NULL;
-    PyObject *zero = NULL;
+    PyObject *zero = NULL, *model_id = NULL;
     int no_spawn = 0;
 
     if (evicting) {
@@ -166,15 +189,23 @@ send_command(StandInObject *self, cs_module_state *state,
         }
     }
     if (method == NULL) {
-        method = PyObject_GetAttr(self->worker, state->str_send_command);
+        PyObject *worker = cs_standin_worker(self);
+        method = worker ? PyObject_GetAttr(worker, state->str_send_command)
+                        : NULL;
         if (method == NULL) {
+            if (worker == NULL) {
+                PyErr_SetString(PyExc_RuntimeError,
+                                "the stand-in was cleared by the garbage "
+                                "collector");
+            }
             goto done;
         }
     }
     args = Py_BuildValue("(s)", command);
     kwargs = PyDict_New();
-    if (args == NULL || kwargs == NULL ||
-        PyDict_SetItem(kwargs, state->str_model_id, self->model_id) < 0 ||
+    model_id = kwargs ? cs_standin_model_id(self) : NULL;
+    if (args == NULL || model_id == NULL ||
+        PyDict_SetItem(kwargs, state->str_model_id, model_id) < 0 ||
         PyDict_SetItem(kwargs, k1, v1) < 0 ||
         (k2 != NULL && PyDict_SetItem(kwargs, k2, v2) < 0)) {
         goto done;
@@ -198,6 +229,7 @@ done:
     Py_XDECREF(method);
     Py_XDECREF(args);
     Py_XDECREF(kwargs);
+    Py_XDECREF(model_id);
     Py_XDECREF(zero);
     return r;
 }
@@ -217,19 +249,24 @@ gone_path(StandInObject *self)
     }
     cs_worker_gone(cs_model_worker(self->record));
     cs_model_gone(self->record);
-    if (cs_log_warning("comfy_standin: the worker of model %R is gone",
-                       self->model_id) < 0) {
+    PyObject *id = message_id(self);
+    int logged =
+        cs_log_warning("comfy_standin: the worker of model %R is gone", id);
+    Py_DECREF(id);
+    if (logged < 0) {
         return -1;
     }
     if (self->pool == NULL) {
         return 0; /* cleared by the GC */
     }
     PyObject *r = NULL;
+    PyObject *worker = Py_XNewRef(cs_standin_worker(self));
     PyObject *method = cs_getattr_interned(self->pool, "worker_gone");
     if (method != NULL) {
-        r = PyObject_CallOneArg(method, self->worker);
+        r = PyObject_CallOneArg(method, worker ? worker : Py_None);
         Py_DECREF(method);
     }
+    Py_XDECREF(worker);
     if (r != NULL) {
         Py_DECREF(r);
         return 0;
@@ -237,9 +274,11 @@ gone_path(StandInObject *self)
     if (cs_catch(&caught) < 0) {
         return -1;
     }
-    int logged = cs_log_warning("comfy_standin: pool.worker_gone() for "
-                                "model %R raised %S; receipts zeroed anyway",
-                                self->model_id, caught.text);
+    id = message_id(self);
+    logged = cs_log_warning("comfy_standin: pool.worker_gone() for model %R "
+                            "raised %S; receipts zeroed anyway",
+                            id, caught.text);
+    Py_DECREF(id);
     cs_caught_release(&caught);
     return logged;
 }
@@ -288,8 +327,11 @@ static int
 defer(StandInObject *self, const char *command, PyObject *text)
 {
     cs_model_set_eviction_deferred(self->record, true);
-    return cs_log_warning("comfy_standin: %s of model %R deferred: %S",
-                          command, self->model_id, text);
+    PyObject *id = message_id(self);
+    int logged = cs_log_warning("comfy_standin: %s of model %R deferred: %S",
+                                command, id, text);
+    Py_DECREF(id);
+    return logged;
 }
 
 /* The same for a detach (its own line in docs/troubleshooting.md): the
@@ -298,9 +340,12 @@ static int
 defer_detach(StandInObject *self, PyObject *text)
 {
     cs_model_set_eviction_deferred(self->record, true);
-    return cs_log_warning("comfy_standin: model_to_device of model %R "
-                          "deferred: %S",
-                          self->model_id, text);
+    PyObject *id = message_id(self);
+    int logged = cs_log_warning("comfy_standin: model_to_device of model %R "
+                                "deferred: %S",
+                                id, text);
+    Py_DECREF(id);
+    return logged;
 }
 
 /* A reply that did not decode (caught): counted, the eviction deferred
@@ -313,15 +358,15 @@ bad_reply(StandInObject *self, cs_caught *caught, const char *deferring)
     if (deferring != NULL) {
         cs_model_set_eviction_deferred(self->record, true);
     }
-    if (cs_log_warning("comfy_standin: bad reply for model %R: %S",
-                       self->model_id, caught->text) < 0) {
-        return -1;
+    PyObject *id = message_id(self);
+    int logged = cs_log_warning("comfy_standin: bad reply for model %R: %S",
+                                id, caught->text);
+    if (logged == 0 && deferring != NULL) {
+        logged = cs_log_warning("comfy_standin: %s of model %R deferred: %S",
+                                deferring, id, caught->text);
     }
-    if (deferring == NULL) {
-        return 0;
-    }
-    return cs_log_warning("comfy_standin: %s of model %R deferred: %S",
-                          deferring, self->model_id, caught->text);
+    Py_DECREF(id);
+    return logged;
 }
 
 /* ---- replies ---------------------------------------------------------- */
@@ -478,12 +523,13 @@ apply_reply(StandInObject *self, bool moved, bool measured,
 static PyObject *
 gone_error(StandInObject *self, cs_module_state *state, PyObject *cause)
 {
+    PyObject *id = message_id(self);
     cs_raise_from(state->worker_gone_error, cause,
                   "the worker of model %R (generation %llu) died or "
                   "restarted; the model is no longer available: reload the "
                   "node that loaded it.",
-                  self->model_id,
-                  (unsigned long long)cs_model_generation(self->record));
+                  id, (unsigned long long)cs_model_generation(self->record));
+    Py_DECREF(id);
     return NULL;
 }
 
@@ -511,37 +557,48 @@ load_send_failed(StandInObject *self, cs_module_state *state)
     return NULL;
 }
 
-/* partially_load's body, on owned arguments (extra may be NULL). */
-static PyObject *
-load_body(StandInObject *self, cs_module_state *state, PyObject *device_to,
-          PyObject *extra)
+PyObject *
+cs_standin_partially_load(StandInObject *self, PyObject *const *args,
+                          Py_ssize_t nargs, PyObject *kwnames)
 {
+    PyObject *argv[3];
+    cs_module_state *state = cs_state_checked(Py_TYPE(self));
+    if (state == NULL ||
+        cs_parse_vector(state, CS_SIG_PARTIALLY_LOAD, args, nargs, kwnames,
+                        argv) < 0) {
+        return NULL;
+    }
     PyObject *want_obj = NULL, *device_str = NULL, *reply = NULL;
     PyObject *result = NULL;
-    uint64_t loaded = 0, resident = 0, want;
-    int has_resident = 0;
+    uint64_t loaded = 0, resident = 0, before, want;
+    int has_resident = 0, alive;
     int64_t seq;
     cs_caught caught;
 
-    if (cs_model_stale(self->record) || self->worker == NULL) {
-        /* (worker NULL: cleared by the GC, never to be used again) */
-        return gone_error(self, state, NULL);
+    /* Owned across the worker's code and the amount's (cs_args_hold). */
+    cs_args_hold(argv, 3);
+    if (cs_model_stale(self->record) || cs_standin_worker(self) == NULL) {
+        gone_error(self, state, NULL); /* a GC-cleared one is never used */
+        goto done;
     }
-    int alive = worker_alive(self, state);
-    if (alive <= 0) {
-        return alive < 0 || gone_path(self) < 0
-                   ? NULL
-                   : gone_error(self, state, NULL);
+    alive = worker_alive(self, state);
+    if (alive < 0 || (alive == 0 && gone_path(self) < 0)) {
+        goto done;
+    }
+    if (alive == 0) {
+        gone_error(self, state, NULL);
+        goto done;
     }
     if (cs_model_size(self->record) == 0) {
-        return PyLong_FromLong(0);
+        result = PyLong_FromLong(0);
+        goto done;
     }
-    uint64_t before = cs_standin_loaded(self);
-    if (requested_bytes(extra, cs_model_size(self->record), &want) < 0) {
-        return NULL;
+    before = cs_standin_loaded(self);
+    if (requested_bytes(argv[1], cs_model_size(self->record), &want) < 0) {
+        goto done;
     }
     want_obj = PyLong_FromUnsignedLongLong(want);
-    device_str = PyObject_Str(device_to);
+    device_str = PyObject_Str(argv[0]);
     if (want_obj == NULL || device_str == NULL) {
         goto done;
     }
@@ -580,23 +637,6 @@ done:
     Py_XDECREF(want_obj);
     Py_XDECREF(device_str);
     Py_XDECREF(reply);
-    return result;
-}
-
-PyObject *
-cs_standin_partially_load(StandInObject *self, PyObject *const *args,
-                          Py_ssize_t nargs, PyObject *kwnames)
-{
-    PyObject *argv[3];
-    cs_module_state *state = cs_state_checked(Py_TYPE(self));
-    if (state == NULL ||
-        cs_parse_vector(state, CS_SIG_PARTIALLY_LOAD, args, nargs, kwnames,
-                        argv) < 0) {
-        return NULL;
-    }
-    /* Owned across the worker's code and the amount's (cs_args_hold). */
-    cs_args_hold(argv, 3);
-    PyObject *result = load_body(self, state, argv[0], argv[1]);
     cs_args_release(argv, 3);
     return result;
 }
@@ -619,7 +659,7 @@ unload_body(StandInObject *self, cs_module_state *state,
     int64_t seq;
     cs_caught caught;
 
-    if (cs_model_stale(self->record) || self->worker == NULL) {
+    if (cs_model_stale(self->record) || cs_standin_worker(self) == NULL) {
         return 0; /* reads 0 already: nothing of ours is on the card */
     }
     uint64_t before = cs_standin_loaded(self);
@@ -699,14 +739,16 @@ unload_failed(StandInObject *self, bool bad_arguments)
     if (cs_catch(&caught) < 0) {
         return -1;
     }
+    PyObject *id = message_id(self);
     int logged =
         bad_arguments
             ? cs_log_warning("comfy_standin: partially_unload of model %R "
                              "called with bad arguments: %S; freed nothing",
-                             self->model_id, caught.text)
+                             id, caught.text)
             : cs_log_warning("comfy_standin: partially_unload of model %R "
                              "failed in the host: %S; freed nothing",
-                             self->model_id, caught.text);
+                             id, caught.text);
+    Py_DECREF(id);
     cs_caught_release(&caught);
     return logged;
 }
@@ -853,7 +895,7 @@ cs_standin_detach(StandInObject *self, PyObject *const *args,
     /* Never raises an Exception (runs inside free_memory); its arguments
      * (unpatch_all, unpatch_weights) mean nothing for a worker-held model
      * and are ignored, whatever they are.  Returns the inner module. */
-    if (self->worker == NULL) {
+    if (cs_standin_worker(self) == NULL) {
         Py_RETURN_NONE; /* GC-cleared */
     }
     cs_module_state *state = cs_state_checked(Py_TYPE(self));
@@ -864,9 +906,11 @@ cs_standin_detach(StandInObject *self, PyObject *const *args,
         if (cs_catch(&caught) < 0) {
             return NULL;
         }
+        PyObject *id = message_id(self);
         int logged = cs_log_warning("comfy_standin: detach of model %R "
                                     "failed in the host: %S; receipt kept",
-                                    self->model_id, caught.text);
+                                    id, caught.text);
+        Py_DECREF(id);
         cs_caught_release(&caught);
         if (logged < 0) {
             return NULL;

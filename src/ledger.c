@@ -20,35 +20,42 @@
 #include "comfy_standin/ledger.h"
 #include "platform.h"
 
+#include <assert.h>
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
-
-#ifndef _WIN32
-#include <time.h>
-#endif
 
 /* Marks a deleted slot of an open-addressing table: the address of an
  * object no table ever holds (not a pointer made from an integer). */
 #define TABLE_TOMBSTONE (&table_tombstone)
 #define TABLE_MIN_CAPACITY 8
 
-/* One allocation per model, the id bytes inline at its end; laid out so
- * the narrow fields fill one word (one record per stand-in: its size is
- * per-stand-in memory, bench/bench_memory.py). */
+/* A place on one of the lists of mutexes fork() takes (the fork section):
+ * circular, under fork_registry_lock. */
+typedef struct fork_node {
+    struct fork_node *prev, *next;
+} fork_node;
+
+/* One allocation per model, the id bytes inline at its end: 76 bytes
+ * before the id, so a record with an id of up to 11 bytes is a 96-byte
+ * malloc chunk (one record per stand-in: bench/RESULTS.md, memory). */
 struct cs_model {
+    /* The receipt.  Written only under worker->lock, inside the seqlock
+     * (rc_version odd); read lock-free by cs_model_read.  32 bits: a
+     * reader would have to sleep through 2**31 writes to be fooled.  The
+     * first word, which cs_model_version reads (ledger.h). */
+    _Atomic uint32_t rc_version;
     _Atomic uint32_t refcount;
+    uint32_t handles; /* under worker->lock */
+    /* Malformed replies a binding rejected; any thread. */
+    _Atomic uint32_t bad_replies;
 
     /* Immutable after creation: read anywhere without a lock. */
-    uint32_t id_len;
     cs_worker *worker; /* strong reference */
-    uint64_t hash;
     uint64_t size;
     uint64_t generation;
 
-    /* The receipt.  Written only under worker->lock, inside the seqlock
-     * (rc_version odd); read lock-free by cs_model_read. */
-    _Atomic uint64_t rc_version;
     _Atomic uint64_t rc_loaded;
     _Atomic int64_t rc_seq;
     _Atomic uint64_t rc_time;
@@ -56,51 +63,67 @@ struct cs_model {
     /* Written under worker->lock, read lock-free (single word each). */
     _Atomic uint64_t peak;
 
-    /* Under worker->lock. */
-    uint64_t census_stamp;
-    uint32_t handles;
-
+    uint16_t id_len;           /* immutable */
     _Atomic uint8_t rc_source; /* the receipt's, as rc_loaded */
-    _Atomic bool stale;        /* as peak */
-    /* Set by any thread (a binding's eviction path), read by any. */
-    _Atomic bool deferred;
-    bool in_table; /* under worker->lock */
-
-    /* Malformed replies a binding rejected; any thread. */
-    _Atomic uint32_t bad_replies;
+    /* MODEL_STALE and MODEL_IN_TABLE change under worker->lock;
+     * MODEL_DEFERRED is set by any thread (a binding's eviction path). */
+    _Atomic uint8_t flags;
 
     char id[]; /* NUL-terminated copy; may contain NULs before */
 };
 
+enum { MODEL_STALE = 1, MODEL_DEFERRED = 2, MODEL_IN_TABLE = 4 };
+
+static_assert(offsetof(struct cs_model, rc_version) == 0, "ledger.h");
+static_assert(offsetof(struct cs_model, id) == 76, "record header");
+
+static inline bool
+model_flag(const cs_model *m, uint8_t flag, memory_order order)
+{
+    return (atomic_load_explicit(&((cs_model *)m)->flags, order) & flag) !=
+           0;
+}
+
+static inline void
+model_set_flag(cs_model *m, uint8_t flag, bool on)
+{
+    if (on) {
+        atomic_fetch_or_explicit(&m->flags, flag, memory_order_release);
+    }
+    else {
+        atomic_fetch_and_explicit(&m->flags, (uint8_t)~flag,
+                                  memory_order_release);
+    }
+}
+
 static cs_model table_tombstone; /* never read or written */
 
+/* Laid out so the narrow fields share words: one per worker process. */
 struct cs_worker {
-    _Atomic uint64_t refcount;
+    _Atomic uint32_t refcount;
+    _Atomic uint32_t in_flight; /* written under lock, read lock-free */
     cs_mutex lock;
 
     /* Written under lock, read lock-free. */
     _Atomic uint64_t generation;
-    _Atomic bool alive;
-    _Atomic uint32_t in_flight;
     _Atomic uint64_t held;
     _Atomic uint64_t pinned;
     _Atomic uint64_t overhead;
     _Atomic uint64_t reading;
-    /* Set under lock by a release; exchanged to false by the reserve. */
-    _Atomic bool released;
 
     /* Under lock: the current generation's models by id. */
     cs_model **slots;
-    size_t capacity; /* a power of two, or 0 */
-    size_t count;
-    size_t tombstones;
-    uint64_t census_counter;
+    uint32_t capacity; /* a power of two, or 0 */
+    uint32_t count;
+    uint32_t tombstones;
 
-    /* Under the owning ledger's lock. */
-    bool on_books;
+    _Atomic bool alive; /* written under lock, read lock-free */
+    /* Set under lock by a release; exchanged to false by the reserve. */
+    _Atomic bool released;
+    bool on_books; /* under the owning ledger's lock */
 
-    /* Under the fork registry's lock (fork_registry_*). */
-    cs_worker *registry_prev, *registry_next;
+    fork_node registered; /* on fork_workers (the fork section) */
+    void *data;           /* the binding's (cs_worker_set_data) */
 };
 
 struct cs_ledger {
@@ -118,8 +141,7 @@ struct cs_ledger {
      * is a release even when boundary() forgets it first). */
     bool released;
 
-    /* Under the fork registry's lock (fork_registry_*). */
-    cs_ledger *registry_prev, *registry_next;
+    fork_node registered; /* on fork_ledgers (the fork section) */
 };
 
 /* Objects alive, process-wide: what the leak tests compare. */
@@ -149,18 +171,22 @@ cs_ledger_live_counts(int64_t *workers, int64_t *models)
 #ifndef _WIN32
 static pthread_mutex_t fork_registry_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_once_t fork_registry_once = PTHREAD_ONCE_INIT;
-static cs_ledger *fork_ledgers; /* under fork_registry_lock */
-static cs_worker *fork_workers; /* under fork_registry_lock */
+static fork_node fork_ledgers = {&fork_ledgers, &fork_ledgers};
+static fork_node fork_workers = {&fork_workers, &fork_workers};
+
+/* The mutex of the ledger or worker registered at `node`. */
+#define FORK_LOCK(node, type)                                                 \
+    (&((type *)(void *)((char *)(node) - offsetof(type, registered)))->lock)
 
 static void
 fork_prepare(void)
 {
     pthread_mutex_lock(&fork_registry_lock);
-    for (cs_ledger *l = fork_ledgers; l != NULL; l = l->registry_next) {
-        cs_mutex_lock(&l->lock);
+    for (fork_node *n = fork_ledgers.next; n != &fork_ledgers; n = n->next) {
+        cs_mutex_lock(FORK_LOCK(n, cs_ledger));
     }
-    for (cs_worker *w = fork_workers; w != NULL; w = w->registry_next) {
-        cs_mutex_lock(&w->lock);
+    for (fork_node *n = fork_workers.next; n != &fork_workers; n = n->next) {
+        cs_mutex_lock(FORK_LOCK(n, cs_worker));
     }
 }
 
@@ -169,11 +195,11 @@ fork_prepare(void)
 static void
 fork_release(void)
 {
-    for (cs_worker *w = fork_workers; w != NULL; w = w->registry_next) {
-        cs_mutex_unlock(&w->lock);
+    for (fork_node *n = fork_workers.next; n != &fork_workers; n = n->next) {
+        cs_mutex_unlock(FORK_LOCK(n, cs_worker));
     }
-    for (cs_ledger *l = fork_ledgers; l != NULL; l = l->registry_next) {
-        cs_mutex_unlock(&l->lock);
+    for (fork_node *n = fork_ledgers.next; n != &fork_ledgers; n = n->next) {
+        cs_mutex_unlock(FORK_LOCK(n, cs_ledger));
     }
     pthread_mutex_unlock(&fork_registry_lock);
 }
@@ -184,67 +210,29 @@ fork_registry_install(void)
     (void)pthread_atfork(fork_prepare, fork_release, fork_release);
 }
 
-#define FORK_LINK(head, node)                                                 \
-    do {                                                                      \
-        (node)->registry_prev = NULL;                                         \
-        (node)->registry_next = (head);                                       \
-        if ((head) != NULL) {                                                 \
-            (head)->registry_prev = (node);                                   \
-        }                                                                     \
-        (head) = (node);                                                      \
-    } while (0)
-
-#define FORK_UNLINK(head, node)                                               \
-    do {                                                                      \
-        if ((node)->registry_prev != NULL) {                                  \
-            (node)->registry_prev->registry_next = (node)->registry_next;     \
-        }                                                                     \
-        else {                                                                \
-            (head) = (node)->registry_next;                                   \
-        }                                                                     \
-        if ((node)->registry_next != NULL) {                                  \
-            (node)->registry_next->registry_prev = (node)->registry_prev;     \
-        }                                                                     \
-    } while (0)
-
 static void
-fork_register_ledger(cs_ledger *ledger)
+fork_register(fork_node *list, fork_node *node)
 {
     pthread_once(&fork_registry_once, fork_registry_install);
     pthread_mutex_lock(&fork_registry_lock);
-    FORK_LINK(fork_ledgers, ledger);
+    node->prev = list;
+    node->next = list->next;
+    list->next->prev = node;
+    list->next = node;
     pthread_mutex_unlock(&fork_registry_lock);
 }
 
 static void
-fork_unregister_ledger(cs_ledger *ledger)
+fork_unregister(fork_node *node)
 {
     pthread_mutex_lock(&fork_registry_lock);
-    FORK_UNLINK(fork_ledgers, ledger);
-    pthread_mutex_unlock(&fork_registry_lock);
-}
-
-static void
-fork_register_worker(cs_worker *worker)
-{
-    pthread_once(&fork_registry_once, fork_registry_install);
-    pthread_mutex_lock(&fork_registry_lock);
-    FORK_LINK(fork_workers, worker);
-    pthread_mutex_unlock(&fork_registry_lock);
-}
-
-static void
-fork_unregister_worker(cs_worker *worker)
-{
-    pthread_mutex_lock(&fork_registry_lock);
-    FORK_UNLINK(fork_workers, worker);
+    node->prev->next = node->next;
+    node->next->prev = node->prev;
     pthread_mutex_unlock(&fork_registry_lock);
 }
 #else
-#define fork_register_ledger(ledger) ((void)(ledger))
-#define fork_unregister_ledger(ledger) ((void)(ledger))
-#define fork_register_worker(worker) ((void)(worker))
-#define fork_unregister_worker(worker) ((void)(worker))
+#define fork_register(list, node) ((void)(node))
+#define fork_unregister(node) ((void)(node))
 #endif
 
 /* ---- small helpers --------------------------------------------------- */
@@ -269,49 +257,31 @@ cs_source_name(cs_source source)
     return source_names[source];
 }
 
+static const char *const status_messages[] = {
+    [CS_OK] = "ok",
+    [CS_ERR_NOMEM] = "out of memory",
+    [CS_ERR_RANGE] = "value out of range",
+    [CS_ERR_UNKNOWN_ID] = "unknown model id",
+    [CS_ERR_DUPLICATE_ID] = "duplicate model id",
+    [CS_ERR_SIZE_MISMATCH] = "model id already registered with another size",
+    [CS_ERR_STALE] = "model's generation is over or its worker is gone",
+    [CS_ERR_STATE] = "call out of order",
+    [CS_ERR_OLDER] = "older than the receipt",
+};
+
 const char *
 cs_status_message(cs_status status)
 {
-    switch (status) {
-    case CS_OK:
-        return "ok";
-    case CS_ERR_NOMEM:
-        return "out of memory";
-    case CS_ERR_RANGE:
-        return "value out of range";
-    case CS_ERR_UNKNOWN_ID:
-        return "unknown model id";
-    case CS_ERR_DUPLICATE_ID:
-        return "duplicate model id";
-    case CS_ERR_SIZE_MISMATCH:
-        return "model id already registered with another size";
-    case CS_ERR_STALE:
-        return "model's generation is over or its worker is gone";
-    case CS_ERR_STATE:
-        return "call out of order";
-    case CS_ERR_OLDER:
-        return "older than the receipt";
+    if ((unsigned)status >= sizeof(status_messages) / sizeof(char *)) {
+        return "unknown status";
     }
-    return "unknown status";
+    return status_messages[status];
 }
 
 uint64_t
 cs_monotonic_ns(void)
 {
-#ifdef _WIN32
-    static LARGE_INTEGER frequency; /* constant after boot; benign race */
-    LARGE_INTEGER now;
-    if (frequency.QuadPart == 0) {
-        QueryPerformanceFrequency(&frequency);
-    }
-    QueryPerformanceCounter(&now);
-    return (uint64_t)((double)now.QuadPart * 1e9 /
-                      (double)frequency.QuadPart);
-#else
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-#endif
+    return cs_clock_ns();
 }
 
 static uint64_t
@@ -347,7 +317,7 @@ receipt_write_locked(cs_model *m, uint64_t loaded, int64_t seq,
                      cs_source source)
 {
     uint64_t now = cs_monotonic_ns();
-    uint64_t v = atomic_load_explicit(&m->rc_version, memory_order_relaxed);
+    uint32_t v = atomic_load_explicit(&m->rc_version, memory_order_relaxed);
     uint64_t before =
         atomic_load_explicit(&m->rc_loaded, memory_order_relaxed);
 
@@ -368,12 +338,12 @@ receipt_write_locked(cs_model *m, uint64_t loaded, int64_t seq,
     }
 }
 
-void
+uint32_t
 cs_model_read(const cs_model *model, cs_receipt *out)
 {
     cs_model *m = (cs_model *)model; /* atomics need non-const access */
     for (;;) {
-        uint64_t v1 =
+        uint32_t v1 =
             atomic_load_explicit(&m->rc_version, memory_order_acquire);
         if (v1 & 1) {
             /* A writer is inside; it holds no lock we wait for and is a
@@ -391,7 +361,7 @@ cs_model_read(const cs_model *model, cs_receipt *out)
         atomic_thread_fence(memory_order_acquire);
         if (atomic_load_explicit(&m->rc_version, memory_order_relaxed) ==
             v1) {
-            return;
+            return v1;
         }
     }
 }
@@ -402,14 +372,6 @@ cs_model_loaded(const cs_model *model)
     /* A single word needs no seqlock; stale models were zeroed. */
     return atomic_load_explicit(&((cs_model *)model)->rc_loaded,
                                 memory_order_acquire);
-}
-
-uint64_t
-cs_model_write_count(const cs_model *model)
-{
-    return atomic_load_explicit(&((cs_model *)model)->rc_version,
-                                memory_order_acquire) /
-           2;
 }
 
 /* Peak rule (docs/semantics.md); caller holds the worker lock. */
@@ -435,21 +397,21 @@ static void
 model_mark_gone_locked(cs_model *m)
 {
     int64_t seq = atomic_load_explicit(&m->rc_seq, memory_order_relaxed);
+    /* Stale first: a reader that sees the new version sees it too. */
+    model_set_flag(m, MODEL_STALE, true);
+    /* Nothing is left to evict: no eviction is deferred any more. */
+    model_set_flag(m, MODEL_DEFERRED, false);
     receipt_write_locked(m, 0, seq, CS_SOURCE_WORKER_GONE);
     atomic_store_explicit(&m->peak, 0, memory_order_relaxed);
-    /* Nothing is left to evict: no eviction is deferred any more. */
-    atomic_store_explicit(&m->deferred, false, memory_order_relaxed);
-    atomic_store_explicit(&m->stale, true, memory_order_release);
 }
 
 /* ---- models ---------------------------------------------------------- */
 
 static cs_model *
 model_new(cs_worker *worker, uint64_t generation, const char *id,
-          size_t id_len, uint64_t hash, uint64_t size)
+          size_t id_len, uint64_t size)
 {
-    if (id_len > CS_MODEL_ID_MAX ||
-        id_len > SIZE_MAX - sizeof(cs_model) - 1) {
+    if (id_len > CS_MODEL_ID_MAX) {
         return NULL; /* no record can hold it: as out of memory */
     }
     cs_model *m = calloc(1, sizeof(*m) + id_len + 1);
@@ -458,24 +420,21 @@ model_new(cs_worker *worker, uint64_t generation, const char *id,
     }
     memcpy(m->id, id, id_len);
     m->id[id_len] = '\0';
-    m->id_len = (uint32_t)id_len;
-    m->hash = hash;
+    m->id_len = (uint16_t)id_len;
     m->size = size;
     m->generation = generation;
     atomic_init(&m->refcount, 1);
     atomic_init(&m->rc_version, 0);
     atomic_init(&m->rc_loaded, 0);
     atomic_init(&m->rc_seq, CS_SEQ_NONE);
-    /* The precise clock, not a coarse one: a board reading published
-     * before the registration must read as older than it (a coarse stamp
-     * lags by up to a tick, and the differential referee caught a board
-     * value winning over a newer registration that way). */
+    /* The precise clock: a board reading published before the
+     * registration must read as older than it (a coarse stamp lags by up
+     * to a tick). */
     atomic_init(&m->rc_time, cs_monotonic_ns());
     atomic_init(&m->rc_source, (uint8_t)CS_SOURCE_REGISTERED);
     atomic_init(&m->bad_replies, 0);
     atomic_init(&m->peak, 0);
-    atomic_init(&m->stale, false);
-    atomic_init(&m->deferred, false);
+    atomic_init(&m->flags, 0);
     cs_worker_incref(worker);
     m->worker = worker;
     atomic_fetch_add_explicit(&live_models, 1, memory_order_relaxed);
@@ -557,8 +516,7 @@ cs_model_worker(const cs_model *model)
 bool
 cs_model_stale(const cs_model *model)
 {
-    return atomic_load_explicit(&((cs_model *)model)->stale,
-                                memory_order_acquire);
+    return model_flag(model, MODEL_STALE, memory_order_acquire);
 }
 
 uint64_t
@@ -574,7 +532,7 @@ cs_model_raise_peak(cs_model *model, uint64_t bytes)
     cs_status status = CS_OK;
     uint64_t clamped = bytes < model->size ? bytes : model->size;
     cs_mutex_lock(&model->worker->lock);
-    if (atomic_load_explicit(&model->stale, memory_order_relaxed)) {
+    if (model_flag(model, MODEL_STALE, memory_order_relaxed)) {
         status = CS_ERR_STALE;
     }
     else if (atomic_load_explicit(&model->peak, memory_order_relaxed) <
@@ -588,52 +546,74 @@ cs_model_raise_peak(cs_model *model, uint64_t bytes)
 void
 cs_model_set_eviction_deferred(cs_model *model, bool deferred)
 {
-    atomic_store_explicit(&model->deferred, deferred, memory_order_relaxed);
+    model_set_flag(model, MODEL_DEFERRED, deferred);
 }
 
 bool
 cs_model_eviction_deferred(const cs_model *model)
 {
-    return atomic_load_explicit(&((cs_model *)model)->deferred,
-                                memory_order_relaxed);
+    return model_flag(model, MODEL_DEFERRED, memory_order_relaxed);
 }
 
 /* ---- the worker's table (caller holds worker->lock) ------------------- */
 
+/* The slot holding `id`, else the first empty one on its probe sequence,
+ * else (a full table) SIZE_MAX. */
 static size_t
 table_find_slot(const cs_worker *w, const char *id, size_t id_len,
                 uint64_t hash)
 {
     size_t mask = w->capacity - 1;
-    for (size_t i = (size_t)hash & mask;; i = (i + 1) & mask) {
+    size_t i = (size_t)hash & mask;
+    for (size_t probes = 0; probes < w->capacity; probes++) {
         cs_model *m = w->slots[i];
         if (m == NULL) {
             return i;
         }
-        if (m != TABLE_TOMBSTONE && m->hash == hash && m->id_len == id_len &&
+        if (m != TABLE_TOMBSTONE && m->id_len == id_len &&
             memcmp(m->id, id, id_len) == 0) {
             return i;
         }
+        i = (i + 1) & mask;
     }
+    return SIZE_MAX;
 }
 
 static cs_model *
 table_lookup(const cs_worker *w, const char *id, size_t id_len,
              uint64_t hash)
 {
-    if (w->capacity == 0) {
-        return NULL;
-    }
-    return w->slots[table_find_slot(w, id, id_len, hash)];
+    size_t i = w->capacity ? table_find_slot(w, id, id_len, hash) : SIZE_MAX;
+    return i == SIZE_MAX ? NULL : w->slots[i];
+}
+
+/* How many live and deleted entries a table of `capacity` holds before it
+ * grows: all of a small one (a worker's few models in one small array:
+ * a lookup probes 8 slots at most), 70% of a larger one. */
+static uint64_t
+table_room(uint64_t capacity)
+{
+    return capacity <= TABLE_MIN_CAPACITY ? capacity : capacity * 7 / 10;
+}
+
+/* The slot of `m`, which is in the table. */
+static size_t
+table_slot_of(const cs_worker *w, const cs_model *m)
+{
+    return table_find_slot(w, m->id, m->id_len, hash_id(m->id, m->id_len));
 }
 
 static cs_status
 table_grow(cs_worker *w)
 {
-    size_t capacity = w->capacity ? w->capacity * 2 : TABLE_MIN_CAPACITY;
-    /* Only tombstones filled the table: rehash in place at equal size. */
-    if (w->capacity && (w->count + 1) * 2 <= w->capacity) {
+    uint64_t capacity =
+        w->capacity ? (uint64_t)w->capacity * 2 : TABLE_MIN_CAPACITY;
+    /* Mostly tombstones filled the table: rehash in place at equal size. */
+    if (w->capacity && (uint64_t)w->count + 1 <= table_room(w->capacity) / 2) {
         capacity = w->capacity;
+    }
+    if (capacity > UINT32_MAX) {
+        return CS_ERR_NOMEM;
     }
     /* An array of pointers: sizeof(cs_model *) is meant. */
     /* NOLINTNEXTLINE(bugprone-sizeof-expression) */
@@ -644,33 +624,31 @@ table_grow(cs_worker *w)
     cs_model **old = w->slots;
     size_t old_capacity = w->capacity;
     w->slots = slots;
-    w->capacity = capacity;
+    w->capacity = (uint32_t)capacity;
     w->tombstones = 0;
     for (size_t i = 0; i < old_capacity; i++) {
         cs_model *m = old[i];
         if (m != NULL && m != TABLE_TOMBSTONE) {
-            w->slots[table_find_slot(w, m->id, m->id_len, m->hash)] = m;
+            w->slots[table_slot_of(w, m)] = m;
         }
     }
     free(old);
     return CS_OK;
 }
 
-/* Takes over the caller's reference to `m`. */
+/* Takes over the caller's reference to `m`, whose id hashes to `hash`. */
 static cs_status
-table_insert(cs_worker *w, cs_model *m)
+table_insert(cs_worker *w, cs_model *m, uint64_t hash)
 {
-    /* Keep the load (live + tombstones) under 70%. */
-    if ((w->count + w->tombstones + 1) * 10 > w->capacity * 7) {
+    if ((uint64_t)w->count + w->tombstones + 1 > table_room(w->capacity)) {
         cs_status status = table_grow(w);
         if (status != CS_OK) {
             return status;
         }
     }
-    size_t i = table_find_slot(w, m->id, m->id_len, m->hash);
-    w->slots[i] = m;
+    w->slots[table_find_slot(w, m->id, m->id_len, hash)] = m;
     w->count++;
-    m->in_table = true;
+    model_set_flag(m, MODEL_IN_TABLE, true);
     return CS_OK;
 }
 
@@ -678,14 +656,14 @@ table_insert(cs_worker *w, cs_model *m)
 static cs_model *
 table_remove(cs_worker *w, cs_model *m)
 {
-    size_t i = table_find_slot(w, m->id, m->id_len, m->hash);
-    if (w->slots[i] != m) {
+    size_t i = table_slot_of(w, m);
+    if (i == SIZE_MAX || w->slots[i] != m) {
         return NULL;
     }
     w->slots[i] = TABLE_TOMBSTONE;
     w->count--;
     w->tombstones++;
-    m->in_table = false;
+    model_set_flag(m, MODEL_IN_TABLE, false);
     return m;
 }
 
@@ -700,7 +678,7 @@ table_take_all(cs_worker *w, size_t *n)
     for (size_t i = 0; i < capacity; i++) {
         cs_model *m = taken[i];
         if (m != NULL && m != TABLE_TOMBSTONE) {
-            m->in_table = false;
+            model_set_flag(m, MODEL_IN_TABLE, false);
             taken[k++] = m;
         }
     }
@@ -744,7 +722,7 @@ worker_new(uint64_t generation)
     atomic_init(&w->reading, 0);
     atomic_init(&w->released, false);
     atomic_fetch_add_explicit(&live_workers, 1, memory_order_relaxed);
-    fork_register_worker(w);
+    fork_register(&fork_workers, &w->registered);
     return w;
 }
 
@@ -766,11 +744,23 @@ cs_worker_decref(cs_worker *worker)
     }
     /* The table holds references to models, and every model holds one to
      * its worker, so a worker whose count reached 0 has an empty table. */
-    fork_unregister_worker(worker);
+    fork_unregister(&worker->registered);
     free(worker->slots);
     cs_mutex_destroy(&worker->lock);
     free(worker);
     atomic_fetch_sub_explicit(&live_workers, 1, memory_order_relaxed);
+}
+
+void
+cs_worker_set_data(cs_worker *worker, void *data)
+{
+    worker->data = data;
+}
+
+void *
+cs_worker_data(const cs_worker *worker)
+{
+    return worker->data;
 }
 
 uint64_t
@@ -866,7 +856,7 @@ cs_model_gone(cs_model *model)
 {
     cs_worker *worker = model->worker;
     cs_mutex_lock(&worker->lock);
-    if (!atomic_load_explicit(&model->stale, memory_order_relaxed)) {
+    if (!model_flag(model, MODEL_STALE, memory_order_relaxed)) {
         model_mark_gone_locked(model);
     }
     cs_mutex_unlock(&worker->lock);
@@ -1015,7 +1005,7 @@ cs_worker_register_model(cs_worker *worker, uint64_t generation,
         *out = m;
         goto done;
     }
-    m = model_new(worker, generation, id, id_len, hash, size);
+    m = model_new(worker, generation, id, id_len, size);
     if (m == NULL) {
         status = CS_ERR_NOMEM;
         goto done;
@@ -1029,10 +1019,10 @@ cs_worker_register_model(cs_worker *worker, uint64_t generation,
     if (!atomic_load_explicit(&worker->alive, memory_order_relaxed)) {
         /* Registered on a worker already gone: on the table (its id stays
          * known, like its siblings'), reading 0, its receipt untouched. */
-        atomic_store_explicit(&m->stale, true, memory_order_release);
+        model_set_flag(m, MODEL_STALE, true);
     }
     cs_model_incref(m); /* the table's reference */
-    status = table_insert(worker, m);
+    status = table_insert(worker, m, hash);
     if (status != CS_OK) {
         /* Both references go; m was never visible to anyone. */
         cs_mutex_unlock(&worker->lock);
@@ -1055,7 +1045,8 @@ cs_model_release_handle(cs_model *model)
     cs_model *table_ref = NULL;
 
     cs_mutex_lock(&w->lock);
-    if (model->handles > 0 && --model->handles == 0 && model->in_table) {
+    if (model->handles > 0 && --model->handles == 0 &&
+        model_flag(model, MODEL_IN_TABLE, memory_order_relaxed)) {
         table_ref = table_remove(w, model);
     }
     cs_mutex_unlock(&w->lock);
@@ -1087,7 +1078,7 @@ cs_model_apply_echo(cs_model *model, uint64_t loaded, int64_t seq,
         return CS_ERR_RANGE;
     }
     cs_mutex_lock(&w->lock);
-    if (atomic_load_explicit(&model->stale, memory_order_relaxed)) {
+    if (model_flag(model, MODEL_STALE, memory_order_relaxed)) {
         status = CS_ERR_STALE;
         goto done;
     }
@@ -1104,7 +1095,7 @@ cs_model_apply_echo(cs_model *model, uint64_t loaded, int64_t seq,
                               : in_flight != 0;
     receipt_write_locked(model, loaded, seq, source);
     peak_update_locked(model, loaded, unmapped, busy);
-    atomic_store_explicit(&model->deferred, false, memory_order_relaxed);
+    model_set_flag(model, MODEL_DEFERRED, false);
 done:
     cs_mutex_unlock(&w->lock);
     return status;
@@ -1117,7 +1108,7 @@ census_apply_locked(cs_model *m, bool has_seq, int64_t seq,
                     uint64_t resident, bool busy)
 {
     int64_t kept = atomic_load_explicit(&m->rc_seq, memory_order_relaxed);
-    if (atomic_load_explicit(&m->stale, memory_order_relaxed)) {
+    if (model_flag(m, MODEL_STALE, memory_order_relaxed)) {
         return false;
     }
     if (has_seq) {
@@ -1129,7 +1120,7 @@ census_apply_locked(cs_model *m, bool has_seq, int64_t seq,
     uint64_t loaded = resident < m->size ? resident : m->size;
     receipt_write_locked(m, loaded, kept, CS_SOURCE_CENSUS);
     peak_update_locked(m, loaded, false, busy);
-    atomic_store_explicit(&m->deferred, false, memory_order_relaxed);
+    model_set_flag(m, MODEL_DEFERRED, false);
     return true;
 }
 
@@ -1152,59 +1143,97 @@ cs_model_apply_census(cs_model *model, bool has_seq, int64_t seq,
     return CS_OK;
 }
 
+/* A census entry's model, by entry: what pass 1 of a census finds. */
+typedef struct {
+    cs_model *model;
+    size_t index;
+} census_hit;
+
+static int
+hit_order(const void *a, const void *b)
+{
+    const census_hit *x = a, *y = b;
+    if (x->model != y->model) {
+        return (uintptr_t)x->model < (uintptr_t)y->model ? -1 : 1;
+    }
+    return x->index < y->index ? -1 : x->index > y->index;
+}
+
+/* The first of hits[0, n) (in census order) whose model an earlier entry
+ * names too, or n.  Sorts `hits`. */
+static size_t
+first_duplicate(census_hit *hits, size_t n)
+{
+    size_t first = n;
+    if (n > 1) {
+        qsort(hits, n, sizeof(*hits), hit_order);
+    }
+    for (size_t i = 1; i < n; i++) {
+        if (hits[i].model == hits[i - 1].model && hits[i].index < first) {
+            first = hits[i].index;
+        }
+    }
+    return first;
+}
+
 cs_status
 cs_worker_apply_census(cs_worker *worker, const cs_census_entry *entries,
                        size_t n, size_t *applied, size_t *bad_index)
 {
     cs_status status = CS_OK;
-    size_t count = 0;
+    size_t count = 0, bad = n;
 
     if (applied != NULL) {
         *applied = 0;
     }
+    census_hit *hits = n ? malloc(n * sizeof(*hits)) : NULL;
+    if (n && hits == NULL) {
+        return CS_ERR_NOMEM;
+    }
     cs_mutex_lock(&worker->lock);
     /* Pass 1: validate everything; nothing is written. */
-    uint64_t stamp = ++worker->census_counter;
-    for (size_t i = 0; i < n; i++) {
+    for (size_t i = 0; i < n && status == CS_OK; i++) {
         const cs_census_entry *e = &entries[i];
+        hits[i].index = i;
+        hits[i].model = NULL;
         if (e->resident > CS_VALUE_MAX || (e->has_seq && e->seq < 0)) {
             status = CS_ERR_RANGE;
         }
         else {
-            cs_model *m = table_lookup(worker, e->id, e->id_len,
-                                       hash_id(e->id, e->id_len));
-            if (m == NULL) {
-                status = CS_ERR_UNKNOWN_ID;
-            }
-            else if (m->census_stamp == stamp) {
-                status = CS_ERR_DUPLICATE_ID;
-            }
-            else {
-                m->census_stamp = stamp;
-            }
+            hits[i].model = table_lookup(worker, e->id, e->id_len,
+                                         hash_id(e->id, e->id_len));
+            status = hits[i].model ? CS_OK : CS_ERR_UNKNOWN_ID;
         }
         if (status != CS_OK) {
-            if (bad_index != NULL) {
-                *bad_index = i;
-            }
-            goto done;
+            bad = i;
         }
+    }
+    /* A duplicate before the first other error is the first error. */
+    size_t duplicate = first_duplicate(hits, bad);
+    if (duplicate < bad) {
+        status = CS_ERR_DUPLICATE_ID;
+        bad = duplicate;
+    }
+    if (status != CS_OK) {
+        if (bad_index != NULL) {
+            *bad_index = bad;
+        }
+        goto done;
     }
     if (!atomic_load_explicit(&worker->alive, memory_order_relaxed)) {
         goto done; /* valid, but nobody is there to be believed */
     }
-    /* Pass 2: apply. */
+    /* Pass 2: apply (each model once, so in any order). */
     bool busy =
         atomic_load_explicit(&worker->in_flight, memory_order_relaxed) > 0;
     for (size_t i = 0; i < n; i++) {
-        const cs_census_entry *e = &entries[i];
-        cs_model *m = table_lookup(worker, e->id, e->id_len,
-                                   hash_id(e->id, e->id_len));
-        count += census_apply_locked(m, e->has_seq, e->seq, e->resident,
-                                     busy);
+        const cs_census_entry *e = &entries[hits[i].index];
+        count += census_apply_locked(hits[i].model, e->has_seq, e->seq,
+                                     e->resident, busy);
     }
 done:
     cs_mutex_unlock(&worker->lock);
+    free(hits);
     if (applied != NULL) {
         *applied = count;
     }
@@ -1233,14 +1262,8 @@ figure_of(const cs_model *m, const cs_figure *figures, size_t n)
 }
 
 void
-cs_worker_charge(cs_worker *worker, uint64_t floor_bytes, cs_charge *out)
-{
-    cs_worker_charge_with(worker, floor_bytes, NULL, 0, out);
-}
-
-void
-cs_worker_charge_with(cs_worker *worker, uint64_t floor_bytes,
-                      const cs_figure *figures, size_t n, cs_charge *out)
+cs_worker_charge(cs_worker *worker, uint64_t floor_bytes,
+                 const cs_figure *figures, size_t n, cs_charge *out)
 {
     memset(out, 0, sizeof(*out));
     cs_mutex_lock(&worker->lock);
@@ -1270,14 +1293,17 @@ cs_worker_charge_with(cs_worker *worker, uint64_t floor_bytes,
     }
     cs_mutex_unlock(&worker->lock);
 
-    out->held_from_reading = out->reading > out->held;
+    /* The driver's reading counts the CUDA context the floor stands for. */
+    uint64_t beyond = out->reading > floor_bytes ? out->reading - floor_bytes
+                                                 : 0;
+    out->held_from_reading = beyond > out->held;
     uint64_t body;
     if (out->in_flight > 0) {
         body = out->sum_sizes;
     }
     else {
         body = max_u64(max_u64(out->sum_loaded, out->sum_peak),
-                       max_u64(out->held, out->reading));
+                       max_u64(out->held, beyond));
     }
     out->charge = add_saturating(body, floor_bytes);
 }
@@ -1296,7 +1322,7 @@ cs_ledger_new(uint64_t floor_bytes)
         return NULL;
     }
     l->floor = floor_bytes;
-    fork_register_ledger(l);
+    fork_register(&fork_ledgers, &l->registered);
     return l;
 }
 
@@ -1316,7 +1342,7 @@ cs_ledger_free(cs_ledger *ledger)
     if (ledger == NULL) {
         return;
     }
-    fork_unregister_ledger(ledger);
+    fork_unregister(&ledger->registered);
     for (size_t i = 0; i < ledger->count; i++) {
         worker_empty_table(ledger->workers[i]);
         cs_worker_decref(ledger->workers[i]);
@@ -1409,7 +1435,7 @@ ledger_total_charge_locked(cs_ledger *ledger, const cs_figure *figures,
     for (size_t i = 0; i < ledger->count; i++) {
         cs_charge charge;
         cs_worker *w = ledger->workers[i];
-        cs_worker_charge_with(w, ledger->floor, figures, n, &charge);
+        cs_worker_charge(w, ledger->floor, figures, n, &charge);
         total = add_saturating(total, charge.charge);
         if (released != NULL &&
             atomic_exchange_explicit(&w->released, false,
@@ -1421,14 +1447,8 @@ ledger_total_charge_locked(cs_ledger *ledger, const cs_figure *figures,
 }
 
 uint64_t
-cs_ledger_total_charge(cs_ledger *ledger)
-{
-    return cs_ledger_total_charge_with(ledger, NULL, 0);
-}
-
-uint64_t
-cs_ledger_total_charge_with(cs_ledger *ledger, const cs_figure *figures,
-                            size_t n)
+cs_ledger_total_charge(cs_ledger *ledger, const cs_figure *figures,
+                       size_t n)
 {
     cs_mutex_lock(&ledger->lock);
     uint64_t total = ledger_total_charge_locked(ledger, figures, n, NULL);
@@ -1438,16 +1458,7 @@ cs_ledger_total_charge_with(cs_ledger *ledger, const cs_figure *figures,
 
 uint64_t
 cs_ledger_reserve(cs_ledger *ledger, uint64_t base, uint64_t total_bytes,
-                  bool process_local)
-{
-    return cs_ledger_reserve_with(ledger, base, total_bytes, process_local,
-                                  NULL, 0);
-}
-
-uint64_t
-cs_ledger_reserve_with(cs_ledger *ledger, uint64_t base,
-                       uint64_t total_bytes, bool process_local,
-                       const cs_figure *figures, size_t n)
+                  bool process_local, const cs_figure *figures, size_t n)
 {
     if (!process_local) {
         /* Device-wide free memory already lacks every worker byte. */

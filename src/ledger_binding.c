@@ -23,19 +23,6 @@ typedef struct {
     PyObject *last_books;
 } LedgerObject;
 
-/* One worker's books: the C record of its charges and the roster of its
- * stand-ins, made in one step (cs_ledger_books_for) and owned together:
- * the roster changes only with the GIL held, by code that runs no Python
- * between reading and writing it (roster.c). */
-typedef struct {
-    PyObject_HEAD
-    cs_worker *worker; /* strong (C refcount); immutable once made */
-    PyObject *key;     /* strong: the worker object; immutable */
-    uint64_t floor;    /* the ledger's floor; immutable */
-    cs_roster roster;  /* the worker's live stand-ins */
-    PyObject *weakreflist;
-} BooksObject;
-
 /* The module state, or NULL with RuntimeError once the module was
  * cleared. */
 static inline cs_module_state *
@@ -56,10 +43,10 @@ cleared_error(const char *what)
 
 /* ---- WorkerBooks ----------------------------------------------------- */
 
-/* Books with no worker yet: allocated before anything is looked up or
- * added, because the allocation may run the collector (and so any
- * Python); books_attach() then gives them their C record without running
- * any. */
+/* Books with no worker yet, untracked: allocated before anything is
+ * looked up or added, because the allocation may run the collector (and
+ * so any Python); books_attach() then gives them their C record and
+ * tracks them without running any. */
 static BooksObject *
 books_alloc(cs_module_state *state)
 {
@@ -70,15 +57,13 @@ books_alloc(cs_module_state *state)
     self->worker = NULL;
     self->key = NULL;
     self->floor = 0;
-    self->roster.head = self->roster.tail = NULL;
-    self->roster.count = 0;
+    self->roster = (cs_roster){NULL, 0, 0, 0};
     self->weakreflist = NULL;
-    PyObject_GC_Track(self);
     return self;
 }
 
-/* The C record of `key`'s charges on `ledger`, made in the books: 0, or
- * -1 with MemoryError.  Runs no Python. */
+/* The C record of `key`'s charges on `ledger`, made in the books, which
+ * are then tracked: 0, or -1 with MemoryError.  Runs no Python. */
 static int
 books_attach(BooksObject *self, cs_ledger *ledger, PyObject *key,
              uint64_t generation)
@@ -89,21 +74,11 @@ books_attach(BooksObject *self, cs_ledger *ledger, PyObject *key,
         return -1;
     }
     self->worker = worker; /* the reference cs_ledger_add_worker gave */
+    cs_worker_set_data(worker, self); /* how a stand-in finds its books */
     self->key = Py_NewRef(key);
     self->floor = cs_ledger_floor(ledger);
+    PyObject_GC_Track(self);
     return 0;
-}
-
-cs_worker *
-cs_books_worker(PyObject *books)
-{
-    return ((BooksObject *)books)->worker;
-}
-
-cs_roster *
-cs_books_roster(PyObject *books)
-{
-    return &((BooksObject *)books)->roster;
 }
 
 static int
@@ -131,29 +106,34 @@ books_dealloc(BooksObject *self)
         PyObject_ClearWeakRefs((PyObject *)self);
     }
     books_clear(self);
+    cs_roster_free(&self->roster);
     if (self->worker != NULL) {
+        cs_worker_set_data(self->worker, NULL);
         cs_worker_decref(self->worker);
     }
     tp->tp_free(self);
     Py_DECREF(tp);
 }
 
-static PyObject *
-books_get_generation(BooksObject *self, void *closure)
-{
-    return PyLong_FromUnsignedLongLong(cs_worker_generation(self->worker));
-}
+/* What a getter's closure points at: which field it reads. */
+enum { BOOKS_GENERATION, BOOKS_ALIVE, BOOKS_IN_FLIGHT, BOOKS_READING };
+static int books_fields[] = {0, 1, 2, 3};
 
+/* One getter for the worker's figures: the closure points at the field. */
 static PyObject *
-books_get_alive(BooksObject *self, void *closure)
+books_get(BooksObject *self, void *closure)
 {
-    return PyBool_FromLong(cs_worker_alive(self->worker));
-}
-
-static PyObject *
-books_get_in_flight(BooksObject *self, void *closure)
-{
-    return PyLong_FromUnsignedLong(cs_worker_in_flight(self->worker));
+    const cs_worker *w = self->worker;
+    switch (*(const int *)closure) {
+    case BOOKS_GENERATION:
+        return PyLong_FromUnsignedLongLong(cs_worker_generation(w));
+    case BOOKS_ALIVE:
+        return PyBool_FromLong(cs_worker_alive(w));
+    case BOOKS_IN_FLIGHT:
+        return PyLong_FromUnsignedLong(cs_worker_in_flight(w));
+    default:
+        return PyLong_FromUnsignedLongLong(cs_worker_reading(w));
+    }
 }
 
 static PyObject *
@@ -164,12 +144,6 @@ books_get_report(BooksObject *self, void *closure)
     return Py_BuildValue("(KKK)", (unsigned long long)held,
                          (unsigned long long)pinned,
                          (unsigned long long)overhead);
-}
-
-static PyObject *
-books_get_reading(BooksObject *self, void *closure)
-{
-    return PyLong_FromUnsignedLongLong(cs_worker_reading(self->worker));
 }
 
 static PyObject *
@@ -356,7 +330,7 @@ books_charge(BooksObject *self, PyObject *unused)
         return NULL;
     }
     cs_figures_sort(&figures);
-    cs_worker_charge_with(self->worker, self->floor, figures.items,
+    cs_worker_charge(self->worker, self->floor, figures.items,
                           figures.n, &charge);
     cs_figures_release(&figures);
     return charge_to_dict(&charge);
@@ -406,46 +380,39 @@ record_get_model_id(RecordObject *self, void *closure)
     return PyUnicode_DecodeUTF8(id, (Py_ssize_t)len, "surrogatepass");
 }
 
-static PyObject *
-record_get_size(RecordObject *self, void *closure)
-{
-    return PyLong_FromUnsignedLongLong(cs_model_size(self->model));
-}
+/* What a getter's closure points at: which field it reads. */
+enum {
+    RECORD_SIZE,
+    RECORD_GENERATION,
+    RECORD_LOADED,
+    RECORD_PEAK,
+    RECORD_WRITES,
+    RECORD_STALE,
+    RECORD_DEFERRED
+};
+static int record_fields[] = {0, 1, 2, 3, 4, 5, 6};
 
+/* One getter for the record's figures: the closure points at the field. */
 static PyObject *
-record_get_generation(RecordObject *self, void *closure)
+record_get(RecordObject *self, void *closure)
 {
-    return PyLong_FromUnsignedLongLong(cs_model_generation(self->model));
-}
-
-static PyObject *
-record_get_stale(RecordObject *self, void *closure)
-{
-    return PyBool_FromLong(cs_model_stale(self->model));
-}
-
-static PyObject *
-record_get_loaded(RecordObject *self, void *closure)
-{
-    return PyLong_FromUnsignedLongLong(cs_model_loaded(self->model));
-}
-
-static PyObject *
-record_get_peak(RecordObject *self, void *closure)
-{
-    return PyLong_FromUnsignedLongLong(cs_model_admission_peak(self->model));
-}
-
-static PyObject *
-record_get_deferred(RecordObject *self, void *closure)
-{
-    return PyBool_FromLong(cs_model_eviction_deferred(self->model));
-}
-
-static PyObject *
-record_get_write_count(RecordObject *self, void *closure)
-{
-    return PyLong_FromUnsignedLongLong(cs_model_write_count(self->model));
+    const cs_model *m = self->model;
+    switch (*(const int *)closure) {
+    case RECORD_SIZE:
+        return PyLong_FromUnsignedLongLong(cs_model_size(m));
+    case RECORD_GENERATION:
+        return PyLong_FromUnsignedLongLong(cs_model_generation(m));
+    case RECORD_LOADED:
+        return PyLong_FromUnsignedLongLong(cs_model_loaded(m));
+    case RECORD_PEAK:
+        return PyLong_FromUnsignedLongLong(cs_model_admission_peak(m));
+    case RECORD_WRITES:
+        return PyLong_FromUnsignedLong(cs_model_version(m) / 2);
+    case RECORD_STALE:
+        return PyBool_FromLong(cs_model_stale(m));
+    default:
+        return PyBool_FromLong(cs_model_eviction_deferred(m));
+    }
 }
 
 static PyObject *
@@ -481,17 +448,19 @@ record_repr(RecordObject *self)
                                 cs_source_name(r.source));
 }
 
+#define RECORD_FIELD(name, field, doc)                                        \
+    {name, (getter)record_get, NULL, doc, &record_fields[field]}
+
 static PyGetSetDef record_getset[] = {
     {"model_id", (getter)record_get_model_id, NULL, NULL, NULL},
-    {"size", (getter)record_get_size, NULL, NULL, NULL},
-    {"generation", (getter)record_get_generation, NULL, NULL, NULL},
-    {"stale", (getter)record_get_stale, NULL,
-     "The model's generation is over, or its worker is gone.", NULL},
-    {"loaded", (getter)record_get_loaded, NULL, NULL, NULL},
-    {"peak", (getter)record_get_peak, NULL, "The admission peak.", NULL},
-    {"eviction_deferred", (getter)record_get_deferred, NULL, NULL, NULL},
-    {"write_count", (getter)record_get_write_count, NULL,
-     "Receipts written so far.", NULL},
+    RECORD_FIELD("size", RECORD_SIZE, NULL),
+    RECORD_FIELD("generation", RECORD_GENERATION, NULL),
+    RECORD_FIELD("stale", RECORD_STALE,
+                 "The model's generation is over, or its worker is gone."),
+    RECORD_FIELD("loaded", RECORD_LOADED, NULL),
+    RECORD_FIELD("peak", RECORD_PEAK, "The admission peak."),
+    RECORD_FIELD("eviction_deferred", RECORD_DEFERRED, NULL),
+    RECORD_FIELD("write_count", RECORD_WRITES, "Receipts written so far."),
     {NULL},
 };
 
@@ -606,17 +575,19 @@ books_find(BooksObject *self, PyObject *id_obj)
     return r;
 }
 
+#define BOOKS_FIELD(name, field, doc)                                         \
+    {name, (getter)books_get, NULL, doc, &books_fields[field]}
+
 static PyGetSetDef books_getset[] = {
-    {"generation", (getter)books_get_generation, NULL,
-     "The worker's current generation (bumped on restart).", NULL},
-    {"alive", (getter)books_get_alive, NULL,
-     "False once the worker is gone.", NULL},
-    {"in_flight", (getter)books_get_in_flight, NULL,
-     "Calls in flight (begin_call minus end_call).", NULL},
+    BOOKS_FIELD("generation", BOOKS_GENERATION,
+                "The worker's current generation (bumped on restart)."),
+    BOOKS_FIELD("alive", BOOKS_ALIVE, "False once the worker is gone."),
+    BOOKS_FIELD("in_flight", BOOKS_IN_FLIGHT,
+                "Calls in flight (begin_call minus end_call)."),
     {"report", (getter)books_get_report, NULL,
      "(held, pinned, overhead) from the last _vram_report.", NULL},
-    {"reading", (getter)books_get_reading, NULL,
-     "The probe's per-pid reading of the worker (0: none).", NULL},
+    BOOKS_FIELD("reading", BOOKS_READING,
+                "The probe's per-pid reading of the worker (0: none)."),
     {"key", (getter)books_get_key, NULL, "The worker object.", NULL},
     {NULL},
 };
@@ -715,20 +686,26 @@ ledger_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
                    NULL;
         }
     }
-    self = (LedgerObject *)type->tp_alloc(type, 0);
-    if (self == NULL) {
+    /* The table and the C ledger first: the object's allocation may run a
+     * collection, and the collector must never reach a Ledger without
+     * them. */
+    PyObject *books = PyDict_New();
+    if (books == NULL) {
         return NULL;
     }
-    self->books = PyDict_New();
-    if (self->books == NULL) {
-        Py_DECREF(self);
-        return NULL;
-    }
-    self->ledger = cs_ledger_new(floor);
-    if (self->ledger == NULL) {
-        Py_DECREF(self);
+    cs_ledger *ledger = cs_ledger_new(floor);
+    if (ledger == NULL) {
+        Py_DECREF(books);
         return PyErr_NoMemory();
     }
+    self = (LedgerObject *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        cs_ledger_free(ledger);
+        Py_DECREF(books);
+        return NULL;
+    }
+    self->books = books;
+    self->ledger = ledger;
     return (PyObject *)self;
 }
 
@@ -844,12 +821,66 @@ cs_ledger_books_for(PyObject *ledger, PyObject *key, uint64_t generation)
     return Py_NewRef(books);
 }
 
-PyObject *
-cs_ledger_find(PyObject *ledger, PyObject *key)
+/* The books of `key`, a new reference, or NULL (with an exception only if
+ * one was raised).  Runs no Python. */
+static PyObject *
+books_of(PyObject *ledger, PyObject *key)
 {
     PyObject *books = ledger_find_books((LedgerObject *)ledger, key);
     return Py_XNewRef(books);
 }
+
+/* The profile of the stand-in listed last on `books` when it holds these
+ * objects, borrowed, else NULL. */
+static PyObject *
+roster_tail_profile(PyObject *books, const PyObject *load_device,
+                    const PyObject *offload_device, const PyObject *kind)
+{
+    cs_roster *roster = books ? cs_books_roster(books) : NULL;
+    if (roster == NULL || roster->used == 0) {
+        return NULL;
+    }
+    PyObject *profile = roster->items[roster->used - 1]->profile;
+    if (profile != NULL &&
+        PyTuple_GET_ITEM(profile, PROFILE_LOAD) == load_device &&
+        PyTuple_GET_ITEM(profile, PROFILE_OFFLOAD) == offload_device &&
+        PyTuple_GET_ITEM(profile, PROFILE_KIND) == kind) {
+        return profile;
+    }
+    return NULL;
+}
+
+PyObject *
+cs_ledger_profile(PyObject *ledger, PyObject *worker, PyObject *load_device,
+                  PyObject *offload_device, PyObject *kind,
+                  PyObject **books)
+{
+    LedgerObject *self = (LedgerObject *)ledger;
+    /* Both are entries of the table, which holds them: no Python runs. */
+    PyObject *previous = self->last_books;
+    PyObject *found = self->books ? ledger_find_books(self, worker) : NULL;
+    if (found == NULL && PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *profile =
+        roster_tail_profile(found, load_device, offload_device, kind);
+    if (profile == NULL && previous != found) {
+        profile = roster_tail_profile(previous, load_device, offload_device,
+                                      kind);
+    }
+    if (profile != NULL) {
+        *books = Py_XNewRef(found);
+        return Py_NewRef(profile);
+    }
+    profile = PyTuple_Pack(3, load_device, offload_device, kind);
+    /* The allocation may have run Python: look again. */
+    *books = profile ? books_of(ledger, worker) : NULL;
+    if (*books == NULL && PyErr_Occurred()) {
+        Py_CLEAR(profile);
+    }
+    return profile;
+}
+
 
 static PyObject *
 ledger_worker(LedgerObject *self, PyObject *args)
@@ -1019,7 +1050,7 @@ ledger_reserve(LedgerObject *self, PyObject *const *args, Py_ssize_t nargs,
     }
     uint64_t reserve;
     Py_BEGIN_ALLOW_THREADS
-    reserve = cs_ledger_reserve_with(self->ledger, base, total,
+    reserve = cs_ledger_reserve(self->ledger, base, total,
                                      process_local != 0, figures.items,
                                      figures.n);
     Py_END_ALLOW_THREADS
@@ -1034,10 +1065,17 @@ ledger_total_charge(LedgerObject *self, PyObject *unused)
     if (ledger_figures(self, &figures) < 0) {
         return NULL;
     }
-    uint64_t total = cs_ledger_total_charge_with(self->ledger, figures.items,
+    uint64_t total = cs_ledger_total_charge(self->ledger, figures.items,
                                                  figures.n);
     cs_figures_release(&figures);
     return PyLong_FromUnsignedLongLong(total);
+}
+
+static PyObject *
+ledger_reread_boards(LedgerObject *self, PyObject *unused)
+{
+    cs_standin_reread_boards();
+    Py_RETURN_NONE;
 }
 
 static PyObject *
@@ -1071,6 +1109,10 @@ static PyMethodDef ledger_methods[] = {
      "publish (docs/reserve.md)."},
     {"total_charge", (PyCFunction)ledger_total_charge, METH_NOARGS,
      "total_charge($self, /)\n--\n\nSum of every worker's charge."},
+    {"reread_boards", (PyCFunction)ledger_reread_boards, METH_NOARGS,
+     "reread_boards($self, /)\n--\n\nEvery stand-in that reads a board "
+     "decides its reading again at its next loaded_size(), the heartbeat's "
+     "age included (the pool calls it where ComfyUI decides)."},
     {NULL},
 };
 

@@ -8,8 +8,8 @@
 
 #include "comfy_standin/ledger.h"
 
-int
-cs_state_traverse(cs_module_state *state, visitproc visit, void *arg)
+static int
+state_traverse(cs_module_state *state, visitproc visit, void *arg)
 {
     Py_VISIT(state->ledger_type);
     Py_VISIT(state->books_type);
@@ -21,11 +21,15 @@ cs_state_traverse(cs_module_state *state, visitproc visit, void *arg)
     Py_VISIT(state->echo_error);
     Py_VISIT(state->worker_gone_error);
     Py_VISIT(state->mapping_abc);
+    Py_VISIT(state->package);
+    Py_VISIT(state->default_pool);
+    Py_VISIT(state->default_ledger);
+    Py_VISIT(state->worker_type);
     return 0;
 }
 
-void
-cs_state_clear(cs_module_state *state)
+static void
+state_clear(cs_module_state *state)
 {
     Py_CLEAR(state->ledger_type);
     Py_CLEAR(state->books_type);
@@ -51,7 +55,12 @@ cs_state_clear(cs_module_state *state)
     Py_CLEAR(state->str_get);
     Py_CLEAR(state->str_ledger);
     Py_CLEAR(state->str_restarted);
+    Py_CLEAR(state->str_default_pool);
     Py_CLEAR(state->mapping_abc);
+    Py_CLEAR(state->package);
+    Py_CLEAR(state->default_pool);
+    Py_CLEAR(state->default_ledger);
+    Py_CLEAR(state->worker_type);
     cs_args_clear(state);
     state->ready = 0;
 }
@@ -59,13 +68,13 @@ cs_state_clear(cs_module_state *state)
 static int
 core_traverse(PyObject *module, visitproc visit, void *arg)
 {
-    return cs_state_traverse(cs_state_of_module(module), visit, arg);
+    return state_traverse(cs_state_of_module(module), visit, arg);
 }
 
 static int
 core_clear(PyObject *module)
 {
-    cs_state_clear(cs_state_of_module(module));
+    state_clear(cs_state_of_module(module));
     return 0;
 }
 
@@ -139,6 +148,7 @@ core_exec(PyObject *module)
         {&state->str_get, "get"},
         {&state->str_ledger, "_ledger"},
         {&state->str_restarted, "restarted"},
+        {&state->str_default_pool, "_default_pool"},
     };
     for (size_t i = 0; i < sizeof(strings) / sizeof(strings[0]); i++) {
         *strings[i].slot = PyUnicode_InternFromString(strings[i].text);

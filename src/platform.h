@@ -40,6 +40,18 @@ cs_cpu_relax(void)
 {
     YieldProcessor();
 }
+static inline uint64_t
+cs_clock_ns(void)
+{
+    static LARGE_INTEGER frequency; /* constant after boot; benign race */
+    LARGE_INTEGER now;
+    if (frequency.QuadPart == 0) {
+        QueryPerformanceFrequency(&frequency);
+    }
+    QueryPerformanceCounter(&now);
+    return (uint64_t)((double)now.QuadPart * 1e9 /
+                      (double)frequency.QuadPart);
+}
 #else
 #include <pthread.h>
 #include <time.h>
@@ -73,6 +85,13 @@ cs_cpu_relax(void)
 #elif defined(__aarch64__)
     __asm__ __volatile__("yield");
 #endif
+}
+static inline uint64_t
+cs_clock_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 #endif
 

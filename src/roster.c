@@ -2,16 +2,15 @@
  * roster.c -- a worker's roster of stand-ins, and how a new stand-in joins
  * it (docs/architecture.md, "One owner for each fact").
  *
- * The roster lives in the worker's books (WorkerBooks, ledger_binding.c)
- * beside the C record of its charges: the books and their roster are made
- * in one step and leave the ledger in one step (Ledger.forget), so no
- * stand-in can join a roster the pool no longer sees.  It is an intrusive
- * list through the stand-ins: each listed stand-in holds its books
- * strongly and leaves the list when it is cleared or freed, so the roster
- * lists live stand-ins only, as a weak set would, without a weak reference
- * per stand-in.
+ * The roster lives in the worker's books (WorkerBooks, binding.h) beside
+ * the C record of its charges: the books and their roster are made in one
+ * step and leave the ledger in one step (Ledger.forget), so no stand-in
+ * can join a roster the pool no longer sees.  Each listed stand-in holds
+ * its books strongly and leaves the roster when it is cleared or freed, so
+ * the roster lists live stand-ins only, as a weak set would, without a
+ * weak reference per stand-in.
  *
- * One lock: the GIL.  Every function here reads and edits the list
+ * One lock: the GIL.  Every function here reads and edits the roster
  * without running Python in between (no allocation of a tracked object,
  * which on 3.10 and 3.11 may run the collector and so any finalizer).
  */
@@ -19,46 +18,76 @@
 
 #include <stdlib.h>
 
+/* Moves the stand-ins down over the holes, in order. */
 static void
-roster_link(PyObject *books, StandInObject *s)
+roster_compact(cs_roster *roster)
 {
-    cs_roster *roster = cs_books_roster(books);
-    s->books = Py_NewRef(books);
-    s->roster_prev = roster->tail;
-    s->roster_next = NULL;
-    if (roster->tail != NULL) {
-        roster->tail->roster_next = s;
+    uint32_t to = 0;
+    for (uint32_t from = 0; from < roster->used; from++) {
+        StandInObject *s = roster->items[from];
+        if (s != NULL) {
+            s->roster_index = to;
+            roster->items[to++] = s;
+        }
     }
-    else {
-        roster->head = s;
+    roster->used = to;
+}
+
+/* Room for one more stand-in: 0, or -1 with MemoryError. */
+static int
+roster_reserve(cs_roster *roster)
+{
+    if (roster->used < roster->capacity) {
+        return 0;
     }
-    roster->tail = s;
-    roster->count++;
+    if (roster->count < roster->used / 2) {
+        roster_compact(roster);
+        return 0;
+    }
+    if (roster->capacity >= UINT32_C(1) << 29) { /* roster_index: 30 bits */
+        PyErr_NoMemory();
+        return -1;
+    }
+    uint32_t capacity = roster->capacity ? roster->capacity * 2 : 4;
+    StandInObject **items =
+        PyMem_Realloc(roster->items, capacity * sizeof(StandInObject *));
+    if (items == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    roster->items = items;
+    roster->capacity = capacity;
+    return 0;
+}
+
+void
+cs_roster_free(cs_roster *roster)
+{
+    PyMem_Free(roster->items);
+    roster->items = NULL;
+    roster->used = roster->capacity = roster->count = 0;
 }
 
 void
 cs_roster_unlink(StandInObject *s)
 {
-    PyObject *books = s->books;
+    PyObject *books = cs_standin_books(s);
     if (books == NULL) {
         return;
     }
     cs_roster *roster = cs_books_roster(books);
-    if (s->roster_prev != NULL) {
-        s->roster_prev->roster_next = s->roster_next;
-    }
-    else {
-        roster->head = s->roster_next;
-    }
-    if (s->roster_next != NULL) {
-        s->roster_next->roster_prev = s->roster_prev;
-    }
-    else {
-        roster->tail = s->roster_prev;
-    }
+    roster->items[s->roster_index] = NULL;
     roster->count--;
-    s->books = NULL;
-    s->roster_prev = s->roster_next = NULL;
+    while (roster->used > 0 && roster->items[roster->used - 1] == NULL) {
+        roster->used--;
+    }
+    if (roster->count == 0) {
+        cs_roster_free(roster);
+    }
+    else if (roster->count < roster->used / 4) {
+        roster_compact(roster);
+    }
+    s->listed = 0;
     Py_DECREF(books); /* last: it may free the books, and their worker */
 }
 
@@ -74,8 +103,9 @@ cs_roster_snapshot(cs_roster *roster)
     if (list == NULL) {
         return NULL;
     }
-    for (StandInObject *s = roster->head; s != NULL; s = s->roster_next) {
-        if (PyList_Append(list, (PyObject *)s) < 0) {
+    for (uint32_t i = 0; i < roster->used; i++) {
+        StandInObject *s = roster->items[i];
+        if (s != NULL && PyList_Append(list, (PyObject *)s) < 0) {
             Py_DECREF(list);
             return NULL;
         }
@@ -83,71 +113,51 @@ cs_roster_snapshot(cs_roster *roster)
     return list;
 }
 
-PyObject *
-cs_roster_profile_for(PyObject *ledger, PyObject *worker,
-                      PyObject *load_device, PyObject *offload_device,
-                      PyObject *kind)
-{
-    PyObject *books = cs_ledger_find(ledger, worker);
-    if (books == NULL && PyErr_Occurred()) {
-        return NULL;
-    }
-    StandInObject *tail = books ? cs_books_roster(books)->tail : NULL;
-    PyObject *profile = tail != NULL ? tail->profile : NULL;
-    if (profile != NULL &&
-        PyTuple_GET_ITEM(profile, PROFILE_LOAD) == load_device &&
-        PyTuple_GET_ITEM(profile, PROFILE_OFFLOAD) == offload_device &&
-        PyTuple_GET_ITEM(profile, PROFILE_KIND) == kind) {
-        Py_INCREF(profile);
-    }
-    else {
-        profile = NULL;
-    }
-    Py_XDECREF(books); /* the table still holds them: no Python runs */
-    return profile ? profile
-                   : PyTuple_Pack(3, load_device, offload_device, kind);
-}
-
 int
-cs_standin_enlist(StandInObject *self, PyObject *ledger,
-                  uint64_t generation, uint64_t size, PyObject *size_obj)
+cs_standin_enlist(StandInObject *self, PyObject *ledger, PyObject *worker,
+                  PyObject *model_id, uint64_t generation, uint64_t size,
+                  PyObject *size_obj)
 {
     Py_ssize_t id_len;
-    const char *id = PyUnicode_AsUTF8AndSize(self->model_id, &id_len);
+    const char *id = PyUnicode_AsUTF8AndSize(model_id, &id_len);
     if (id == NULL) {
         return -1;
     }
     /* The only step that may run Python (making the books). */
-    PyObject *books = cs_ledger_books_for(ledger, self->worker, generation);
+    PyObject *books = cs_ledger_books_for(ledger, worker, generation);
     if (books == NULL) {
         return -1;
     }
     /* From here to the link nothing runs Python: the record is C, and the
      * roster is edited in place. */
+    cs_roster *roster = cs_books_roster(books);
     cs_model *record = NULL;
-    if (cs_register_model(cs_books_worker(books), generation,
-                          self->model_id, id, (size_t)id_len,
-                          size, size_obj, &record) < 0) {
+    if (roster_reserve(roster) < 0 ||
+        cs_register_model(cs_books_worker(books), generation, model_id, id,
+                          (size_t)id_len, size, size_obj, &record) < 0) {
         Py_DECREF(books);
         return -1;
     }
-    self->record = record;
-    roster_link(books, self);
-    Py_DECREF(books); /* the stand-in holds them now */
-    return 0;
+    self->record = record; /* its worker's data are these books */
+    self->listed = 1;      /* the reference cs_ledger_books_for gave */
+    self->roster_index = roster->used;
+    roster->items[roster->used++] = self;
+    roster->count++;
+    return cs_standin_answer_init(self);
 }
 
 int
 cs_figures_add_roster(cs_figures *figures, cs_roster *roster)
 {
-    for (StandInObject *s = roster->head; s != NULL; s = s->roster_next) {
-        ModuleObject *m = cs_standin_module(s);
-        if (m == NULL || m->board == NULL || s->record == NULL) {
+    for (uint32_t i = 0; i < roster->used; i++) {
+        StandInObject *s = roster->items[i];
+        ModuleObject *m = s ? cs_standin_module(s) : NULL;
+        if (m == NULL || m->board == NULL) {
             continue; /* its figure is its receipt */
         }
         bool seen = false;
-        for (size_t i = 0; i < figures->n && !seen; i++) {
-            seen = figures->items[i].model == s->record;
+        for (size_t k = 0; k < figures->n && !seen; k++) {
+            seen = figures->items[k].model == s->record;
         }
         if (seen) {
             continue; /* stand-ins of one model share its record */

@@ -1,7 +1,7 @@
 /*
  * standin.c -- the stand-in type ComfyUI's model_management loads directly
- * (docs/semantics.md), its inner module and its clone_base_uuid sentinel:
- * construction, lifetime, and everything ComfyUI reads.  The roster is in
+ * (docs/semantics.md): construction, lifetime, and everything ComfyUI
+ * reads.  Its inner module and sentinel are in inner.c, the roster in
  * roster.c, the commands to the worker in commands.c, the state sync in
  * sync.c; standin.h has the object layouts they share.
  */
@@ -74,8 +74,8 @@ static PyMethodDef contract_getattr_def = {
  * `with_getattr`, then immutable.  Assigning __getattr__ to the type is
  * what gives it CPython's lookup-then-__getattr__ slot; a type is
  * mutable until that is done. */
-static PyTypeObject *
-make_type(PyObject *module, PyType_Spec *spec, bool with_getattr)
+PyTypeObject *
+cs_make_type(PyObject *module, PyType_Spec *spec, bool with_getattr)
 {
     PyTypeObject *type = (PyTypeObject *)PyType_FromModuleAndSpec(
         module, spec, NULL);
@@ -96,304 +96,32 @@ make_type(PyObject *module, PyType_Spec *spec, bool with_getattr)
     return type;
 }
 
-/* ---- sentinel --------------------------------------------------------- */
-
-/* A GC type: it owns an object (model_id, an exact str today) and is
- * visited like every other owner, so no later change of what it holds can
- * make an uncollectable cycle. */
-static int
-sentinel_traverse(SentinelObject *self, visitproc visit, void *arg)
-{
-    Py_VISIT(Py_TYPE(self));
-    Py_VISIT(self->model_id);
-    return 0;
-}
-
-static int
-sentinel_clear(SentinelObject *self)
-{
-    Py_CLEAR(self->model_id);
-    return 0;
-}
-
-static void
-sentinel_dealloc(SentinelObject *self)
-{
-    PyTypeObject *tp = Py_TYPE(self);
-    PyObject_GC_UnTrack(self);
-    sentinel_clear(self);
-    tp->tp_free(self);
-    Py_DECREF(tp);
-}
-
-static PyObject *
-sentinel_repr(SentinelObject *self)
-{
-    if (self->model_id == NULL) {
-        return PyUnicode_FromString("<comfy_standin private clone_base_uuid "
-                                    "(cleared; never equals a uuid)>");
-    }
-    return PyUnicode_FromFormat("<comfy_standin private clone_base_uuid of "
-                                "model %R (never equals a uuid)>",
-                                self->model_id);
-}
-
-/* Refused at dump for every protocol (0 and 1 would otherwise reduce it
- * through copyreg and fail only on load). */
-static PyMethodDef sentinel_methods[] = {
-    {"__reduce_ex__", cs_refuse_pickle, METH_O,
-     "__reduce_ex__($self, protocol, /)\n--\n\nRaises TypeError."},
-    {"__reduce__", (PyCFunction)cs_refuse_pickle, METH_NOARGS,
-     "__reduce__($self, /)\n--\n\nRaises TypeError."},
-    {NULL},
-};
-
-static PyType_Slot sentinel_slots[] = {
-    {Py_tp_doc, "A stand-in's clone_base_uuid: equal only to itself, so "
-                "unload_model_and_clones and the MultiGPU reuse loop never "
-                "match it with a host model or another stand-in."},
-    {Py_tp_traverse, sentinel_traverse},
-    {Py_tp_clear, sentinel_clear},
-    {Py_tp_dealloc, sentinel_dealloc},
-    {Py_tp_repr, sentinel_repr},
-    {Py_tp_methods, sentinel_methods},
-    {0, NULL},
-};
-
-static PyType_Spec sentinel_spec = {
-    .name = "comfy_standin._core.CloneBaseSentinel",
-    .basicsize = sizeof(SentinelObject),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC |
-             Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
-    .slots = sentinel_slots,
-};
-
-/* ---- the inner module ------------------------------------------------- */
-
-/* What the host knows of the model's residency: the receipt, or the
- * board's reading when one is attached, valid, and newer than the receipt
- * (docs/board.md).  Fills *out when given; its source is "board" when the
- * board won.  Never blocks: the board read is wait-free with bounded
- * retries, and an untrustworthy board (torn slot, dead or stale owner,
- * rewritten header) falls back to the receipt. */
-static uint64_t
-module_read(ModuleObject *m, cs_receipt *out)
-{
-    cs_receipt local;
-    uint64_t loaded, updated_ns;
-
-    if (m->board == NULL && out == NULL) {
-        return cs_model_loaded(m->record); /* the hot path: one load */
-    }
-    if (out == NULL) {
-        out = &local;
-    }
-    cs_model_read(m->record, out);
-    if (m->board == NULL || cs_model_stale(m->record)) {
-        return out->loaded;
-    }
-    /* A closed board, a slot reassigned since (its tag changed), or
-     * anything doubtful: the receipt is all we have. */
-    if (cs_board_object_read(m->board, m->board_slot, m->board_tag,
-                             cs_model_size(m->record), &loaded,
-                             &updated_ns) &&
-        updated_ns > out->time_ns) {
-        out->loaded = loaded;
-        out->time_ns = updated_ns;
-        out->source = CS_SOURCE_BOARD;
-    }
-    return out->loaded;
-}
-
-static uint64_t
-module_loaded(ModuleObject *m)
-{
-    return module_read(m, NULL);
-}
-
-static PyObject *
-module_device(ModuleObject *m)
-{
-    /* An assignment holds until the next receipt; then the receipt rules. */
-    if (m->device_assigned != NULL &&
-        cs_model_write_count(m->record) == m->device_assigned_at) {
-        return Py_NewRef(m->device_assigned);
-    }
-    PyObject *device = module_loaded(m) > 0 ? m->load_device
-                                            : m->offload_device;
-    return Py_NewRef(device != NULL ? device : Py_None); /* (GC cleared) */
-}
-
-static int
-module_traverse(ModuleObject *self, visitproc visit, void *arg)
-{
-    Py_VISIT(Py_TYPE(self));
-    Py_VISIT(self->load_device);
-    Py_VISIT(self->offload_device);
-    Py_VISIT(self->device_assigned);
-    Py_VISIT(self->board);
-    Py_VISIT(self->sentinel);
-    return 0;
-}
-
-static int
-module_clear(ModuleObject *self)
-{
-    Py_CLEAR(self->load_device);
-    Py_CLEAR(self->offload_device);
-    Py_CLEAR(self->device_assigned);
-    Py_CLEAR(self->board);
-    Py_CLEAR(self->sentinel);
-    return 0;
-}
-
-static void
-module_dealloc(ModuleObject *self)
-{
-    PyTypeObject *tp = Py_TYPE(self);
-    PyObject_GC_UnTrack(self);
-    if (self->weakreflist != NULL) {
-        PyObject_ClearWeakRefs((PyObject *)self);
-    }
-    module_clear(self);
-    cs_model_decref(self->record);
-    tp->tp_free(self);
-    Py_DECREF(tp);
-}
-
-static PyObject *
-module_get_device(ModuleObject *self, void *closure)
-{
-    return module_device(self);
-}
-
-static int
-module_set_device(ModuleObject *self, PyObject *value, void *closure)
-{
-    if (value == NULL) {
-        PyErr_SetString(PyExc_AttributeError, "device cannot be deleted");
-        return -1;
-    }
-    Py_XSETREF(self->device_assigned, Py_NewRef(value));
-    self->device_assigned_at = cs_model_write_count(self->record);
-    return 0;
-}
-
-static PyObject *
-module_get_loaded(ModuleObject *self, void *closure)
-{
-    return PyLong_FromUnsignedLongLong(module_loaded(self));
-}
-
-static int
-module_set_loaded(ModuleObject *self, PyObject *value, void *closure)
-{
-    uint64_t loaded;
-    uint64_t size = cs_model_size(self->record);
-
-    if (value == NULL) {
-        PyErr_SetString(PyExc_AttributeError,
-                        "model_loaded_weight_memory cannot be deleted");
-        return -1;
-    }
-    int code = cs_value_check(value, size, &loaded);
-    if (code != 0) {
-        return cs_value_error(NULL, code, "model_loaded_weight_memory",
-                              value, size);
-    }
-    /* Stale: the bytes went with the old process; nothing to assign. */
-    (void)cs_model_apply_echo(self->record, loaded, CS_SEQ_NONE,
-                              CS_SOURCE_ASSIGNED, false, 0);
-    return 0;
-}
-
-static PyObject *
-module_get_false(PyObject *self, void *closure)
-{
-    Py_RETURN_FALSE;
-}
-
-static PyObject *
-module_get_zero(PyObject *self, void *closure)
-{
-    return PyLong_FromLong(0);
-}
-
-static PyObject *
-module_get_none(PyObject *self, void *closure)
-{
-    Py_RETURN_NONE;
-}
-
-static PyGetSetDef module_getset[] = {
-    {"device", (getter)module_get_device, (setter)module_set_device,
-     "load_device while loaded > 0, else offload_device; an assignment "
-     "holds until the next receipt.",
-     NULL},
-    {"model_loaded_weight_memory", (getter)module_get_loaded,
-     (setter)module_set_loaded,
-     "The receipt's loaded bytes; assigning writes a receipt (\"assigned\").",
-     NULL},
-    {"model_lowvram", module_get_false, NULL, "Always False.", NULL},
-    {"lowvram_patch_counter", module_get_zero, NULL, "Always 0.", NULL},
-    {"current_weight_patches_uuid", module_get_none, NULL, "Always None.",
-     NULL},
-    {"model_offload_buffer_memory", module_get_zero, NULL, "Always 0.", NULL},
-    {NULL},
-};
-
-static PyMethodDef module_methods[] = {
-    {"__reduce_ex__", cs_refuse_pickle, METH_O,
-     "__reduce_ex__($self, protocol, /)\n--\n\nRaises TypeError."},
-    {NULL},
-};
-
-static PyMemberDef module_members[] = {
-    {"__weaklistoffset__", T_PYSSIZET, offsetof(ModuleObject, weakreflist),
-     READONLY},
-    {NULL},
-};
-
-static PyObject *
-module_repr(ModuleObject *self)
-{
-    size_t len;
-    const char *id = cs_model_id(self->record, &len);
-    return PyUnicode_FromFormat("<StandInModule of model '%.200s': %llu "
-                                "bytes loaded>",
-                                id, (unsigned long long)module_loaded(self));
-}
-
-static PyType_Slot module_slots[] = {
-    {Py_tp_doc, "The inner module of a stand-in (what ComfyUI calls "
-                "`model.model`): holds no weights, weak-referenceable."},
-    {Py_tp_traverse, module_traverse},
-    {Py_tp_clear, module_clear},
-    {Py_tp_dealloc, module_dealloc},
-    {Py_tp_getset, module_getset},
-    {Py_tp_members, module_members},
-    {Py_tp_methods, module_methods},
-    {Py_tp_repr, module_repr},
-    {0, NULL},
-};
-
-/* Immutable once its __getattr__ is set (make_type). */
-static PyType_Spec module_spec = {
-    .name = "comfy_standin._core.StandInModule",
-    .basicsize = sizeof(ModuleObject),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC |
-             Py_TPFLAGS_DISALLOW_INSTANTIATION,
-    .slots = module_slots,
-};
-
 /* ---- StandIn: construction and lifetime ------------------------------- */
 
+/* The worker has a callable send_command and is_alive: methods of its
+ * class, looked up there (no bound method made) when the class keeps
+ * Python's own attribute lookup, and kept, so the next worker of that
+ * class is not looked at again; else attributes of the worker (its own,
+ * its __getattr__'s).  0, or -1 with TypeError or the worker's own
+ * exception. */
 static int
 check_worker(PyObject *worker, cs_module_state *state)
 {
     PyObject *names[2] = {state->str_send_command, state->str_is_alive};
+    PyObject *type = (PyObject *)Py_TYPE(worker);
+    bool of_class = Py_TYPE(worker)->tp_getattro == PyObject_GenericGetAttr;
+    if (type == state->worker_type) {
+        return 0;
+    }
     for (int i = 0; i < 2; i++) {
-        PyObject *method = PyObject_GetAttr(worker, names[i]);
+        PyObject *method =
+            of_class ? PyObject_GetAttr(type, names[i]) : NULL;
+        if (method == NULL &&
+            (!of_class || PyErr_ExceptionMatches(PyExc_AttributeError))) {
+            PyErr_Clear();
+            of_class = false;
+            method = PyObject_GetAttr(worker, names[i]);
+        }
         if (method == NULL && !PyErr_ExceptionMatches(PyExc_AttributeError)) {
             return -1; /* the worker's own error, KeyboardInterrupt too */
         }
@@ -409,30 +137,51 @@ check_worker(PyObject *worker, cs_module_state *state)
         }
         Py_DECREF(method);
     }
+    if (of_class) {
+        Py_XSETREF(state->worker_type, Py_NewRef(type));
+    }
     return 0;
+}
+
+/* comfy_standin.default_pool(), a new reference: the package's
+ * _default_pool once it is made (what the function then returns, without
+ * taking its lock), else the function's answer.  The package is imported
+ * once and kept in the module state. */
+static PyObject *
+default_pool(cs_module_state *state)
+{
+    if (state->package == NULL) {
+        PyObject *package = PyImport_ImportModule("comfy_standin");
+        if (package == NULL) {
+            return NULL;
+        }
+        Py_XSETREF(state->package, package);
+    }
+    PyObject *pool = PyDict_GetItemWithError(
+        PyModule_GetDict(state->package), state->str_default_pool);
+    if (pool != NULL && pool != Py_None) {
+        return Py_NewRef(pool);
+    }
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *factory = cs_getattr_interned(state->package, "default_pool");
+    pool = factory ? PyObject_CallNoArgs(factory) : NULL;
+    Py_XDECREF(factory);
+    return pool;
 }
 
 static PyObject *
 resolve_pool(PyObject *pool, cs_module_state *state, PyObject **ledger)
 {
-    if (pool == NULL || pool == Py_None) {
-        PyObject *package = PyImport_ImportModule("comfy_standin");
-        if (package == NULL) {
-            return NULL;
-        }
-        PyObject *factory = cs_getattr_interned(package, "default_pool");
-        Py_DECREF(package);
-        if (factory == NULL) {
-            return NULL;
-        }
-        pool = PyObject_CallNoArgs(factory);
-        Py_DECREF(factory);
-        if (pool == NULL) {
-            return NULL;
-        }
+    bool by_default = pool == NULL || pool == Py_None;
+    pool = by_default ? default_pool(state) : Py_NewRef(pool);
+    if (pool == NULL) {
+        return NULL;
     }
-    else {
-        Py_INCREF(pool);
+    if (by_default && pool == state->default_pool) {
+        *ledger = Py_NewRef(state->default_ledger);
+        return pool;
     }
     *ledger = PyObject_GetAttr(pool, state->str_ledger);
     if (*ledger == NULL && !PyErr_ExceptionMatches(PyExc_Exception)) {
@@ -449,6 +198,11 @@ resolve_pool(PyObject *pool, cs_module_state *state, PyObject **ledger)
                      pool);
         Py_DECREF(pool);
         return NULL;
+    }
+    if (by_default) {
+        /* Kept: a pool's ledger is made once, in its __init__. */
+        Py_XSETREF(state->default_ledger, Py_NewRef(*ledger));
+        Py_XSETREF(state->default_pool, Py_NewRef(pool));
     }
     return pool;
 }
@@ -499,17 +253,12 @@ standin_vectorcall(PyObject *type, PyObject *const *args, size_t nargsf,
  * stand-ins, releases their registrations and closes the old process's
  * board), as for any restart.  0, or -1 with an exception. */
 static int
-restart_if_newer(cs_module_state *state, PyObject *pool, PyObject *ledger,
+restart_if_newer(cs_module_state *state, PyObject *pool, PyObject *books,
                  PyObject *worker, PyObject *generation_obj,
                  uint64_t generation)
 {
-    PyObject *books = cs_ledger_find(ledger, worker);
-    if (books == NULL) {
-        return PyErr_Occurred() ? -1 : 0;
-    }
-    bool newer = generation > cs_worker_generation(cs_books_worker(books));
-    Py_DECREF(books);
-    if (!newer) {
+    if (books == NULL ||
+        generation <= cs_worker_generation(cs_books_worker(books))) {
         return 0;
     }
     PyObject *r = PyObject_CallMethodObjArgs(pool, state->str_restarted,
@@ -521,9 +270,8 @@ restart_if_newer(cs_module_state *state, PyObject *pool, PyObject *ledger,
 /* The constructor's checks, in the order a caller meets them: the worker,
  * the generation, the id, the size, the kind.  Fills *generation, *size,
  * *kind (a new reference; "other" when not given) and *model_id (an exact
- * str copy, new: a str subclass's __hash__, __eq__ or attributes never
- * reach the worker, the table or a cycle).  0, or -1 with an exception
- * and nothing owned. */
+ * str copy, new: a str subclass's __repr__ never runs in a message).  0,
+ * or -1 with an exception and nothing owned. */
 static int
 standin_args(cs_module_state *state, PyObject **argv, uint64_t *generation,
              uint64_t *size, PyObject **kind, PyObject **model_id)
@@ -563,13 +311,15 @@ standin_args(cs_module_state *state, PyObject **argv, uint64_t *generation,
 }
 
 /* The constructor proper, from parsed arguments (borrowed, and owned by
- * the caller for the whole call). */
+ * the caller for the whole call).  The object stays untracked until it is
+ * whole: making the books may run a collection, and a gc.callbacks hook
+ * must not find a stand-in without its record. */
 static PyObject *
 standin_make(PyTypeObject *type, cs_module_state *state, PyObject **argv)
 {
     PyObject *worker = argv[0], *size_obj = argv[3];
     PyObject *kind = NULL, *model_id = NULL, *pool = NULL, *ledger = NULL;
-    PyObject *profile = NULL;
+    PyObject *profile = NULL, *size_int = NULL, *books = NULL;
     StandInObject *self = NULL;
     uint64_t generation = 0, size = 0;
 
@@ -578,35 +328,37 @@ standin_make(PyTypeObject *type, cs_module_state *state, PyObject **argv)
         return NULL;
     }
     pool = resolve_pool(argv[7], state, &ledger);
-    if (pool == NULL ||
-        restart_if_newer(state, pool, ledger, worker, argv[1], generation) <
+    profile = pool ? cs_ledger_profile(ledger, worker, argv[4], argv[5],
+                                       kind, &books)
+                   : NULL;
+    if (profile == NULL ||
+        restart_if_newer(state, pool, books, worker, argv[1], generation) <
             0) {
         goto error;
     }
-    profile =
-        cs_roster_profile_for(ledger, worker, argv[4], argv[5], kind);
-    self = profile ? (StandInObject *)type->tp_alloc(type, 0) : NULL;
+    Py_CLEAR(books);
+    /* An exact int (an int subclass is read from its digits, never kept). */
+    size_int = PyLong_CheckExact(size_obj) ? Py_NewRef(size_obj)
+                                           : PyLong_FromUnsignedLongLong(size);
+    if (size_int == NULL) {
+        goto error;
+    }
+    self = PyObject_GC_New(StandInObject, type);
     if (self == NULL) {
         goto error;
     }
+    memset((char *)self + sizeof(PyObject), 0,
+           sizeof(StandInObject) - sizeof(PyObject));
     self->profile = profile;
-    profile = NULL;
-    self->worker = Py_NewRef(worker);
     self->pool = pool;
-    pool = NULL;
-    self->model_id = model_id;
-    model_id = NULL;
-    /* An exact int (an int subclass is read from its digits, never kept). */
-    self->size_int = PyLong_CheckExact(size_obj)
-                         ? Py_NewRef(size_obj)
-                         : PyLong_FromUnsignedLongLong(size);
-    /* The one step that registers the model and lists the stand-in on its
-     * worker's roster (roster.c); the pool keeps it from there for its
-     * graveyard (docs/architecture.md). */
-    if (self->size_int == NULL ||
-        cs_standin_enlist(self, ledger, generation, size, size_obj) < 0) {
+    self->size_int = size_int;
+    profile = pool = size_int = NULL;
+    if (cs_standin_enlist(self, ledger, worker, model_id, generation, size,
+                          size_obj) < 0) {
         goto error;
     }
+    PyObject_GC_Track(self);
+    Py_DECREF(model_id);
     Py_DECREF(ledger);
     Py_DECREF(kind);
     return (PyObject *)self;
@@ -618,6 +370,8 @@ error:
     Py_XDECREF(pool);
     Py_XDECREF(kind);
     Py_XDECREF(profile);
+    Py_XDECREF(size_int);
+    Py_XDECREF(books);
     return NULL;
 }
 
@@ -626,25 +380,19 @@ standin_traverse(StandInObject *self, visitproc visit, void *arg)
 {
     Py_VISIT(Py_TYPE(self));
     Py_VISIT(self->module);
-    Py_VISIT(self->worker);
+    Py_VISIT(cs_standin_books(self));
     Py_VISIT(self->pool);
     Py_VISIT(self->profile);
-    Py_VISIT(self->books);
-    Py_VISIT(self->model_id);
     return 0;
 }
 
-/* model_id is kept: every message and accessor reads it, and a cycle
- * through it also runs through the other party (a str subclass's __dict__
- * or slots), whose own clear breaks it.  The profile goes (a device may be
- * any object, a tuple with no clear of its own): a cleared stand-in's
- * devices and kind read None. */
+/* The profile goes (a device may be any object, a tuple with no clear of
+ * its own): a cleared stand-in's devices and kind read None. */
 static int
 standin_clear(StandInObject *self)
 {
     cs_roster_unlink(self); /* first: the roster lists live ones only */
     Py_CLEAR(self->module);
-    Py_CLEAR(self->worker);
     Py_CLEAR(self->pool);
     Py_CLEAR(self->profile);
     return 0;
@@ -660,92 +408,13 @@ standin_dealloc(StandInObject *self)
         PyObject_ClearWeakRefs((PyObject *)self);
     }
     standin_clear(self);
-    Py_CLEAR(self->model_id);
     Py_CLEAR(self->size_int);
-    Py_CLEAR(self->loaded_int);
+    Py_CLEAR(self->answer);
     if (self->record != NULL) {
         cs_model_release_handle(self->record);
     }
     tp->tp_free(self);
     Py_DECREF(tp);
-}
-
-/* The module, made on first use; a new reference.  None for a GC-cleared
- * stand-in (worker NULL), NULL with an exception on failure.  Allocation
- * may run the collector, which may run Python that makes the module
- * first or clears this stand-in: whoever made it first wins. */
-PyObject *
-cs_standin_module_get(StandInObject *self)
-{
-    if (self->module != NULL) {
-        return Py_NewRef(self->module);
-    }
-    if (self->worker == NULL) {
-        Py_RETURN_NONE;
-    }
-    cs_module_state *state = cs_state_checked(Py_TYPE(self));
-    ModuleObject *m = state == NULL ? NULL
-                                    : PyObject_GC_New(ModuleObject,
-                                                      state->module_type);
-    if (m == NULL) {
-        return NULL;
-    }
-    cs_model_incref(self->record);
-    m->record = self->record;
-    m->load_device = Py_XNewRef(cs_profile_item(self, PROFILE_LOAD));
-    m->offload_device = Py_XNewRef(cs_profile_item(self, PROFILE_OFFLOAD));
-    m->device_assigned = NULL;
-    m->device_assigned_at = 0;
-    m->board = NULL;
-    m->board_slot = 0;
-    m->board_tag = 0;
-    m->sentinel = NULL;
-    m->weakreflist = NULL;
-    PyObject_GC_Track(m);
-    if (self->module != NULL || self->worker == NULL) {
-        Py_DECREF(m);
-        return Py_NewRef(self->module ? self->module : Py_None);
-    }
-    self->module = Py_NewRef((PyObject *)m);
-    return (PyObject *)m;
-}
-
-/* The clone_base_uuid sentinel, made on first use and kept in the module
- * (made too if need be); as standin_module_get.  None once GC-cleared. */
-static PyObject *
-standin_sentinel_get(StandInObject *self)
-{
-    PyObject *module = cs_standin_module_get(self);
-    if (module == NULL || module == Py_None) {
-        return module;
-    }
-    ModuleObject *m = (ModuleObject *)module;
-    if (m->sentinel == NULL) {
-        cs_module_state *state = cs_state_checked(Py_TYPE(self));
-        SentinelObject *o =
-            state == NULL ? NULL
-                          : PyObject_GC_New(SentinelObject,
-                                            state->sentinel_type);
-        if (o == NULL) {
-            Py_DECREF(module);
-            return NULL;
-        }
-        o->model_id = Py_NewRef(self->model_id);
-        PyObject_GC_Track(o);
-        /* The allocation may have run the collector and Python that made
-         * the sentinel first: whoever made it first wins.  (cppcheck does
-         * not know that PyObject_GC_New can run Python.) */
-        // cppcheck-suppress knownConditionTrueFalse
-        if (m->sentinel == NULL) {
-            m->sentinel = (PyObject *)o;
-        }
-        else {
-            Py_DECREF(o);
-        }
-    }
-    PyObject *sentinel = Py_NewRef(m->sentinel);
-    Py_DECREF(module);
-    return sentinel;
 }
 
 /* ---- StandIn: what ComfyUI reads --------------------------------------- */
@@ -754,7 +423,7 @@ uint64_t
 cs_standin_loaded(StandInObject *self)
 {
     ModuleObject *m = cs_standin_module(self);
-    return m ? module_loaded(m) : cs_model_loaded(self->record);
+    return m ? cs_module_read(m, NULL) : cs_model_loaded(self->record);
 }
 
 static PyObject *
@@ -763,28 +432,84 @@ standin_model_size(StandInObject *self, PyObject *unused)
     return Py_NewRef(self->size_int);
 }
 
-/* loaded_size(): the size's int when fully loaded, CPython's cached small
- * ints up to 256, the int answered last when the figure has not changed
- * since (ComfyUI asks each candidate several times per pass), else a new
- * one, kept for the next call.  Runs no Python. */
+/* `loaded` as an int: the size's when fully loaded, else a new one (small
+ * ones are CPython's cached ints).  Runs no Python. */
 static PyObject *
-standin_loaded_size(StandInObject *self, PyObject *unused)
+loaded_int(StandInObject *self, uint64_t loaded)
 {
-    uint64_t loaded = cs_standin_loaded(self);
     if (loaded == cs_model_size(self->record)) {
         return Py_NewRef(self->size_int);
     }
-    /* The mask form reads the digits in a loop (the checked one converts
-     * through a byte array); the int is ours and in [0, 2**63-1]. */
-    PyObject *last = self->loaded_int;
-    if (last != NULL && PyLong_AsUnsignedLongLongMask(last) == loaded) {
-        return Py_NewRef(last);
-    }
-    PyObject *answer = PyLong_FromUnsignedLongLong(loaded);
-    if (answer != NULL && loaded > 256) {
-        Py_XSETREF(self->loaded_int, Py_NewRef(answer));
+    return PyLong_FromUnsignedLongLong(loaded);
+}
+
+/* Out of line, so loaded_size()'s kept answer needs no stack frame. */
+#if defined(__GNUC__)
+#define CS_COLD __attribute__((noinline, cold))
+#else
+#define CS_COLD
+#endif
+
+/* What loaded_size() answers from the receipt, kept in `answer` with the
+ * version it was read at.  Runs no Python. */
+static PyObject *
+receipt_answer(StandInObject *self)
+{
+    cs_receipt r;
+    uint32_t version = cs_model_read(self->record, &r);
+    PyObject *answer = loaded_int(self, r.loaded);
+    if (answer != NULL) {
+        Py_XSETREF(self->answer, Py_NewRef(answer)); /* an int: no Python */
+        self->answered = version;
     }
     return answer;
+}
+
+/* What loaded_size() answers now, kept in `answer`: from the receipt, at
+ * a version; or, for a stand-in that reads a board, the board's figure,
+ * kept in `answer` while it is the same.  Runs no Python. */
+CS_COLD static PyObject *
+standin_answer(StandInObject *self)
+{
+    ModuleObject *m = cs_standin_module(self);
+    uint64_t loaded;
+    if (!self->reads_board || m == NULL ||
+        !cs_module_board_figure(m, &loaded)) {
+        self->reads_board = 0; /* none any more, or closed: receipts */
+        return receipt_answer(self);
+    }
+    /* 2**31 writes ahead of any read: never met (the seqlock's bound). */
+    self->answered = cs_model_version(self->record) - 2;
+    if (m->board->answered == loaded) {
+        return Py_NewRef(self->answer);
+    }
+    PyObject *answer = loaded_int(self, loaded);
+    if (answer != NULL) {
+        Py_XSETREF(self->answer, Py_NewRef(answer)); /* an int: no Python */
+        m->board->answered = loaded;
+    }
+    return answer;
+}
+
+int
+cs_standin_answer_init(StandInObject *self)
+{
+    PyObject *answer = standin_answer(self);
+    Py_XDECREF(answer);
+    return answer ? 0 : -1;
+}
+
+/* loaded_size(): the answer kept while the receipt's version has not
+ * moved (ComfyUI asks each candidate several times per pass), else what it
+ * is now.  A stand-in that reads a board keeps `answered` behind the
+ * version, so it answers through standin_answer() every time. */
+static PyObject *
+standin_loaded_size(StandInObject *self, PyObject *unused)
+{
+    if (cs_model_version(self->record) == self->answered) {
+        return Py_NewRef(self->answer);
+    }
+    return standin_answer(self);
 }
 
 static PyObject *
@@ -792,9 +517,9 @@ standin_current_loaded_device(StandInObject *self, PyObject *unused)
 {
     ModuleObject *m = cs_standin_module(self);
     if (m != NULL) {
-        return module_device(m);
+        return cs_module_device(m);
     }
-    if (self->worker == NULL) {
+    if (cs_standin_worker(self) == NULL) {
         Py_RETURN_NONE; /* GC-cleared */
     }
     PyObject *device = cs_model_loaded(self->record) > 0
@@ -818,16 +543,15 @@ standin_is_clone(StandInObject *self, PyObject *other)
         Py_RETURN_FALSE;
     }
     StandInObject *o = (StandInObject *)other;
-    if (o->worker != self->worker ||
+    if (cs_standin_worker(o) != cs_standin_worker(self) ||
         cs_model_generation(o->record) !=
             cs_model_generation(self->record)) {
         Py_RETURN_FALSE;
     }
-    int eq = PyUnicode_Compare(o->model_id, self->model_id);
-    if (eq == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    return PyBool_FromLong(eq == 0);
+    size_t len, other_len;
+    const char *id = cs_model_id(self->record, &len);
+    const char *other_id = cs_model_id(o->record, &other_len);
+    return PyBool_FromLong(len == other_len && memcmp(id, other_id, len) == 0);
 }
 
 static PyObject *
@@ -860,7 +584,7 @@ standin_receipt(StandInObject *self, PyObject *unused)
     cs_receipt r;
     ModuleObject *m = cs_standin_module(self);
     if (m != NULL) {
-        module_read(m, &r);
+        cs_module_read(m, &r);
     }
     else {
         cs_model_read(self->record, &r);
@@ -880,14 +604,27 @@ standin_receipt(StandInObject *self, PyObject *unused)
 static PyObject *
 standin_not_implemented(StandInObject *self, const char *what)
 {
-    PyErr_Format(PyExc_NotImplementedError,
-                 "model %R lives in a subprocess worker and cannot be %s in "
-                 "the host: the host holds no weights, so a %s would be "
-                 "silently wrong. Do it inside the node's own environment, "
-                 "where a real ModelPatcher holds the weights.",
-                 self->model_id, what,
-                 strcmp(what, "cloned") == 0 ? "clone" : "patch");
+    PyObject *id = cs_standin_model_id(self);
+    if (id != NULL) {
+        PyErr_Format(PyExc_NotImplementedError,
+                     "model %R lives in a subprocess worker and cannot be "
+                     "%s in the host: the host holds no weights, so a %s "
+                     "would be silently wrong. Do it inside the node's own "
+                     "environment, where a real ModelPatcher holds the "
+                     "weights.",
+                     id, what,
+                     strcmp(what, "cloned") == 0 ? "clone" : "patch");
+        Py_DECREF(id);
+    }
     return NULL;
+}
+
+PyObject *
+cs_standin_model_id(StandInObject *self)
+{
+    size_t len;
+    const char *id = cs_model_id(self->record, &len);
+    return PyUnicode_DecodeUTF8(id, (Py_ssize_t)len, NULL);
 }
 
 /* Neither object can cross a process boundary or be duplicated: a copy
@@ -916,51 +653,15 @@ standin_add_patches(StandInObject *self, PyObject *args, PyObject *kwargs)
 
 /* ---- StandIn: the live residency board --------------------------------- */
 
-/* attach_board's body, on owned arguments. */
-static PyObject *
-attach_body(StandInObject *self, PyObject *board_obj, PyObject *slot_obj)
-{
-    PyObject *module;
-    ModuleObject *m;
-    uint32_t slot = 0;
-    uint64_t tag = 0;
-    size_t id_len;
-    const char *id = cs_model_id(self->record, &id_len);
-
-    if (self->worker == NULL) {
-        PyErr_SetString(PyExc_ValueError, "attach_board: stand-in cleared");
-        return NULL;
-    }
-    /* The slot's identity is the host's (slot, tag): a slot released and
-     * given to another model has a new tag, so this stand-in never reads
-     * that model's bytes. */
-    if (cs_board_attach_model(board_obj, self->model_id, id, id_len,
-                              cs_model_size(self->record), slot_obj, &slot,
-                              &tag) < 0) {
-        return NULL;
-    }
-    module = cs_standin_module_get(self); /* the board is read through it */
-    if (module == NULL) {
-        return NULL;
-    }
-    if (module == Py_None) {
-        Py_DECREF(module);
-        PyErr_SetString(PyExc_ValueError, "attach_board: stand-in cleared");
-        return NULL;
-    }
-    m = (ModuleObject *)module;
-    Py_XSETREF(m->board, Py_NewRef(board_obj));
-    m->board_slot = slot;
-    m->board_tag = tag;
-    Py_DECREF(module);
-    return PyLong_FromUnsignedLong(slot);
-}
-
 static PyObject *
 standin_attach_board(StandInObject *self, PyObject *const *args,
                      Py_ssize_t nargs, PyObject *kwnames)
 {
-    PyObject *argv[2];
+    PyObject *argv[2], *model_id = NULL, *module = NULL, *result = NULL;
+    uint32_t slot = 0;
+    uint64_t tag = 0;
+    size_t id_len;
+    const char *id = cs_model_id(self->record, &id_len);
     cs_module_state *state = cs_state_checked(Py_TYPE(self));
     if (state == NULL ||
         cs_parse_vector(state, CS_SIG_ATTACH_BOARD, args, nargs, kwnames,
@@ -973,7 +674,37 @@ standin_attach_board(StandInObject *self, PyObject *const *args,
     /* Owned until the board is stored: making the module allocates, and
      * an allocation may run the collector (cs_args_hold). */
     cs_args_hold(argv, 2);
-    PyObject *result = attach_body(self, argv[0], argv[1]);
+    if (cs_standin_worker(self) == NULL) {
+        PyErr_SetString(PyExc_ValueError, "attach_board: stand-in cleared");
+        goto done;
+    }
+    /* The slot's identity is the host's (slot, tag): a slot released and
+     * given to another model has a new tag, so this stand-in never reads
+     * that model's bytes. */
+    model_id = cs_standin_model_id(self); /* for messages */
+    if (model_id == NULL ||
+        cs_board_attach_model(argv[0], model_id, id, id_len,
+                              cs_model_size(self->record), argv[1], &slot,
+                              &tag) < 0) {
+        goto done;
+    }
+    module = cs_standin_module_get(self); /* the board is read through it */
+    if (module == Py_None) {
+        PyErr_SetString(PyExc_ValueError, "attach_board: stand-in cleared");
+        goto done;
+    }
+    /* Making the module may have run Python that closed the board. */
+    if (module == NULL ||
+        cs_module_set_board((ModuleObject *)module, argv[0], slot, tag) <
+            0) {
+        goto done;
+    }
+    self->reads_board = 1;
+    self->answered = cs_model_version(self->record) - 2; /* answer again */
+    result = PyLong_FromUnsignedLong(slot);
+done:
+    Py_XDECREF(model_id);
+    Py_XDECREF(module);
     cs_args_release(argv, 2);
     return result;
 }
@@ -982,10 +713,11 @@ static PyObject *
 standin_detach_board(StandInObject *self, PyObject *unused)
 {
     ModuleObject *m = cs_standin_module(self);
+    self->reads_board = 0;
     if (m != NULL) {
-        Py_CLEAR(m->board);
+        cs_module_drop_board(m);
     }
-    Py_RETURN_NONE;
+    return cs_standin_answer_init(self) < 0 ? NULL : Py_NewRef(Py_None);
 }
 
 static PyObject *
@@ -995,23 +727,49 @@ standin_get_board(StandInObject *self, void *closure)
     if (m == NULL || m->board == NULL) {
         Py_RETURN_NONE;
     }
-    return Py_BuildValue("(Ok)", m->board, (unsigned long)m->board_slot);
+    return Py_BuildValue("(Ok)", m->board->object,
+                         (unsigned long)m->board->slot);
 }
 
 /* ---- StandIn: attributes ----------------------------------------------- */
 
+/* What a getter's closure points at: which field it reads. */
+enum { FIELD_GENERATION, FIELD_PEAK, FIELD_BAD_REPLIES, FIELD_SEQ,
+       FIELD_STALE, FIELD_DEFERRED, FIELD_COUNT };
+static int fields[FIELD_COUNT] = {0, 1, 2, 3, 4, 5};
+static Py_ssize_t profile_items[] = {PROFILE_LOAD, PROFILE_OFFLOAD,
+                                     PROFILE_KIND};
+
+/* load_device, offload_device and kind: the closure points at the
+ * profile's index; None once GC-cleared. */
 static PyObject *
-standin_get_load_device(StandInObject *self, void *closure)
+standin_get_profile(StandInObject *self, void *closure)
 {
-    PyObject *device = cs_profile_item(self, PROFILE_LOAD);
-    return Py_NewRef(device ? device : Py_None);
+    PyObject *item = cs_profile_item(self, *(const Py_ssize_t *)closure);
+    return Py_NewRef(item ? item : Py_None);
 }
 
+/* The record's figures: the closure points at the field. */
 static PyObject *
-standin_get_offload_device(StandInObject *self, void *closure)
+standin_get_record(StandInObject *self, void *closure)
 {
-    PyObject *device = cs_profile_item(self, PROFILE_OFFLOAD);
-    return Py_NewRef(device ? device : Py_None);
+    cs_receipt r;
+    const cs_model *m = self->record;
+    switch (*(const int *)closure) {
+    case FIELD_GENERATION:
+        return PyLong_FromUnsignedLongLong(cs_model_generation(m));
+    case FIELD_PEAK:
+        return PyLong_FromUnsignedLongLong(cs_model_admission_peak(m));
+    case FIELD_BAD_REPLIES:
+        return PyLong_FromUnsignedLong(cs_model_bad_replies(m));
+    case FIELD_SEQ:
+        cs_model_read(m, &r);
+        return PyLong_FromLongLong((long long)r.seq); /* -1: none */
+    case FIELD_STALE:
+        return PyBool_FromLong(cs_model_stale(m));
+    default:
+        return PyBool_FromLong(cs_model_eviction_deferred(m));
+    }
 }
 
 static PyObject *
@@ -1023,7 +781,7 @@ standin_get_model(StandInObject *self, void *closure)
 static PyObject *
 standin_get_sentinel(StandInObject *self, void *closure)
 {
-    return standin_sentinel_get(self);
+    return cs_standin_sentinel_get(self);
 }
 
 static PyObject *
@@ -1035,7 +793,8 @@ standin_get_size(StandInObject *self, void *closure)
 static PyObject *
 standin_get_worker(StandInObject *self, void *closure)
 {
-    return Py_NewRef(self->worker ? self->worker : Py_None);
+    PyObject *worker = cs_standin_worker(self);
+    return Py_NewRef(worker ? worker : Py_None);
 }
 
 static PyObject *
@@ -1045,34 +804,9 @@ standin_get_pool(StandInObject *self, void *closure)
 }
 
 static PyObject *
-standin_get_generation(StandInObject *self, void *closure)
-{
-    return PyLong_FromUnsignedLongLong(cs_model_generation(self->record));
-}
-
-static PyObject *
 standin_get_model_id(StandInObject *self, void *closure)
 {
-    return Py_NewRef(self->model_id);
-}
-
-static PyObject *
-standin_get_kind(StandInObject *self, void *closure)
-{
-    PyObject *kind = cs_profile_item(self, PROFILE_KIND);
-    return Py_NewRef(kind ? kind : Py_None);
-}
-
-static PyObject *
-standin_get_stale(StandInObject *self, void *closure)
-{
-    return PyBool_FromLong(cs_model_stale(self->record));
-}
-
-static PyObject *
-standin_get_deferred(StandInObject *self, void *closure)
-{
-    return PyBool_FromLong(cs_model_eviction_deferred(self->record));
+    return cs_standin_model_id(self);
 }
 
 /* comfy-env's boundary writes False once it listed a refused stand-in
@@ -1095,54 +829,45 @@ standin_set_deferred(StandInObject *self, PyObject *value, void *closure)
 }
 
 static PyObject *
-standin_get_bad_replies(StandInObject *self, void *closure)
-{
-    return PyLong_FromUnsignedLong(cs_model_bad_replies(self->record));
-}
-
-static PyObject *
 standin_get_parent(StandInObject *self, void *closure)
 {
     Py_RETURN_NONE; /* no clone chains across a process boundary */
 }
 
 static PyObject *
-standin_get_peak(StandInObject *self, void *closure)
-{
-    return PyLong_FromUnsignedLongLong(cs_model_admission_peak(self->record));
-}
-
-static PyObject *
-standin_get_seq(StandInObject *self, void *closure)
-{
-    cs_receipt r;
-    cs_model_read(self->record, &r);
-    return PyLong_FromLongLong((long long)r.seq); /* -1: none, as comfy-env */
-}
-
-static PyObject *
 standin_repr(StandInObject *self)
 {
     PyObject *kind = cs_profile_item(self, PROFILE_KIND);
-    if (kind == NULL) { /* GC-cleared */
-        return PyUnicode_FromFormat("<StandIn %R (cleared)>",
-                                    self->model_id);
+    PyObject *id = cs_standin_model_id(self), *text;
+    if (id == NULL) {
+        return NULL;
     }
-    return PyUnicode_FromFormat(
-        "<StandIn %R (%U) of worker generation %llu: %llu of %llu bytes "
-        "loaded%s>",
-        self->model_id, kind,
-        (unsigned long long)cs_model_generation(self->record),
-        (unsigned long long)cs_standin_loaded(self),
-        (unsigned long long)cs_model_size(self->record),
-        cs_model_stale(self->record) ? ", stale" : "");
+    if (kind == NULL) { /* GC-cleared */
+        text = PyUnicode_FromFormat("<StandIn %R (cleared)>", id);
+    }
+    else {
+        text = PyUnicode_FromFormat(
+            "<StandIn %R (%U) of worker generation %llu: %llu of %llu "
+            "bytes loaded%s>",
+            id, kind, (unsigned long long)cs_model_generation(self->record),
+            (unsigned long long)cs_standin_loaded(self),
+            (unsigned long long)cs_model_size(self->record),
+            cs_model_stale(self->record) ? ", stale" : "");
+    }
+    Py_DECREF(id);
+    return text;
 }
 
+#define PROFILE(name, index, doc)                                             \
+    {name, (getter)standin_get_profile, NULL, doc, &profile_items[index]}
+#define RECORD(name, field, doc)                                              \
+    {name, (getter)standin_get_record, NULL, doc, &fields[field]}
+
 static PyGetSetDef standin_getset[] = {
-    {"load_device", (getter)standin_get_load_device, NULL,
-     "The device the worker loads the model to.", NULL},
-    {"offload_device", (getter)standin_get_offload_device, NULL,
-     "The device the worker offloads the model to.", NULL},
+    PROFILE("load_device", PROFILE_LOAD,
+            "The device the worker loads the model to."),
+    PROFILE("offload_device", PROFILE_OFFLOAD,
+            "The device the worker offloads the model to."),
     {"parent", (getter)standin_get_parent, NULL, "Always None.", NULL},
     {"model", (getter)standin_get_model, NULL,
      "The inner StandInModule (weak-referenceable).", NULL},
@@ -1155,20 +880,20 @@ static PyGetSetDef standin_getset[] = {
     {"worker", (getter)standin_get_worker, NULL, "The worker object.", NULL},
     {"pool", (getter)standin_get_pool, NULL, "The pool keeping its books.",
      NULL},
-    {"worker_generation", (getter)standin_get_generation, NULL,
-     "The worker generation this stand-in belongs to.", NULL},
+    RECORD("worker_generation", FIELD_GENERATION,
+           "The worker generation this stand-in belongs to."),
     {"model_id", (getter)standin_get_model_id, NULL,
      "The worker's id for the model.", NULL},
-    {"kind", (getter)standin_get_kind, NULL,
-     "\"unet\", \"clip\", \"vae\" or \"other\".", NULL},
-    {"stale", (getter)standin_get_stale, NULL,
-     "True once the worker died or restarted: reads as offloaded.", NULL},
-    {"eviction_deferred", (getter)standin_get_deferred,
+    PROFILE("kind", PROFILE_KIND,
+            "\"unet\", \"clip\", \"vae\" or \"other\"."),
+    RECORD("stale", FIELD_STALE,
+           "True once the worker died or restarted: reads as offloaded."),
+    {"eviction_deferred", (getter)standin_get_record,
      (setter)standin_set_deferred,
      "True when a live worker refused the last eviction (receipt kept).",
-     NULL},
-    {"bad_replies", (getter)standin_get_bad_replies, NULL,
-     "Malformed replies rejected so far.", NULL},
+     &fields[FIELD_DEFERRED]},
+    RECORD("bad_replies", FIELD_BAD_REPLIES,
+           "Malformed replies rejected so far."),
     {"board", (getter)standin_get_board, NULL,
      "(board, slot) when a residency board is attached, else None.", NULL},
     /* comfy-env's own code reads these off its stand-in (pool.py's
@@ -1176,16 +901,15 @@ static PyGetSetDef standin_getset[] = {
      * of the census apply); read-only views so it can run unchanged. */
     {"_worker", (getter)standin_get_worker, NULL,
      "comfy-env compatibility: worker.", NULL},
-    {"_worker_generation", (getter)standin_get_generation, NULL,
-     "comfy-env compatibility: worker_generation.", NULL},
+    RECORD("_worker_generation", FIELD_GENERATION,
+           "comfy-env compatibility: worker_generation."),
     {"_model_id", (getter)standin_get_model_id, NULL,
      "comfy-env compatibility: model_id.", NULL},
-    {"_kind", (getter)standin_get_kind, NULL,
-     "comfy-env compatibility: kind.", NULL},
-    {"_residency_peak", (getter)standin_get_peak, NULL,
-     "comfy-env compatibility: the admission peak.", NULL},
-    {"_residency_seq", (getter)standin_get_seq, NULL,
-     "comfy-env compatibility: the receipt's seq (-1: none).", NULL},
+    PROFILE("_kind", PROFILE_KIND, "comfy-env compatibility: kind."),
+    RECORD("_residency_peak", FIELD_PEAK,
+           "comfy-env compatibility: the admission peak."),
+    RECORD("_residency_seq", FIELD_SEQ,
+           "comfy-env compatibility: the receipt's seq (-1: none)."),
     {NULL},
 };
 
@@ -1305,19 +1029,11 @@ static PyType_Spec standin_spec = {
 int
 cs_standin_exec(PyObject *module, cs_module_state *state)
 {
-    state->sentinel_type = (PyTypeObject *)PyType_FromModuleAndSpec(
-        module, &sentinel_spec, NULL);
-    if (state->sentinel_type == NULL ||
-        PyModule_AddType(module, state->sentinel_type) < 0) {
-        return -1;
-    }
-    state->module_type = make_type(module, &module_spec, true);
-    if (state->module_type == NULL ||
-        PyModule_AddType(module, state->module_type) < 0) {
+    if (cs_inner_exec(module, state) < 0) {
         return -1;
     }
     state->standin_type =
-        make_type(module, &standin_spec, STANDIN_HAS_GETATTR);
+        cs_make_type(module, &standin_spec, STANDIN_HAS_GETATTR);
     if (state->standin_type == NULL) {
         return -1;
     }

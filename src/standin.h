@@ -5,16 +5,16 @@
  * another.
  *
  *   standin.c   the type: construction, lifetime, what ComfyUI reads
+ *   inner.c     its inner module and sentinel, and the board it reads
  *   roster.c    a worker's roster of stand-ins and adoption onto it
  *   commands.c  commands to the worker (load, unload, detach)
  *   sync.c      the state sync: apply_echo, apply_residency, raise_peak
  *
  * Thread safety: the receipt lives in the C core (seqlock; any thread).
- * The PyObject fields below are immutable after construction except
- * ModuleObject.device_assigned, .board and .sentinel, StandInObject.module
- * (made on first use) and the roster links, which are touched only with
- * the GIL held, by code that runs no Python between reading and writing
- * them (this module does not claim free-threading support).
+ * The fields below are immutable after construction except those marked
+ * GIL, which are touched only with the GIL held, by code that runs no
+ * Python between reading and writing them (this module does not claim
+ * free-threading support).
  */
 #ifndef COMFY_STANDIN_STANDIN_H
 #define COMFY_STANDIN_STANDIN_H
@@ -31,52 +31,98 @@ typedef struct {
     PyObject *model_id; /* strong str; immutable (for the repr) */
 } SentinelObject;
 
+/* The words a board reading's verdict depends on, besides the clock
+ * (standin.c, board_answer). */
+typedef struct {
+    uint64_t seq;       /* the slot's seqlock word (segment) */
+    uint64_t heartbeat; /* the header's (segment) */
+    uint64_t owner;     /* the header's owner pid (segment) */
+    uint64_t changes;   /* the host's view (cs_board_changes) */
+    uint64_t epoch;     /* cs_standin_reread_boards */
+    uint32_t version;   /* the receipt's */
+} cs_board_seen;
+
+/* The board an inner module reads (attach_board): PyMem, GIL. */
+typedef struct {
+    PyObject *object; /* strong Board (host side) */
+    uint32_t slot;
+    uint64_t tag;     /* the slot's tag when attached */
+    /* The Board's core handle when attached (NULL: keep no verdict), and
+     * the segment's words in its mapping: read only while the Board still
+     * has that handle (it has none once closed). */
+    void *handle;
+    const _Atomic uint64_t *seq_word, *heartbeat_word, *owner_word,
+        *changes_word;
+    /* The verdict kept (standin.c, board_decide) and what it was decided
+     * from. */
+    cs_receipt verdict;
+    cs_board_seen seen;
+    bool decided;
+    uint64_t answered; /* the figure the stand-in's `answer` is */
+} cs_board_link;
+
 typedef struct {
     PyObject_HEAD
     cs_model *record;         /* C reference; immutable */
-    PyObject *load_device;    /* strong; immutable */
-    PyObject *offload_device; /* strong; immutable */
+    PyObject *load_device;    /* strong; immutable; NULL once GC-cleared */
+    PyObject *offload_device; /* strong; immutable; NULL once GC-cleared */
     PyObject *device_assigned;   /* strong or NULL; GIL */
-    uint64_t device_assigned_at; /* receipt write count when assigned */
-    PyObject *board;             /* strong Board or NULL; GIL */
-    uint32_t board_slot;         /* GIL, with `board` */
-    uint64_t board_tag;          /* GIL, with `board`: the slot's tag */
+    uint32_t device_assigned_at; /* the receipt's version when assigned */
+    cs_board_link *board;        /* or NULL; GIL */
     PyObject *sentinel; /* the stand-in's clone_base_uuid, or NULL until
                          * first use; GIL */
     PyObject *weakreflist;
 } ModuleObject;
 
-/* The size and generation live in the record.  The inner module is made on
- * first use (ComfyUI reads `.model` in a few places only), the sentinel on
- * its first use, in the module; both are kept from then on, so every
- * access returns the same object.  Until the module exists no device was
- * assigned and no board attached, and the stand-in answers from the record
- * and its profile.  Twelve pointers: 128 bytes with the GC header, one
- * pymalloc size class (bench/RESULTS.md, memory). */
+/* The id, size and generation live in the record, the worker in the
+ * books.  The inner module is made on first use (ComfyUI reads `.model` in
+ * a few places only), the sentinel on its first use, in the module; both
+ * are kept from then on, so every access returns the same object.  Until
+ * the module exists no device was assigned and no board attached, and the
+ * stand-in answers from the record and its profile.  Eight words: 96
+ * bytes with the GC header, one pymalloc size class (bench/RESULTS.md). */
 struct StandInObject {
     PyObject_HEAD
-    cs_model *record;   /* a handle (cs_model_release_handle); immutable
-                         * once set; NULL only while being constructed */
-    PyObject *module;   /* strong ModuleObject, or NULL until first use */
-    PyObject *worker;   /* strong; immutable; NULL once GC-cleared */
-    PyObject *pool;     /* strong; immutable */
-    PyObject *model_id; /* strong str; immutable */
+    cs_model *record;   /* a handle (cs_model_release_handle); set before
+                         * the object is tracked; immutable */
+    PyObject *pool;     /* strong; immutable; NULL once GC-cleared */
     /* Strong tuple (load_device, offload_device, kind); immutable; NULL
-     * once GC-cleared.  Shared with the stand-in before it on its roster
-     * when they hold the same three objects (cs_roster_profile_for). */
+     * once GC-cleared.  Shared with the stand-in made before it under the
+     * same ledger when they hold the same three objects. */
     PyObject *profile;
+    PyObject *module; /* strong ModuleObject, or NULL until first use */
     PyObject *weakreflist;
-    /* The worker's books whose roster lists this stand-in: strong while
-     * listed, NULL before adoption and after it left (roster.c). */
-    PyObject *books;
-    StandInObject *roster_prev, *roster_next; /* borrowed; GIL */
-    /* What model_size() and loaded_size() return, so ComfyUI's calls make
-     * no int (a size is beyond CPython's cached small ints): the size, an
-     * exact int, strong and immutable; and the last other figure
-     * loaded_size() answered above 256, strong or NULL; GIL. */
+    /* model_size()'s answer: an exact int, strong, immutable. */
     PyObject *size_int;
-    PyObject *loaded_int;
+    /* loaded_size()'s answer while the receipt's version is `answered`
+     * (standin.c: a stand-in that reads a board keeps it behind the
+     * version); strong; GIL. */
+    PyObject *answer;
+    uint32_t answered;
+    /* While `listed`, the stand-in holds a reference to its worker's books
+     * (cs_standin_books) and is on their roster at roster_index: from
+     * construction until it is cleared (roster.c).  GIL. */
+    uint32_t roster_index : 30;
+    uint32_t listed : 1;
+    uint32_t reads_board : 1; /* attach_board, detach_board; GIL */
 };
+
+/* The worker's books (WorkerBooks, binding.h), borrowed: the record's
+ * worker keeps a pointer to them; NULL once GC-cleared. */
+static inline PyObject *
+cs_standin_books(StandInObject *self)
+{
+    return self->listed ? cs_worker_data(cs_model_worker(self->record))
+                        : NULL;
+}
+
+/* The worker, borrowed; NULL once GC-cleared. */
+static inline PyObject *
+cs_standin_worker(StandInObject *self)
+{
+    PyObject *books = cs_standin_books(self);
+    return books ? cs_books_key(books) : NULL;
+}
 
 enum { PROFILE_LOAD, PROFILE_OFFLOAD, PROFILE_KIND };
 
@@ -102,32 +148,61 @@ cs_standin_module(StandInObject *self)
  * wins").  The one figure loaded_size(), model_loaded_weight_memory and
  * the pool's charge answer. */
 uint64_t cs_standin_loaded(StandInObject *self);
+/* Sets what loaded_size() answers, once the record is set: 0, or -1 with
+ * MemoryError. */
+int cs_standin_answer_init(StandInObject *self);
+/* Every kept board answer is decided again, the heartbeat's age included,
+ * at the next loaded_size() (Ledger.reread_boards). */
+void cs_standin_reread_boards(void);
+/* The model id, an exact str decoded from the record: a new reference, or
+ * NULL with MemoryError. */
+PyObject *cs_standin_model_id(StandInObject *self);
+/* The exception raised for pickling or copying (METH_O / METH_NOARGS). */
+PyObject *cs_refuse_pickle(PyObject *self, PyObject *unused);
+/* `type` from `spec`, with the stand-in's __getattr__ when `with_getattr`
+ * (an unknown attribute names the upstream contract), immutable. */
+PyTypeObject *cs_make_type(PyObject *module, PyType_Spec *spec,
+                           bool with_getattr);
+
+/* ---- inner.c ---------------------------------------------------------- */
+
+int cs_inner_exec(PyObject *module, cs_module_state *state);
 /* The inner module, made on first use: a new reference; None once
  * GC-cleared; NULL with an exception. */
 PyObject *cs_standin_module_get(StandInObject *self);
-/* The exception raised for pickling or copying (METH_O / METH_NOARGS). */
-PyObject *cs_refuse_pickle(PyObject *self, PyObject *unused);
+/* The clone_base_uuid sentinel, made on first use and kept in the module:
+ * as cs_standin_module_get. */
+PyObject *cs_standin_sentinel_get(StandInObject *self);
+/* What the host knows of the model's residency: the receipt, or the
+ * verdict of the board the module reads (docs/semantics.md, "Which word
+ * wins").  Fills *out when given.  Runs no Python. */
+uint64_t cs_module_read(ModuleObject *m, cs_receipt *out);
+/* model.device: the device assigned, until the next receipt; else the
+ * load device while loaded, the offload device when not.  New reference. */
+PyObject *cs_module_device(ModuleObject *m);
+/* The figure of the board the module reads, in *figure; false when it
+ * reads none or its board was closed.  Runs no Python. */
+bool cs_module_board_figure(ModuleObject *m, uint64_t *figure);
+/* The module reads (slot, tag) of `board_obj` from now on.  0, or -1 with
+ * an exception (the board was closed, MemoryError). */
+int cs_module_set_board(ModuleObject *m, PyObject *board_obj, uint32_t slot,
+                        uint64_t tag);
+/* Stops reading its board.  Dropping the Board may run Python: last. */
+void cs_module_drop_board(ModuleObject *m);
 
 /* ---- roster.c --------------------------------------------------------- */
 
-/* Registers the stand-in's model on its worker's books under `ledger`
+/* Registers the stand-in's model on `worker`'s books under `ledger`
  * (made in the same step if need be) and lists it on their roster.  The
  * books are found or made first, then nothing that can run Python happens
  * until the stand-in is listed.  0, or -1 with an exception. */
 int cs_standin_enlist(StandInObject *self, PyObject *ledger,
+                      PyObject *worker, PyObject *model_id,
                       uint64_t generation, uint64_t size,
                       PyObject *size_obj);
-/* The profile tuple (load_device, offload_device, kind) for a stand-in of
- * `worker` under `ledger`, a new reference: the one the newest stand-in
- * on the worker's roster has when it holds these very objects (identity
- * only: no caller code runs; stand-ins of a worker come in runs with the
- * same devices and kind), else a new one. */
-PyObject *cs_roster_profile_for(PyObject *ledger, PyObject *worker,
-                                PyObject *load_device,
-                                PyObject *offload_device, PyObject *kind);
-/* Takes the stand-in off its roster (idempotent).  Runs no Python until
- * the roster is consistent again; dropping the books reference last may
- * run Python (a worker's finalizer). */
+/* Takes the stand-in off its roster and drops its books (idempotent).
+ * Runs no Python until the roster is consistent again; dropping the books
+ * last may run Python (a worker's finalizer). */
 void cs_roster_unlink(StandInObject *s);
 
 /* The figures the charge takes for models whose stand-ins read something

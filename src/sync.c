@@ -37,43 +37,47 @@ as_standin(PyObject *module, PyObject *object, const char *what)
     return (StandInObject *)object;
 }
 
-/* apply_echo's body, on owned arguments: argv is (standin, resident,
- * seq, unmapped, in_flight), the flags NULL when not given. */
 static PyObject *
-echo_body(PyObject *module, PyObject *const *argv)
+apply_echo(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
+           PyObject *kwnames)
 {
-    PyObject *object = argv[0], *resident_obj = argv[1], *seq_obj = argv[2];
+    PyObject *argv[5], *result = NULL;
     uint64_t resident, seq_value;
     int64_t seq = CS_SEQ_NONE;
     int code;
-
-    /* The flags' __bool__ is user code: it runs first, before anything is
-     * read from the stand-in. */
+    cs_module_state *state = sync_state(module);
+    if (state == NULL ||
+        cs_parse_vector(state, CS_SIG_APPLY_ECHO, args, nargs, kwnames,
+                        argv) < 0) {
+        return NULL;
+    }
+    PyObject *resident_obj = argv[1];
+    PyObject *seq_obj = argv[2] ? argv[2] : Py_None;
+    /* Owned: the flags' __bool__ is the caller's code (cs_args_hold).  It
+     * runs first, before anything is read from the stand-in. */
+    cs_args_hold(argv, 5);
     int unmapped = argv[3] != NULL ? PyObject_IsTrue(argv[3]) : 0;
-    if (unmapped < 0) {
-        return NULL;
-    }
-    int in_flight = argv[4] != NULL ? PyObject_IsTrue(argv[4]) : 0;
-    if (in_flight < 0) {
-        return NULL;
-    }
-    StandInObject *s = as_standin(module, object, "standin");
+    int in_flight = unmapped >= 0 && argv[4] != NULL
+                        ? PyObject_IsTrue(argv[4])
+                        : 0;
+    StandInObject *s = unmapped < 0 || in_flight < 0
+                           ? NULL
+                           : as_standin(module, argv[0], "standin");
     if (s == NULL) {
-        return NULL;
+        goto done;
     }
-    cs_module_state *state = cs_state_of_module(module);
     code = cs_value_check(resident_obj, cs_model_size(s->record), &resident);
     if (code != 0) {
-        return cs_value_error(state->echo_error, code, "resident",
-                              resident_obj, cs_model_size(s->record)),
-               NULL;
+        cs_value_error(state->echo_error, code, "resident", resident_obj,
+                       cs_model_size(s->record));
+        goto done;
     }
     if (seq_obj != Py_None) {
         code = cs_value_check(seq_obj, CS_VALUE_MAX, &seq_value);
         if (code != 0) {
-            return cs_value_error(state->echo_error, code, "seq", seq_obj,
-                                  CS_VALUE_MAX),
-                   NULL;
+            cs_value_error(state->echo_error, code, "seq", seq_obj,
+                           CS_VALUE_MAX);
+            goto done;
         }
         seq = (int64_t)seq_value;
     }
@@ -88,27 +92,8 @@ echo_body(PyObject *module, PyObject *const *argv)
     }
     cs_status status = cs_model_apply_echo(s->record, resident, seq, source,
                                            unmapped != 0, in_flight != 0);
-    return PyBool_FromLong(status == CS_OK);
-}
-
-static PyObject *
-apply_echo(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
-           PyObject *kwnames)
-{
-    PyObject *argv[5];
-    cs_module_state *state = sync_state(module);
-    /* The flags are parsed as objects and tested once every argument is
-     * owned (cs_args_hold): their __bool__ is the caller's code. */
-    if (state == NULL ||
-        cs_parse_vector(state, CS_SIG_APPLY_ECHO, args, nargs, kwnames,
-                        argv) < 0) {
-        return NULL;
-    }
-    if (argv[2] == NULL) {
-        argv[2] = Py_None;
-    }
-    cs_args_hold(argv, 5);
-    PyObject *result = echo_body(module, argv);
+    result = PyBool_FromLong(status == CS_OK);
+done:
     cs_args_release(argv, 5);
     return result;
 }
@@ -131,26 +116,21 @@ table_add(cs_module_state *state, PyObject *table, PyObject *key,
                      key, value);
         goto done;
     }
-    PyObject *model_id = ((StandInObject *)value)->model_id;
-    /* Compares the characters: no __eq__ of a str subclass runs. */
-    int same = PyUnicode_Check(key) && model_id != NULL
-                   ? PyUnicode_Compare(model_id, key)
-                   : 1;
-    if (same == -1 && PyErr_Occurred()) {
+    PyObject *model_id = cs_standin_model_id((StandInObject *)value);
+    if (model_id == NULL) {
         goto done;
     }
-    if (same != 0) {
+    /* Compares the characters: no __eq__ of a str subclass runs. */
+    int same = PyUnicode_Check(key) ? PyUnicode_Compare(model_id, key) : 1;
+    if (same == 0) {
+        result = PyDict_SetItem(table, model_id, value); /* an exact str */
+    }
+    else if (same != -1 || !PyErr_Occurred()) {
         PyErr_Format(state->echo_error,
                      "standins[%R]: the stand-in is for model %R", key,
-                     model_id ? model_id : Py_None);
-        goto done;
+                     model_id);
     }
-    PyObject *exact = PyUnicode_FromObject(key);
-    if (exact == NULL) {
-        goto done;
-    }
-    result = PyDict_SetItem(table, exact, value);
-    Py_DECREF(exact);
+    Py_DECREF(model_id);
 done:
     Py_DECREF(key);
     Py_DECREF(value);

@@ -145,92 +145,6 @@ cs_args_release(PyObject *const *objects, size_t n)
     }
 }
 
-PyObject *
-cs_census_fast(PyObject *echo_error, PyObject *census)
-{
-    if (!PyList_Check(census) && !PyTuple_Check(census)) {
-        PyErr_Format(echo_error,
-                     "census: expected a list of entries, got %.100s %R",
-                     Py_TYPE(census)->tp_name, census);
-        return NULL;
-    }
-    return PySequence_Fast(census, "census");
-}
-
-/* entry[key]: borrowed, or NULL when absent (a dict of str keys cannot
- * raise on lookup by an exact str). */
-static PyObject *
-entry_get(PyObject *entry, PyObject *key)
-{
-    PyObject *value = PyDict_GetItemWithError(entry, key);
-    if (value == NULL && PyErr_Occurred() &&
-        PyErr_ExceptionMatches(PyExc_Exception)) {
-        PyErr_Clear();
-    }
-    return value;
-}
-
-int
-cs_decode_census_entry(cs_module_state *state, PyObject *entry,
-                       Py_ssize_t index, PyObject **id, uint64_t *resident,
-                       int *has_seq, int64_t *seq)
-{
-    PyObject *echo_error = state->echo_error;
-    char field[64];
-    PyObject *value;
-    uint64_t v;
-    int code;
-
-    if (!PyDict_Check(entry)) {
-        PyErr_Format(echo_error, "census[%zd]: expected a dict, got %R",
-                     index, entry);
-        return -1;
-    }
-    value = entry_get(entry, state->str_id);
-    if (value == NULL || !PyUnicode_Check(value) ||
-        PyUnicode_GetLength(value) == 0) {
-        PyErr_Format(echo_error,
-                     "census[%zd]['id']: expected a non-empty str, got %R",
-                     index, value ? value : Py_None);
-        return -1;
-    }
-    *id = value;
-
-    PyOS_snprintf(field, sizeof(field), "census[%zd]['resident']", index);
-    value = entry_get(entry, state->str_resident);
-    if (value == NULL) {
-        PyErr_Format(echo_error, "%s: missing", field);
-        return -1;
-    }
-    code = cs_value_check(value, CS_VALUE_MAX, resident);
-    if (code != 0) {
-        return cs_value_error(echo_error, code, field, value, CS_VALUE_MAX);
-    }
-
-    *has_seq = 0;
-    *seq = CS_SEQ_NONE;
-    value = entry_get(entry, state->str_seq);
-    if (value != NULL && value != Py_None) {
-        PyOS_snprintf(field, sizeof(field), "census[%zd]['seq']", index);
-        code = cs_value_check(value, CS_VALUE_MAX, &v);
-        if (code != 0) {
-            return cs_value_error(echo_error, code, field, value,
-                                  CS_VALUE_MAX);
-        }
-        *has_seq = 1;
-        *seq = (int64_t)v;
-    }
-
-    value = entry_get(entry, state->str_device);
-    if (value != NULL && value != Py_None && !PyUnicode_Check(value)) {
-        PyErr_Format(echo_error,
-                     "census[%zd]['device']: expected a str or None, got %R",
-                     index, value);
-        return -1;
-    }
-    return 0;
-}
-
 int
 cs_check_model_id(PyObject *id)
 {
@@ -256,6 +170,40 @@ cs_check_model_id(PyObject *id)
                      id);
     }
     return code == 0 ? 0 : -1;
+}
+
+/* Raises what a failed status of the core means ("WHAT: message"): only
+ * CS_ERR_NOMEM is a MemoryError; a value out of range, an unknown or
+ * repeated id or a size mismatch is a ValueError, a stale model or a call
+ * out of order a RuntimeError.  Returns -1. */
+static int
+raise_status(int status, const char *what)
+{
+    /* What each failure of the core means to a Python caller: only an
+     * allocation that failed is a MemoryError. */
+    PyObject *type;
+    switch ((cs_status)status) {
+    case CS_ERR_NOMEM:
+        PyErr_NoMemory();
+        return -1;
+    case CS_ERR_RANGE:
+    case CS_ERR_UNKNOWN_ID:
+    case CS_ERR_DUPLICATE_ID:
+    case CS_ERR_SIZE_MISMATCH:
+        type = PyExc_ValueError;
+        break;
+    case CS_ERR_STALE:
+    case CS_ERR_STATE:
+    case CS_ERR_OLDER:
+        type = PyExc_RuntimeError;
+        break;
+    default:
+        type = PyExc_SystemError; /* CS_OK or unknown: a bug here */
+        break;
+    }
+    PyErr_Format(type, "%s: %s", what,
+                 cs_status_message((cs_status)status));
+    return -1;
 }
 
 int
@@ -287,38 +235,9 @@ cs_register_model(cs_worker *worker, uint64_t generation, PyObject *id_obj,
                      id_len, CS_MODEL_ID_MAX);
         return -1;
     }
-    return cs_raise_status(status, "registering model");
+    return raise_status(status, "registering model");
 }
 
-int
-cs_raise_status(int status, const char *what)
-{
-    /* What each failure of the core means to a Python caller: only an
-     * allocation that failed is a MemoryError. */
-    PyObject *type;
-    switch ((cs_status)status) {
-    case CS_ERR_NOMEM:
-        PyErr_NoMemory();
-        return -1;
-    case CS_ERR_RANGE:
-    case CS_ERR_UNKNOWN_ID:
-    case CS_ERR_DUPLICATE_ID:
-    case CS_ERR_SIZE_MISMATCH:
-        type = PyExc_ValueError;
-        break;
-    case CS_ERR_STALE:
-    case CS_ERR_STATE:
-    case CS_ERR_OLDER:
-        type = PyExc_RuntimeError;
-        break;
-    default:
-        type = PyExc_SystemError; /* CS_OK or unknown: a bug here */
-        break;
-    }
-    PyErr_Format(type, "%s: %s", what,
-                 cs_status_message((cs_status)status));
-    return -1;
-}
 
 /* ---- census snapshot ------------------------------------------------- */
 

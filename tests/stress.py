@@ -13,6 +13,13 @@ allocation here too (``COMFY_STANDIN_STRESS_THRESHOLD`` sets another), each
 one letting another thread run and running a finalizer that mutates the
 pools, so switches land inside the C layer's allocations.
 
+``--stress=walker`` collects at every allocation too, with a
+``gc.callbacks`` hook that walks the young generations of
+``gc.get_objects()`` (the whole heap when the oldest is collected) and
+uses every object of the C module it finds (tests/walker.py), as memory
+profilers and leak hunters do: none may be reachable before its
+invariants hold.  It crashes or passes; it checks nothing else.
+
 ``--stress=gc,threads`` does both.  In either mode a *churn* works on pools
 of its own (the tests' pools and workers are never touched, so their
 assertions hold): it makes and drops stand-ins of three workers (a dropped
@@ -50,11 +57,13 @@ from typing import Any
 
 import pytest
 
-MODES = ("gc", "threads")
+MODES = ("gc", "threads", "walker")
 #: The modes this session runs under (empty: no stress).
 ACTIVE: frozenset[str] = frozenset()
 #: The session's churn, when a mode is active.
 CHURN: Churn | None = None
+#: The walker mode's hook, when active.
+WALKER: Any = None
 
 ENV = "COMFY_STANDIN_STRESS"
 
@@ -505,7 +514,8 @@ class Churn:
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--stress", default=os.environ.get(ENV, ""),
-        help=f"run under stress: gc, threads or gc,threads (also {ENV}); "
+        help=f"run under stress: gc, threads, walker, or a comma-separated "
+             f"list of them (also {ENV}); "
              "see tests/stress.py",
     )
 
@@ -521,10 +531,16 @@ def pytest_configure(config: pytest.Config) -> None:
     impls = [importlib.import_module("comfy_standin"),
              importlib.import_module("comfy_standin._reference")]
     CHURN = Churn(impls, seed=int(os.environ.get(ENV + "_SEED", "0")))
-    if "gc" in ACTIVE:
+    if ACTIVE & {"gc", "walker"}:
         _saved["threshold"] = gc.get_threshold()
         gc.set_threshold(1, 1, 1)
-    if "threads" in ACTIVE and "gc" not in ACTIVE:
+    if "walker" in ACTIVE:
+        global WALKER
+        from walker import Walker
+
+        WALKER = Walker(young=True)
+        WALKER.install()
+    if "threads" in ACTIVE and not ACTIVE & {"gc", "walker"}:
         # A collection every few allocations: each one lets another thread
         # run (_switch_in_collection), so a switch lands inside the C
         # layer's allocations too, not only between bytecodes.
@@ -547,6 +563,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if CHURN is None:
         return
     churn, CHURN = CHURN, None
+    walks = ""
+    if WALKER is not None:
+        WALKER.remove()
+        walks = (f"; the walker walked {WALKER.walks} collections and used "
+                 f"{WALKER.touched} objects")
     churn.stop_threads()
     churn.settle()
     churn.quiet += 1  # leftover garbage dies quietly, at exit too
@@ -559,7 +580,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if reporter is not None:
         reporter.write_line(
             f"stress: the churn's finalizers ran {churn.fired} times; "
-            f"{len(errors)} broken guarantee(s) at the end"
+            f"{len(errors)} broken guarantee(s) at the end{walks}"
         )
         for line in errors[:20]:
             reporter.write_line(f"stress: {line}")

@@ -123,11 +123,15 @@ def test_board_values_clamp_and_zero_flips_the_device(impl, pool, boards):
     worker_side.publish(slot, 0)
     assert s.loaded_size() == 0
     assert s.current_loaded_device() == "cpu"
-    # the board is untrusted: a value beyond the size clamps
+    # the board is untrusted: a value beyond the size clamps (written as a
+    # writer does, the slot's seqlock word moved by 2: the host notices a
+    # slot by that word)
     mem = writable(worker_side)
     base = _core.BOARD_HEADER_SIZE + slot * _core.BOARD_SLOT_SIZE
     mem[base + 16:base + 24] = (2**63).to_bytes(8, "little")
     mem[base + 24:base + 32] = time.monotonic_ns().to_bytes(8, "little")
+    seq = int.from_bytes(mem[base:base + 8], "little")
+    mem[base:base + 8] = (seq + 2).to_bytes(8, "little")
     assert s.loaded_size() == 1000
 
 
@@ -150,6 +154,37 @@ def test_closed_or_detached_board_falls_back_to_the_receipt(
     board.close()
     assert s.loaded_size() == 100
     assert s.receipt()[3] == "load echo"
+
+
+def test_a_stale_heartbeat_counts_until_the_next_boundary(impl, pool,
+                                                           boards):
+    """A worker whose heartbeat went stale (killed before the host
+    noticed) stops counting at the next point where ComfyUI decides, the
+    pool's boundary() or relist(), at the latest (docs/semantics.md,
+    "Which word wins"): the C type keeps a board's verdict while nothing
+    it was decided from moved but the clock."""
+    board, worker_side = boards(1, heartbeat_limit=0.05)
+    s = make(impl, pool, size=1000)
+    slot = s.attach_board(board)
+    worker_side.bind(slot, board.tag(slot))
+    impl.apply_echo(s, 100, seq=1)
+    worker_side.publish(slot, 900)
+    assert s.loaded_size() == 900
+    time.sleep(0.2)  # no beat since: the heartbeat is stale
+    pool.boundary()
+    assert s.loaded_size() == 100
+    assert s.receipt()[3] == "load echo"
+    worker_side.heartbeat()  # alive again: its reading counts again
+    assert s.loaded_size() == 900
+    time.sleep(0.2)
+    pool.relist(NoModels())
+    assert s.loaded_size() == 100
+
+
+class NoModels:
+    """A model_management that lists no model."""
+
+    current_loaded_models: list = []
 
 
 def test_stale_standin_ignores_the_board(impl, pool, boards):

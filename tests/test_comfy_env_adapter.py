@@ -302,7 +302,7 @@ def test_peak_raise_never_raises(installed):
 def test_an_echo_of_garbage_is_ignored_in_one_bounded_line(
         installed, caplog, fresh_log_once):
     worker = fakes.FakeWorker("w")
-    hostile_id = "\x1b]52;c;cHduZWQ=\x07" + "m" * 100_000
+    hostile_id = "\x1b]52;c;cHduZWQ=\x07" + "m" * 60_000
     s = make(worker, hostile_id, pool=cs.Pool(floor=0))
     before = adapter.counters()["echoes_ignored"]
 
@@ -374,7 +374,7 @@ def test_a_model_listed_again_is_named_in_one_bounded_line(installed, mm,
                                                            caplog):
     """comfy-env's boundary lists again a stand-in ComfyUI dropped while
     its worker holds it; the model id is the worker's own text."""
-    hostile = "\x1b[2J" + "m" * 100_000
+    hostile = "\x1b[2J" + "m" * 60_000
     worker = fakes.FakeWorker("w")
     worker.add_model(hostile, 2 * GiB, resident=2 * GiB)
     worker._last_new_models = [

@@ -606,6 +606,8 @@ WORKLOADS = {
         bad(ledger.find)
         ledger.total_charge()
         bad(ledger.total_charge, 1)
+        ledger.reread_boards()
+        bad(ledger.reread_boards, 1)
         ledger.reserve(10, 1000, True)
         bad(ledger.reserve, -10, 1000, True)
         bad(ledger.reserve)

@@ -583,6 +583,17 @@ def test_constructor_extremes(impl, pool, make_worker):
     assert zero.size == 0 and zero.loaded_size() == 0
 
 
+def test_a_model_id_of_more_than_64_kib_is_refused(impl, pool, make_worker):
+    """A record keeps its id's length in 16 bits (one small allocation per
+    stand-in): ids of up to 65535 bytes of UTF-8."""
+    w = make_worker()
+    longest = impl.StandIn(w, 1, "m" * 65535, 10, "a", "b", pool=pool)
+    assert longest.model_id == "m" * 65535
+    for too_long in ("n" * 65536, "\u00e9" * 32768):
+        with pytest.raises(ValueError, match="65536 bytes of UTF-8"):
+            impl.StandIn(w, 1, too_long, 10, "a", "b", pool=pool)
+
+
 def test_default_pool(impl, make_worker):
     assert impl.default_pool() is impl.default_pool()
     assert isinstance(impl.default_pool(), impl.Pool)
@@ -761,11 +772,13 @@ def test_stand_ins_made_alike_share_their_devices_and_kind(impl, pool,
         assert s.kind == kind
     assert c.load_device is not load and c.load_device.name == "cuda:1"
     if _is_c(impl):
-        # One (load, offload, kind) tuple for a run of stand-ins of one
-        # worker made with the same objects: 8 bytes each instead of 24 on
-        # the stand-in.  Each shares the tuple of the stand-in before it
-        # on its worker's roster: c and d differ from theirs; e is the
-        # first of its worker; f follows d (clip), h follows f.
+        # One (load, offload, kind) tuple for a run of stand-ins made with
+        # the same objects: 8 bytes each instead of 24 on the stand-in.
+        # Each shares the tuple of the stand-in listed last on its
+        # worker's roster, or else on the roster used last under its
+        # pool: c and d differ from theirs; e is the first of its worker
+        # and follows d (clip); f follows d on its worker and e under the
+        # pool; h follows f.
         def profile(s):
             (t,) = [o for o in gc.get_referents(s) if type(o) is tuple]
             return t
@@ -774,7 +787,7 @@ def test_stand_ins_made_alike_share_their_devices_and_kind(impl, pool,
         assert profile(a) is profile(b)
         assert profile(c) is not profile(b) and profile(d) is not profile(c)
         assert profile(e) is not profile(d) and profile(e) is not profile(a)
-        assert profile(f) is not profile(d) and profile(f) is not profile(e)
+        assert profile(f) is not profile(d) and profile(f) is profile(e)
         assert profile(h) is profile(f)
         del h
     # The last stand-in made is gone (its profile with it, unless shared):

@@ -168,6 +168,11 @@ int64_t cs_board_owner_pid(const cs_board *board);
 bool cs_board_attached(const cs_board *board);
 /* The start of the mapping and its length (tests, tools). */
 void *cs_board_memory(const cs_board *board, size_t *length);
+/* A word that moves (release) after every change of the host's view of
+ * the board: a slot assigned or released, the expected owner set, the
+ * owner marked gone.  A reader may keep what it decided from the host's
+ * view while the word holds still.  Host handles only. */
+const _Atomic uint64_t *cs_board_changes(const cs_board *board);
 
 /* ---- worker ---------------------------------------------------------- */
 

@@ -43,8 +43,8 @@ extern "C" {
 #define CS_VALUE_MAX ((uint64_t)INT64_MAX)
 
 /* The longest model id a record carries, in bytes (its length is kept in
- * 32 bits, with room for the NUL). */
-#define CS_MODEL_ID_MAX ((size_t)UINT32_MAX - 1)
+ * 16 bits: a record is one small allocation per stand-in). */
+#define CS_MODEL_ID_MAX ((size_t)UINT16_MAX)
 
 /* A receipt that has never carried a worker seq (a registration, or a
  * command reply from a worker too old to send one). Older than any seq. */
@@ -110,7 +110,7 @@ typedef struct cs_charge {
     uint32_t in_flight;
     uint32_t models;
     bool alive;
-    bool held_from_reading; /* the reading, not the report, set `held` */
+    bool held_from_reading; /* reading - floor, not the report, set `held` */
 } cs_charge;
 
 /* A model's figure when it is not its receipt: what the host reads of it
@@ -149,28 +149,30 @@ cs_worker *cs_ledger_add_worker(cs_ledger *ledger, uint64_t generation);
 void cs_ledger_forget_worker(cs_ledger *ledger, cs_worker *worker);
 size_t cs_ledger_worker_count(cs_ledger *ledger);
 
-/* The reserve to publish as EXTRA_RESERVED_VRAM (docs/reserve.md).
+/* The reserve to publish as EXTRA_RESERVED_VRAM (docs/reserve.md), each
+ * worker charged with `figures` (cs_worker_charge; one table for all).
  * process_local false (Linux, device-wide free memory): `base`.
  * process_local true (Windows WDDM): base + sum of charges, capped at 75%
  * of `total_bytes` (no cap when total is 0), never below base; it grows at
  * once and shrinks only after a release receipt since the last call.  The
  * cap bounds a kept value too. */
 uint64_t cs_ledger_reserve(cs_ledger *ledger, uint64_t base,
-                           uint64_t total_bytes, bool process_local);
-/* Sum of every live worker's charge. */
-uint64_t cs_ledger_total_charge(cs_ledger *ledger);
-/* The same, each worker charged with `figures` (cs_worker_charge_with;
- * one table for all workers). */
-uint64_t cs_ledger_reserve_with(cs_ledger *ledger, uint64_t base,
-                                uint64_t total_bytes, bool process_local,
-                                const cs_figure *figures, size_t n);
-uint64_t cs_ledger_total_charge_with(cs_ledger *ledger,
-                                     const cs_figure *figures, size_t n);
+                           uint64_t total_bytes, bool process_local,
+                           const cs_figure *figures, size_t n);
+/* Sum of every live worker's charge (figures as cs_ledger_reserve). */
+uint64_t cs_ledger_total_charge(cs_ledger *ledger, const cs_figure *figures,
+                                size_t n);
 
 /* ---- workers --------------------------------------------------------- */
 
 void cs_worker_incref(cs_worker *worker);
 void cs_worker_decref(cs_worker *worker);
+
+/* A pointer the caller keeps with the worker (a binding: its object for
+ * the worker), NULL until set.  Not synchronised: set it before the
+ * worker is shared. */
+void cs_worker_set_data(cs_worker *worker, void *data);
+void *cs_worker_data(const cs_worker *worker);
 
 uint64_t cs_worker_generation(const cs_worker *worker);
 bool cs_worker_alive(const cs_worker *worker);
@@ -201,8 +203,9 @@ cs_status cs_worker_set_report(cs_worker *worker, const uint64_t *held,
                                const uint64_t *overhead);
 void cs_worker_report(const cs_worker *worker, uint64_t *held,
                       uint64_t *pinned, uint64_t *overhead);
-/* The probe's per-pid reading of the worker's process (0: none).  Used as
- * a floor under `held` in the charge. */
+/* The probe's per-pid reading of the worker's process (0: none), CUDA
+ * context included.  What it holds beyond the floor is a floor under
+ * `held` in the charge. */
 cs_status cs_worker_set_reading(cs_worker *worker, uint64_t used_bytes);
 uint64_t cs_worker_reading(const cs_worker *worker);
 
@@ -250,15 +253,12 @@ cs_status cs_model_apply_census(cs_model *model, bool has_seq, int64_t seq,
 /* The worker's charge (docs/reserve.md):
  *   gone:      0
  *   in flight: sum of sizes + floor
- *   idle:      max(sum of figures, sum of peaks, held, reading) + floor
+ *   idle:      max(sum of figures, sum of peaks, held, reading - floor)
+ *              + floor (the reading counts the context the floor is)
  * A model's figure is its entry in `figures` (n entries, sorted by model
  * address; NULL and 0 for none), else its receipt. */
-void cs_worker_charge_with(cs_worker *worker, uint64_t floor_bytes,
-                           const cs_figure *figures, size_t n,
-                           cs_charge *out);
-/* cs_worker_charge_with and no figures: every model's receipt. */
 void cs_worker_charge(cs_worker *worker, uint64_t floor_bytes,
-                      cs_charge *out);
+                      const cs_figure *figures, size_t n, cs_charge *out);
 
 /* ---- models ---------------------------------------------------------- */
 
@@ -279,14 +279,12 @@ cs_worker *cs_model_worker(const cs_model *model); /* borrowed */
 /* True when the model's generation is over or its worker is gone. */
 bool cs_model_stale(const cs_model *model);
 
-/* Lock-free, never blocks, never torn.  Stale models read 0. */
-void cs_model_read(const cs_model *model, cs_receipt *out);
+/* Lock-free, never blocks, never torn.  Stale models read 0.  Returns
+ * the (even) version it was read at (cs_model_version). */
+uint32_t cs_model_read(const cs_model *model, cs_receipt *out);
 uint64_t cs_model_loaded(const cs_model *model);
 uint64_t cs_model_admission_peak(const cs_model *model);
-/* How many receipts were ever written to this model (the seqlock's
- * generation count); lets a binding tell whether anything was written
- * since it last looked. */
-uint64_t cs_model_write_count(const cs_model *model);
+
 
 /* A command echo (docs/semantics.md, "Which word wins"): written unless
  * its seq is strictly older than the receipt's (CS_ERR_OLDER: two
@@ -313,6 +311,19 @@ void cs_model_set_eviction_deferred(cs_model *model, bool deferred);
 bool cs_model_eviction_deferred(const cs_model *model);
 
 #ifdef __cplusplus
+}
+#else
+#include <stdatomic.h>
+
+/* The receipt's seqlock word: even, advanced by every write (and by the
+ * model turning stale), odd while a writer is inside.  A reader that saw
+ * an even version and sees it again knows that nothing it read changed.
+ * Inline for the hot getters of a binding: it is a record's first word. */
+static inline uint32_t
+cs_model_version(const cs_model *model)
+{
+    return atomic_load_explicit((_Atomic uint32_t *)(void *)model,
+                                memory_order_acquire);
 }
 #endif
 

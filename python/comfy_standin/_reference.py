@@ -111,6 +111,10 @@ def _host_bytes(field: str, value: object) -> int:
     return number
 
 
+#: The longest model id, in bytes of UTF-8 (the C core's CS_MODEL_ID_MAX).
+MODEL_ID_MAX = 65535
+
+
 def _host_id(field: str, value: object) -> str:
     if not _is_str(value):
         raise TypeError(f"{field}: expected a non-empty str, got {value!r}")
@@ -123,6 +127,11 @@ def _host_id(field: str, value: object) -> str:
             f"{field}: expected a str encodable as UTF-8 (no lone "
             f"surrogates), got {value!r}"
         )
+    if str.__len__(value) > MODEL_ID_MAX // 4:  # type: ignore[arg-type]
+        size = len(str.encode(value, "utf-8"))  # type: ignore[arg-type]
+        if size > MODEL_ID_MAX:
+            raise ValueError(f"{field}: {size} bytes of UTF-8, longer than "
+                             f"a model id may be ({MODEL_ID_MAX})")
     return _exact_str(value)  # type: ignore[arg-type]
 
 
@@ -632,11 +641,14 @@ class WorkerBooks:
                 sum(figures.get(id(r), r._receipt[0]) for r in records)
             )
             sum_peak = _saturate(sum(r._peak for r in records))
+            # The driver's reading counts the CUDA context the floor
+            # stands for.
+            beyond = max(0, self._reading - self._floor)
             if self._in_flight > 0:
                 charge = _saturate(sum_sizes + self._floor)
             else:
                 charge = _saturate(
-                    max(sum_loaded, sum_peak, self._held, self._reading)
+                    max(sum_loaded, sum_peak, self._held, beyond)
                     + self._floor
                 )
             return {
@@ -650,7 +662,7 @@ class WorkerBooks:
                 "in_flight": self._in_flight,
                 "models": len(records),
                 "alive": True,
-                "held_from_reading": self._reading > self._held,
+                "held_from_reading": beyond > self._held,
             }
 
     def standins(self) -> list[StandIn]:
@@ -734,6 +746,10 @@ class Ledger:
 
     def total_charge(self) -> int:
         return _saturate(sum(b.charge()["charge"] for b in self.books()))
+
+    def reread_boards(self) -> None:
+        """Nothing to do: this implementation reads a board in full on
+        every call (docs/semantics.md, "Which word wins")."""
 
     def reserve(self, base: int, total: int, process_local: bool) -> int:
         base = _host_bytes("base", base)

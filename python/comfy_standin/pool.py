@@ -239,6 +239,7 @@ class Pool:
         out of ``free_memory``'s reach.  Call it at a node boundary or
         before a ``free_memory`` run on a worker's behalf, never inside
         ``free_memory``'s loop."""
+        self._ledger.reread_boards()
         listed = {id(entry.model) for entry in list(mm.current_loaded_models)}
         held = {key for key, _ in self._held_items()}
         restored: list[Any] = []
@@ -288,6 +289,8 @@ class Pool:
         graveyard, then the books of gone workers nobody holds a stand-in
         of."""
         restored: list[Any] = []
+        # A board whose heartbeat went stale is read as such from here on.
+        self._ledger.reread_boards()
         for worker in self._dead_workers_held():
             self.worker_gone(worker)
         if mm is not None:

@@ -100,7 +100,7 @@ check_model(const cs_model *m)
     CHECK((unsigned)r.source < CS_SOURCE_COUNT);
     CHECK(cs_model_admission_peak(m) <= cs_model_size(m));
     (void)cs_model_eviction_deferred(m);
-    (void)cs_model_write_count(m);
+    (void)cs_model_version(m);
     (void)cs_model_stale(m);
 }
 
@@ -108,7 +108,7 @@ static void
 check_charge(cs_worker *w)
 {
     cs_charge c;
-    cs_worker_charge(w, CS_DEFAULT_FLOOR, &c);
+    cs_worker_charge(w, CS_DEFAULT_FLOOR, NULL, 0, &c);
     if (!c.alive) {
         CHECK(c.charge == 0);
         return;
@@ -227,12 +227,12 @@ thread_main(void *p)
             cs_worker_decref(w);
             uint64_t base = 1u << 20;
             uint64_t total = (x & 1) ? 0 : (uint64_t)8 << 30;
-            uint64_t v = cs_ledger_reserve(ledger, base, total, true);
+            uint64_t v = cs_ledger_reserve(ledger, base, total, true, NULL, 0);
             CHECK(v >= base);
             if (total > 0) {
                 CHECK(v <= total / 4 * 3);
             }
-            (void)cs_ledger_total_charge(ledger);
+            (void)cs_ledger_total_charge(ledger, NULL, 0);
             (void)cs_ledger_worker_count(ledger);
             break;
         }

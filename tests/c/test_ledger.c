@@ -110,11 +110,11 @@ test_echo(void)
 
     /* An echo older than the receipt (two replies applied out of order)
      * writes nothing; a tie writes. */
-    uint64_t before = cs_model_write_count(a);
+    uint64_t before = cs_model_version(a);
     CHECK(cs_model_apply_echo(a, 500, 3, CS_SOURCE_UNLOAD_ECHO, false, 0) ==
           CS_ERR_OLDER);
     cs_model_read(a, &r);
-    CHECK(r.loaded == 600 && r.seq == 5 && cs_model_write_count(a) == before);
+    CHECK(r.loaded == 600 && r.seq == 5 && cs_model_version(a) == before);
     CHECK(cs_model_admission_peak(a) == 600);
     CHECK(cs_model_apply_echo(a, 550, 5, CS_SOURCE_UNLOAD_ECHO, false, 0) ==
           CS_OK);
@@ -159,14 +159,14 @@ test_echo(void)
     CHECK(cs_worker_in_flight(w) == 0);
 
     /* Peak-only raise: never lowers, clamps to the size, no receipt. */
-    uint64_t writes = cs_model_write_count(a);
+    uint64_t writes = cs_model_version(a);
     CHECK(cs_model_raise_peak(a, 700) == CS_OK);
     CHECK(cs_model_admission_peak(a) == 700);
     CHECK(cs_model_raise_peak(a, 100) == CS_OK);
     CHECK(cs_model_admission_peak(a) == 700);
     CHECK(cs_model_raise_peak(a, 99999) == CS_OK);
     CHECK(cs_model_admission_peak(a) == 1000);
-    CHECK(cs_model_write_count(a) == writes);
+    CHECK(cs_model_version(a) == writes);
     CHECK(cs_model_apply_echo(a, 0, 15, CS_SOURCE_DETACH_ECHO, true, 0) ==
           CS_OK);
 
@@ -311,6 +311,13 @@ test_generations(void)
     cs_ledger_free(l);
 }
 
+/* The reserve with every figure its receipt. */
+static uint64_t
+reserve(cs_ledger *l, uint64_t base, uint64_t total, bool process_local)
+{
+    return cs_ledger_reserve(l, base, total, process_local, NULL, 0);
+}
+
 static void
 test_charges_and_reserve(void)
 {
@@ -320,51 +327,55 @@ test_charges_and_reserve(void)
     cs_model *b = reg(w, 1, "b", 2000 * MiB);
     cs_charge c;
 
-    cs_worker_charge(w, cs_ledger_floor(l), &c);
+    cs_worker_charge(w, cs_ledger_floor(l), NULL, 0, &c);
     CHECK(c.alive && c.models == 2 && c.charge == 300 * MiB);
     CHECK(cs_model_apply_echo(a, 1000 * MiB, 1, CS_SOURCE_LOAD_ECHO, false,
                               0) == CS_OK);
     uint64_t held = 1500 * MiB;
     CHECK(cs_worker_set_report(w, &held, NULL, NULL) == CS_OK);
-    cs_worker_charge(w, cs_ledger_floor(l), &c);
+    cs_worker_charge(w, cs_ledger_floor(l), NULL, 0, &c);
     CHECK(c.charge == 1800 * MiB); /* held wins, plus the floor */
     CHECK(!c.held_from_reading);
-    CHECK(cs_worker_set_reading(w, 1600 * MiB) == CS_OK);
-    cs_worker_charge(w, cs_ledger_floor(l), &c);
+    /* The driver's reading counts the context, which the floor is. */
+    CHECK(cs_worker_set_reading(w, 1700 * MiB) == CS_OK);
+    cs_worker_charge(w, cs_ledger_floor(l), NULL, 0, &c);
+    CHECK(c.charge == 1800 * MiB && !c.held_from_reading);
+    CHECK(cs_worker_set_reading(w, 1900 * MiB) == CS_OK);
+    cs_worker_charge(w, cs_ledger_floor(l), NULL, 0, &c);
     CHECK(c.charge == 1900 * MiB && c.held_from_reading);
     CHECK(cs_worker_begin_call(w) == CS_OK);
-    cs_worker_charge(w, cs_ledger_floor(l), &c);
+    cs_worker_charge(w, cs_ledger_floor(l), NULL, 0, &c);
     CHECK(c.charge == 6300 * MiB); /* the supremum */
     CHECK(cs_worker_end_call(w) == CS_OK);
 
     /* Linux: the reserve is the base. */
-    CHECK(cs_ledger_reserve(l, 400 * MiB, 24000 * MiB, false) == 400 * MiB);
+    CHECK(reserve(l, 400 * MiB, 24000 * MiB, false) == 400 * MiB);
     /* Windows: base + charges, grow at once. */
-    uint64_t first = cs_ledger_reserve(l, 400 * MiB, 24000 * MiB, true);
+    uint64_t first = reserve(l, 400 * MiB, 24000 * MiB, true);
     CHECK(first == 2300 * MiB);
     /* Charges fall without a release receipt (the reading drops is a
      * release, so use an echo rising then check the ratchet). */
-    CHECK(cs_ledger_reserve(l, 400 * MiB, 24000 * MiB, true) == first);
+    CHECK(reserve(l, 400 * MiB, 24000 * MiB, true) == first);
     /* A release lets it shrink. */
     uint64_t zero = 0;
     CHECK(cs_worker_set_reading(w, 0) == CS_OK);
     CHECK(cs_worker_set_report(w, &zero, NULL, NULL) == CS_OK);
-    uint64_t after = cs_ledger_reserve(l, 400 * MiB, 24000 * MiB, true);
+    uint64_t after = reserve(l, 400 * MiB, 24000 * MiB, true);
     CHECK(after == 1700 * MiB);
     /* Cap at 75% of the card. */
     CHECK(cs_worker_begin_call(w) == CS_OK);
-    CHECK(cs_ledger_reserve(l, 400 * MiB, 8000 * MiB, true) == 6000 * MiB);
+    CHECK(reserve(l, 400 * MiB, 8000 * MiB, true) == 6000 * MiB);
     /* Without a release it never shrinks, even if the cap is lower. */
     CHECK(cs_worker_end_call(w) == CS_OK);
-    CHECK(cs_ledger_reserve(l, 400 * MiB, 8000 * MiB, true) == 6000 * MiB);
+    CHECK(reserve(l, 400 * MiB, 8000 * MiB, true) == 6000 * MiB);
     /* Gone: charges nothing and counts as a release. */
     cs_worker_gone(w);
-    cs_worker_charge(w, cs_ledger_floor(l), &c);
+    cs_worker_charge(w, cs_ledger_floor(l), NULL, 0, &c);
     CHECK(!c.alive && c.charge == 0);
-    CHECK(cs_ledger_reserve(l, 400 * MiB, 8000 * MiB, true) == 400 * MiB);
-    CHECK(cs_ledger_total_charge(l) == 0);
+    CHECK(reserve(l, 400 * MiB, 8000 * MiB, true) == 400 * MiB);
+    CHECK(cs_ledger_total_charge(l, NULL, 0) == 0);
     /* Never below the base, even past the cap. */
-    CHECK(cs_ledger_reserve(l, 7000 * MiB, 8000 * MiB, true) == 7000 * MiB);
+    CHECK(reserve(l, 7000 * MiB, 8000 * MiB, true) == 7000 * MiB);
 
     CHECK(cs_ledger_worker_count(l) == 1);
     cs_ledger_forget_worker(l, w);
@@ -410,6 +421,38 @@ test_many_models(void)
         if (models[i] != NULL) {
             cs_model_release_handle(models[i]);
         }
+    }
+    cs_worker_decref(w);
+    cs_ledger_free(l);
+}
+
+static void
+test_a_full_small_table(void)
+{
+    /* Eight models fill a worker's first table: an absent id is found
+     * absent (the probe stops), a census naming one is refused, and a
+     * ninth model grows the table. */
+    cs_ledger *l = cs_ledger_new(0);
+    cs_worker *w = cs_ledger_add_worker(l, 1);
+    cs_model *models[9];
+    char id[32];
+    for (int i = 0; i < 8; i++) {
+        snprintf(id, sizeof(id), "m%d", i);
+        models[i] = reg(w, 1, id, 10);
+    }
+    CHECK(cs_worker_find_model(w, "absent", 6) == NULL);
+    cs_census_entry entry = {"absent", 6, false, 0, 1};
+    size_t bad = 99;
+    CHECK(cs_worker_apply_census(w, &entry, 1, NULL, &bad) ==
+          CS_ERR_UNKNOWN_ID);
+    CHECK(bad == 0);
+    models[8] = reg(w, 1, "m8", 10);
+    for (int i = 0; i < 9; i++) {
+        snprintf(id, sizeof(id), "m%d", i);
+        cs_model *m = cs_worker_find_model(w, id, strlen(id));
+        CHECK(m == models[i]);
+        cs_model_decref(m);
+        cs_model_release_handle(models[i]);
     }
     cs_worker_decref(w);
     cs_ledger_free(l);
@@ -608,6 +651,7 @@ main(void)
     test_generations();
     test_charges_and_reserve();
     test_many_models();
+    test_a_full_small_table();
     test_threads();
     test_census_race();
     /* Every test freed what it made: the refcounts balance. */

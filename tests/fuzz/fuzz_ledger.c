@@ -112,7 +112,7 @@ check_all(state *s)
             continue;
         }
         check_model(m);
-        uint64_t w = cs_model_write_count(m);
+        uint64_t w = cs_model_version(m);
         FUZZ_CHECK(w >= s->writes[i]);
         s->writes[i] = w;
     }
@@ -221,7 +221,7 @@ op_register(state *s, fuzz_reader *r)
         if (s->handles[i].model == NULL) {
             s->handles[i].model = m;
             s->handles[i].worker = wi;
-            s->writes[i] = cs_model_write_count(m);
+            s->writes[i] = cs_model_version(m);
             return;
         }
     }
@@ -264,7 +264,7 @@ op_census(state *s, fuzz_reader *r)
     for (int i = 0; i < MAX_HANDLES; i++) {
         if (s->handles[i].model != NULL) {
             cs_model_read(s->handles[i].model, &before[i]);
-            s->writes[i] = cs_model_write_count(s->handles[i].model);
+            s->writes[i] = cs_model_version(s->handles[i].model);
         }
     }
     size_t applied = 99, bad = 99;
@@ -291,7 +291,7 @@ op_census(state *s, fuzz_reader *r)
         cs_model_read(m, &after);
         if (st != CS_OK || cs_model_worker(m) != w) {
             /* All or nothing; and other workers are untouched. */
-            FUZZ_CHECK(cs_model_write_count(m) == s->writes[i]);
+            FUZZ_CHECK(cs_model_version(m) == s->writes[i]);
             FUZZ_CHECK(after.loaded == before[i].loaded &&
                        after.seq == before[i].seq);
         }
@@ -316,7 +316,7 @@ op_model_census(state *s, fuzz_reader *r)
     uint64_t resident = fuzz_value(r);
     cs_receipt before, after;
     cs_model_read(m, &before);
-    uint64_t writes = cs_model_write_count(m);
+    uint64_t writes = cs_model_version(m);
     bool applied = true;
     cs_status st = cs_model_apply_census(m, has_seq, seq, resident,
                                          &applied);
@@ -328,7 +328,7 @@ op_model_census(state *s, fuzz_reader *r)
         FUZZ_CHECK(st == CS_OK);
     }
     if (!applied) {
-        FUZZ_CHECK(cs_model_write_count(m) == writes);
+        FUZZ_CHECK(cs_model_version(m) == writes);
     }
     else {
         FUZZ_CHECK(!cs_model_stale(m));
@@ -361,7 +361,7 @@ op_echo(state *s, fuzz_reader *r)
     int in_flight = (int)(how >> 4) % 3 - 1;
     cs_receipt before, after;
     cs_model_read(m, &before);
-    uint64_t writes = cs_model_write_count(m);
+    uint64_t writes = cs_model_version(m);
     bool stale = cs_model_stale(m);
     cs_status st = cs_model_apply_echo(m, loaded, seq, source, unmapped,
                                        in_flight);
@@ -387,7 +387,7 @@ op_echo(state *s, fuzz_reader *r)
         }
     }
     if (st != CS_OK) {
-        FUZZ_CHECK(cs_model_write_count(m) == writes);
+        FUZZ_CHECK(cs_model_version(m) == writes);
         FUZZ_CHECK(after.loaded == before.loaded);
     }
 }
