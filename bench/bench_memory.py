@@ -37,7 +37,6 @@ import argparse
 import gc
 import json
 import os
-import re
 import subprocess
 import sys
 import tracemalloc
@@ -51,9 +50,6 @@ import benchutil  # noqa: E402
 
 METHODS = ("tracemalloc", "rss")
 ALONE_GOAL = 200  # bytes per stand-in, all on one worker (issue 26)
-RESULTS_PATH = Path(__file__).resolve().parent / "RESULTS.md"
-BEGIN_MARKER = "<!-- memory:begin -->"
-END_MARKER = "<!-- memory:end -->"
 HEADING = "## memory per stand-in"
 
 
@@ -188,8 +184,6 @@ def format_table(
 def format_section(tables: list[str], missing: str | None, cmd: str,
                    load: str = "") -> str:
     lines = [
-        BEGIN_MARKER,
-        "",
         f"`{cmd}` on {os.uname().machine}"
         f"{'; ' + load if load else ''}: each figure "
         "from a fresh interpreter per "
@@ -205,21 +199,7 @@ def format_section(tables: list[str], missing: str | None, cmd: str,
         lines += [table, ""]
     if missing:
         lines += [f"comfy-env not measured: {missing}", ""]
-    lines.append(END_MARKER)
     return "\n".join(lines)
-
-
-def write_section(path: Path, section: str) -> None:
-    """Replace our section between the markers, or append it."""
-    text = path.read_text() if path.exists() else "# Benchmark results\n"
-    pattern = re.compile(
-        re.escape(BEGIN_MARKER) + r".*?" + re.escape(END_MARKER), re.DOTALL
-    )
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section, text, count=1)
-    else:
-        text = f"{text.rstrip()}\n\n{HEADING}\n\n{section}\n"
-    path.write_text(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -261,9 +241,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"comfy-env absent: {missing}")
     if args.write:
         cmd = benchutil.command("bench/bench_memory.py", argv)
-        write_section(RESULTS_PATH,
-                      format_section(tables, missing, cmd, load))
-        print(f"wrote {RESULTS_PATH}")
+        benchutil.write_section("memory", HEADING,
+                                format_section(tables, missing, cmd, load),
+                                "bench/bench_memory.py")
     return 0
 
 

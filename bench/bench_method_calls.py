@@ -30,7 +30,7 @@ Run from the repository root::
 ``--pythons`` runs the measurement under each interpreter given (each
 with comfy_standin installed, e.g. a virtual environment's ``python``)
 and prints one table; ``--write`` also rewrites the section of
-bench/RESULTS.md between its markers.
+bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -47,9 +47,10 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-RESULTS_PATH = HERE / "RESULTS.md"
-BEGIN_MARKER = "<!-- method-calls:begin -->"
-END_MARKER = "<!-- method-calls:end -->"
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+import benchutil  # noqa: E402
+
 HEADING = "## method calls"
 
 #: (row, loop, target): the floor and the built-in first, then the
@@ -374,7 +375,6 @@ def run_children(pythons: list[str], rounds: int, per_round: int,
 def format_section(results: list[dict[str, Any]], command: str) -> str:
     first = results[0]
     return "\n".join([
-        BEGIN_MARKER,
         f"Command: `{command}` (each path a virtual environment's python "
         "with comfy_standin installed).  Each Python in "
         f"{first['processes']} processes of it, {first['rounds']} rounds in "
@@ -396,19 +396,7 @@ def format_section(results: list[dict[str, Any]], command: str) -> str:
         format_table(results),
         "",
         verdict(results),
-        END_MARKER,
     ])
-
-
-def write_section(section: str) -> None:
-    text = RESULTS_PATH.read_text()
-    if BEGIN_MARKER in text:
-        head, rest = text.split(BEGIN_MARKER, 1)
-        _, tail = rest.split(END_MARKER, 1)
-        text = head + section + tail
-    else:
-        text = text.rstrip("\n") + f"\n\n{HEADING}\n\n{section}\n"
-    RESULTS_PATH.write_text(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -435,7 +423,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.processes != 8:
             command += f" --processes {args.processes}"
         command += " --write"
-        write_section(format_section(results, command))
+        benchutil.write_section("method-calls", HEADING,
+                                format_section(results, command),
+                                "bench/bench_method_calls.py")
     return 0
 
 

@@ -31,7 +31,6 @@ import inspect
 import json
 import os
 import platform
-import re
 import subprocess
 import sys
 import threading
@@ -44,13 +43,10 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-RESULTS_PATH = HERE / "RESULTS.md"
-BEGIN_MARKER = "<!-- standin:begin -->"
-END_MARKER = "<!-- standin:end -->"
-# The heading stays outside the markers: the probe and board benches cut
-# their own sections from their "## " heading to the next one, so a
-# heading of ours ahead of the begin marker keeps the marker out of
-# their cut.
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+import benchutil  # noqa: E402
+
 HEADING = "## stand-in"
 
 IMPLS = ("c", "reference", "comfy-env")
@@ -1002,7 +998,6 @@ def format_section(results: Results, command: str) -> str:
             f"C type and the reference are compared."
         )
     parts = [
-        BEGIN_MARKER,
         (
             f"Command: `{command}` (took {results.seconds:.0f} s). "
             "Every figure is a cost, so every ratio is *times the C cost* "
@@ -1037,25 +1032,8 @@ def format_section(results: Results, command: str) -> str:
         ),
         "",
         *[f"- {note}" for note in results.thread_notes],
-        "",
-        END_MARKER,
     ]
     return "\n".join(parts)
-
-
-def write_section(path: Path, section: str) -> None:
-    """Replace the text between our markers in ``path`` (markers included),
-    keeping every other section; when the markers are absent, append our
-    heading and the section; create the file when it does not exist."""
-    text = path.read_text() if path.exists() else "# Benchmark results\n"
-    pattern = re.compile(
-        re.escape(BEGIN_MARKER) + r".*?" + re.escape(END_MARKER), re.DOTALL
-    )
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section, text, count=1)
-    else:
-        text = f"{text.rstrip()}\n\n{HEADING}\n\n{section}\n"
-    path.write_text(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1067,7 +1045,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--write",
         action="store_true",
-        help=f"rewrite our section of {RESULTS_PATH.name}",
+        help="rewrite our section of bench/RESULTS.md",
     )
     parser.add_argument(
         "--smoke",
@@ -1085,8 +1063,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"({results.seconds:.1f} s)")
     if args.write:
         command = "python bench/bench_standin.py " + " ".join(argv)
-        write_section(RESULTS_PATH, format_section(results, command.strip()))
-        print(f"wrote {RESULTS_PATH}")
+        benchutil.write_section("standin", HEADING,
+                                format_section(results, command.strip()),
+                                "bench/bench_standin.py")
     return 0
 
 

@@ -346,6 +346,12 @@ SUBCOMMANDS = ["demo", "status", "probe", "selfcheck"]
 MARK = "COMFY_STANDIN_TEST_RUN"
 
 
+def mark(value: str) -> str:
+    """MARK's value for `value` in this test run: another run on the
+    machine (another CI lane) marks its demos apart."""
+    return f"{value}-{os.getpid()}"
+
+
 def console_script() -> str:
     """The ``comfy-standin`` entry point installed next to this Python
     (pip installs it with the package; its absence is a failure)."""
@@ -410,7 +416,7 @@ def test_a_closed_pipe_ends_quietly(argv):
         result = subprocess.run(
             [sys.executable, "-m", "comfy_standin", *argv],
             stdout=write_end, stderr=subprocess.PIPE, text=True,
-            timeout=TIMEOUT, env={**os.environ, MARK: "pipe"},
+            timeout=TIMEOUT, env={**os.environ, MARK: mark("pipe")},
         )
     finally:
         os.close(write_end)
@@ -418,7 +424,7 @@ def test_a_closed_pipe_ends_quietly(argv):
     # 0: for the demo that includes its own check that none of its board
     # segments is left in /dev/shm.
     assert result.returncode == 0
-    assert marked_processes("pipe") == []
+    assert marked_processes(mark("pipe")) == []
 
 
 def marked_processes(value: str) -> list[int]:
@@ -480,7 +486,7 @@ DELAYS = [0.0, 0.005, 0.01, 0.02, 0.04, 0.05, 0.06, 0.1, 0.2]
 
 @pytest.mark.parametrize("delay", DELAYS)
 def test_sigterm_cleans_up_and_exits_143(delay):
-    tag = f"term-{delay}"
+    tag = mark(f"term-{delay}")
     code, out, err, left = interrupt_demo(signal.SIGTERM, delay, tag,
                                           group=False)
     if code in (0, -signal.SIGTERM):
@@ -528,7 +534,7 @@ def test_a_demo_worker_whose_host_is_gone_exits_quietly(gone):
 
 @pytest.mark.parametrize("delay", [0.0, 0.02, 0.05])
 def test_ctrl_c_cleans_up_and_exits_130(delay):
-    tag = f"int-{delay}"
+    tag = mark(f"int-{delay}")
     code, out, err, left = interrupt_demo(signal.SIGINT, delay, tag,
                                           group=True)
     if code in (0, -signal.SIGINT):  # finished first (see above)
