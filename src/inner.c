@@ -115,12 +115,12 @@ board_read(ModuleObject *m, cs_board_link *board, cs_receipt *out)
 
 /* Bumped by Ledger.reread_boards() (the pool, where ComfyUI decides: its
  * boundary and relist) and in a fork() child. */
-static _Atomic uint64_t board_epoch;
+_Atomic uint64_t cs_board_epoch;
 
 void
 cs_standin_reread_boards(void)
 {
-    atomic_fetch_add_explicit(&board_epoch, 1, memory_order_release);
+    atomic_fetch_add_explicit(&cs_board_epoch, 1, memory_order_release);
 }
 
 static void
@@ -151,7 +151,7 @@ board_look(const cs_board_link *board, cs_board *handle,
     out->heartbeat = board_word(board->heartbeat_word);
     out->owner = board_word(board->owner_word);
     out->changes = board_word(board->changes_word);
-    out->epoch = atomic_load_explicit(&board_epoch, memory_order_acquire);
+    out->epoch = atomic_load_explicit(&cs_board_epoch, memory_order_acquire);
 }
 
 static bool

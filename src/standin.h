@@ -20,9 +20,11 @@
 #define COMFY_STANDIN_STANDIN_H
 
 #include "binding.h"
+#include "board_binding.h"
 
 #include "comfy_standin/ledger.h"
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -60,6 +62,33 @@ typedef struct {
     bool decided;
     uint64_t answered; /* the figure the stand-in's `answer` is */
 } cs_board_link;
+
+#ifdef __linux__
+/* Moved by cs_standin_reread_boards (inner.c). */
+extern _Atomic uint64_t cs_board_epoch;
+
+/* True while `board`'s kept verdict holds: nothing it was decided from
+ * moved but the clock (inner.c, board_decide).  The handle first: the
+ * words are in a mapping a closed Board no longer has.  No call. */
+static inline bool
+cs_board_verdict_holds(const cs_board_link *board, const cs_model *record)
+{
+    return board->decided &&
+           cs_board_object_handle(board->object) == board->handle &&
+           cs_model_version(record) == board->seen.version &&
+           atomic_load_explicit(board->seq_word, memory_order_acquire) ==
+               board->seen.seq &&
+           atomic_load_explicit(board->heartbeat_word,
+                                memory_order_acquire) ==
+               board->seen.heartbeat &&
+           atomic_load_explicit(board->owner_word, memory_order_acquire) ==
+               board->seen.owner &&
+           atomic_load_explicit(board->changes_word, memory_order_acquire) ==
+               board->seen.changes &&
+           atomic_load_explicit(&cs_board_epoch, memory_order_acquire) ==
+               board->seen.epoch;
+}
+#endif
 
 typedef struct {
     PyObject_HEAD

@@ -246,6 +246,28 @@ def test_a_reused_slot_never_reads_as_the_old_model(impl, pool, boards):
     assert a.receipt()[3] == "load echo"
 
 
+def test_the_hosts_view_changing_is_read_at_once(impl, pool, boards):
+    """What the host decides of a board between two reads (the owner it
+    expects, the owner marked gone) counts at the very next read, with no
+    boundary between: the C type keeps a verdict only while nothing it was
+    decided from moved (cs_board_changes)."""
+    board, worker_side = boards(1)
+    s = make(impl, pool, size=4 * GIB)
+    slot = s.attach_board(board)
+    worker_side.bind(slot, board.tag(slot))
+    impl.apply_echo(s, 1 * GIB, seq=1)
+    worker_side.publish(slot, 3 * GIB)
+    board.expected_owner = os.getpid()  # the worker side is this process
+    assert s.loaded_size() == s.loaded_size() == 3 * GIB
+    board.expected_owner = os.getpid() + 1  # not the header's owner
+    assert s.loaded_size() == 1 * GIB
+    board.expected_owner = os.getpid()
+    assert s.loaded_size() == 3 * GIB
+    board.worker_gone()
+    assert s.loaded_size() == 1 * GIB
+    assert s.receipt()[3] == "load echo"
+
+
 SIZE = 10_000
 
 
