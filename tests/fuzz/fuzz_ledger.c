@@ -135,7 +135,7 @@ check_charge(state *s, int wi)
 {
     cs_worker *w = s->workers[wi];
     cs_charge c;
-    cs_worker_charge(w, s->floor, &c);
+    cs_worker_charge(w, s->floor, NULL, 0, &c);
     if (!cs_worker_alive(w)) {
         FUZZ_CHECK(c.charge == 0 && c.models == 0 && !c.alive);
         return;
@@ -167,12 +167,14 @@ check_charge(state *s, int wi)
     FUZZ_CHECK(c.sum_loaded <= c.sum_sizes);
     FUZZ_CHECK(c.sum_peak <= c.sum_sizes);
     FUZZ_CHECK(c.in_flight == cs_worker_in_flight(w));
+    /* The reading counts the CUDA context, which the floor is. */
+    uint64_t beyond = c.reading > s->floor ? c.reading - s->floor : 0;
     uint64_t body = c.in_flight > 0
                         ? c.sum_sizes
                         : max2(max2(c.sum_loaded, c.sum_peak),
-                               max2(c.held, c.reading));
+                               max2(c.held, beyond));
     FUZZ_CHECK(c.charge == sat_add(body, s->floor));
-    FUZZ_CHECK(c.held_from_reading == (c.reading > c.held));
+    FUZZ_CHECK(c.held_from_reading == (beyond > c.held));
 }
 
 static void
@@ -484,7 +486,7 @@ op_reserve(state *s, fuzz_reader *r)
     uint64_t base = fuzz_value(r) >> 2;
     uint64_t total = fuzz_value(r);
     bool local = (fuzz_u8(r) & 1) != 0;
-    uint64_t v = cs_ledger_reserve(s->ledger, base, total, local);
+    uint64_t v = cs_ledger_reserve(s->ledger, base, total, local, NULL, 0);
     if (!local) {
         FUZZ_CHECK(v == base);
         return;
@@ -496,7 +498,8 @@ op_reserve(state *s, fuzz_reader *r)
     }
     if (total == 0) {
         /* No cap: at least what every live worker costs. */
-        FUZZ_CHECK(v >= sat_add(base, cs_ledger_total_charge(s->ledger)));
+        FUZZ_CHECK(v >= sat_add(base,
+                                cs_ledger_total_charge(s->ledger, NULL, 0)));
     }
 }
 
