@@ -963,14 +963,6 @@ def machine() -> list[str]:
         if hasattr(os, "sched_getaffinity")
         else os.cpu_count()
     )
-    commit = "unknown"
-    with contextlib.suppress(Exception):
-        commit = subprocess.run(
-            ["git", "-C", str(HERE), "describe", "--always", "--dirty"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
     return [
         f"- CPU: {cpu}; nproc: {nproc}",
         (
@@ -979,7 +971,6 @@ def machine() -> list[str]:
             f"GIL {'off' if _gil_disabled() else 'on'}); "
             f"switch interval {sys.getswitchinterval() * 1e3:g} ms"
         ),
-        f"- comfy-standin commit: {commit}",
     ]
 
 
