@@ -302,6 +302,9 @@ def stale(reliability_block: str, tests: int) -> list[str]:
             f"{STALE_TESTS:.0%} apart): {remedy}")
     if git("rev-parse", "--git-dir") is None:
         return problems  # not a checkout (an unpacked sdist)
+    if git("rev-parse", "--is-shallow-repository") == "true" and \
+            git("cat-file", "-e", f"{commit}^{{commit}}") is None:
+        return problems  # a shallow clone that stops before the commit
     if commit == "unknown" or git("merge-base", "--is-ancestor", commit,
                                   "HEAD") is None:
         problems.append(f"the suite time was measured at commit "
