@@ -124,6 +124,16 @@ def launch(mm, monkeypatch, tmp_path, pack_envs):
 LAUNCHERS = ("direct", "pixi-close", "pixi-keep")
 
 
+def _publishing(host: Host) -> dict:
+    """The worker's publisher state, failing with why when it publishes
+    nothing (its refusal, or the host's log lines of this test)."""
+    (state,) = host.call("publisher_state")
+    assert isinstance(state, dict) and "library" in state, (
+        f"the worker publishes no board: {state!r}; the host logged: "
+        f"{sorted(adapter._warned)!r}")
+    return state
+
+
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 @pytest.mark.parametrize("minor", _chosen_pythons())
 def test_another_python_with_nothing_installed_publishes(launch, minor,
@@ -143,7 +153,7 @@ def test_another_python_with_nothing_installed_publishes(launch, minor,
     assert about["imported_from_private"] == ["_comfy_standin_publisher"]
     assert not about["handoff_in_environ"]
     assert not [t for t in about["fds"].values() if t and "csb-" in t]
-    (state,) = host.call("publisher_state")
+    state = _publishing(host)
     assert state["library"] == adapter._board_library()
     assert sorted(state["hooks"]) == ["bump", "load", "reply",
                                      "request_vram_budget"]
@@ -373,7 +383,7 @@ def test_back_to_back_loads_read_right_at_the_vram_request(launch,
     assert s.loaded_size() == 0  # the census at the call's end said so
     host.call("reload_and_request", model_id="unet-r", other_size=MiB)
     assert seen == [(8 * MiB, "board")], seen
-    (state,) = host.call("publisher_state")
+    state = _publishing(host)
     assert state["synced"].get("request_vram_budget") == 1
     assert state["synced"].get("load") == 1
 
