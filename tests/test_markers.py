@@ -17,6 +17,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 #: A pytest plugin (``-p no_comfy_env``) that hides comfy-env: its import
@@ -115,7 +117,7 @@ def test_without_comfy_env_every_test_file_collects(tmp_path):
         "tests/test_node_install.py", "tests/test_comfy_env_reach.py",
         "tests/test_comfy_env_readings.py",
         "tests/test_pack_env_board.py", "tests/test_edges.py",
-        "tests/test_comfyui_server.py",
+        "tests/test_comfyui_server.py", "tests/test_markers.py",
         "tests/test_bench_regret_smoke.py", "tests/test_bench_edges_smoke.py",
         "tests/test_shutdown.py",
     }
@@ -162,6 +164,7 @@ def test_every_marker_is_registered_with_what_it_needs(pytestconfig):
         re.M)
 
 
+@pytest.mark.comfy_env  # without comfy-env they fail saying so first
 def test_a_comfyui_test_fails_when_no_tree_is_named():
     """The tests against ComfyUI itself, asked for with no ComfyUI tree
     named: each fails saying what to set, none is skipped."""
