@@ -23,7 +23,6 @@ typedef struct {
     PyTypeObject *books_type;
     PyTypeObject *record_type;   /* ModelRecord */
     PyTypeObject *standin_type;
-    PyTypeObject *module_type;   /* the inner StandInModule */
     PyTypeObject *sentinel_type; /* clone_base_uuid sentinels */
     PyTypeObject *board_type;
     /* Exceptions. */

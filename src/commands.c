@@ -894,7 +894,7 @@ cs_standin_detach(StandInObject *self, PyObject *const *args,
     cs_caught caught;
     /* Never raises an Exception (runs inside free_memory); its arguments
      * (unpatch_all, unpatch_weights) mean nothing for a worker-held model
-     * and are ignored, whatever they are.  Returns the inner module. */
+     * and are ignored, whatever they are.  Returns `model`: itself. */
     if (cs_standin_worker(self) == NULL) {
         Py_RETURN_NONE; /* GC-cleared */
     }
@@ -916,15 +916,10 @@ cs_standin_detach(StandInObject *self, PyObject *const *args,
             return NULL;
         }
     }
-    PyObject *module = cs_standin_module_get(self);
-    if (module == NULL) {
-        if (cs_catch(&caught) < 0) {
-            return NULL;
-        }
-        cs_caught_release(&caught); /* None, as if cleared */
-        Py_RETURN_NONE;
+    if (cs_standin_worker(self) == NULL) {
+        Py_RETURN_NONE; /* cleared meanwhile */
     }
-    return module;
+    return Py_NewRef(self); /* its own inner module */
 }
 
 /* The pool says the worker's process died (Pool.worker_gone, also after

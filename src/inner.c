@@ -1,16 +1,15 @@
 /*
- * inner.c -- what a stand-in holds for ComfyUI's reads beside itself: its
- * inner module (`model.model`, weak-referenceable, the device ComfyUI
- * assigns), its clone_base_uuid sentinel, and the residency board the
- * module reads (docs/board.md).  Both are made on a stand-in's first use of
- * them (standin.c); standin.h has their layouts.
+ * inner.c -- what a stand-in answers as its own inner module
+ * (`model.model` is the stand-in): the device ComfyUI assigns, the
+ * residency board it reads (docs/board.md), and its clone_base_uuid
+ * sentinel.  They live in the stand-in's `extra`, made on first need;
+ * standin.h has the layouts.
  */
 #include "standin.h"
 
 #include "board_binding.h"
 
 #include <stdatomic.h>
-#include <structmember.h>
 #ifdef __linux__
 #include <pthread.h>
 #endif
@@ -87,22 +86,20 @@ static PyType_Spec sentinel_spec = {
     .slots = sentinel_slots,
 };
 
-/* ---- the inner module ------------------------------------------------- */
-
-/* ---- the board an inner module reads ----------------------------------- */
+/* ---- the board a stand-in reads ----------------------------------------- */
 
 /* The full read: the receipt, or the board's reading when it is valid and
  * newer than the receipt (docs/board.md).  Never blocks: the board read is
  * wait-free with bounded retries, and an untrustworthy board (closed, a
  * slot reassigned since, torn, dead or stale owner) leaves the receipt. */
 static void
-board_read(ModuleObject *m, cs_board_link *board, cs_receipt *out)
+board_read(const cs_model *record, cs_board_link *board, cs_receipt *out)
 {
     uint64_t loaded, updated_ns;
-    cs_model_read(m->record, out);
-    if (!cs_model_stale(m->record) &&
+    cs_model_read(record, out);
+    if (!cs_model_stale(record) &&
         cs_board_object_read(board->object, board->slot, board->tag,
-                             cs_model_size(m->record), &loaded,
+                             cs_model_size(record), &loaded,
                              &updated_ns) &&
         updated_ns > out->time_ns) {
         out->loaded = loaded;
@@ -168,17 +165,18 @@ board_seen_same(const cs_board_seen *a, const cs_board_seen *b)
  * else the full read, kept; in `scratch` when none is kept (a closed
  * board).  Runs no Python. */
 static const cs_receipt *
-board_decide(ModuleObject *m, cs_board_link *board, cs_receipt *scratch)
+board_decide(const cs_model *record, cs_board_link *board,
+             cs_receipt *scratch)
 {
     cs_board *handle = cs_board_object_handle(board->object);
     if (handle == NULL || handle != board->handle) {
-        board_read(m, board, scratch);
+        board_read(record, board, scratch);
         return scratch;
     }
     cs_board_seen now;
-    board_look(board, handle, m->record, &now);
+    board_look(board, handle, record, &now);
     if (!board->decided || !board_seen_same(&now, &board->seen)) {
-        board_read(m, board, &board->verdict);
+        board_read(record, board, &board->verdict);
         board->seen = now;
         board->decided = true;
     }
@@ -211,9 +209,10 @@ cs_standin_reread_boards(void)
 }
 
 static const cs_receipt *
-board_decide(ModuleObject *m, cs_board_link *board, cs_receipt *scratch)
+board_decide(const cs_model *record, cs_board_link *board,
+             cs_receipt *scratch)
 {
-    board_read(m, board, scratch);
+    board_read(record, board, scratch);
     return scratch;
 }
 
@@ -225,24 +224,73 @@ board_closed(const cs_board_link *board)
 
 #endif
 
-/* What the host knows of the model's residency: the receipt, or the
- * board's verdict when a board is attached.  Fills *out when given; its
- * source is "board" when the board won.  Runs no Python. */
+/* ---- what the stand-in keeps for them ---------------------------------- */
+
+/* The stand-in's extra, made if need be: NULL with MemoryError.  Runs no
+ * Python. */
+static cs_standin_extra *
+extra_get(StandInObject *self)
+{
+    if (self->extra == NULL) {
+        self->extra = PyMem_Calloc(1, sizeof(cs_standin_extra));
+        if (self->extra == NULL) {
+            PyErr_NoMemory();
+        }
+    }
+    return self->extra;
+}
+
+int
+cs_standin_extra_traverse(StandInObject *self, visitproc visit, void *arg)
+{
+    cs_standin_extra *extra = self->extra;
+    if (extra != NULL) {
+        Py_VISIT(extra->device_assigned);
+        if (extra->board != NULL) {
+            Py_VISIT(extra->board->object);
+        }
+        Py_VISIT(extra->sentinel);
+    }
+    return 0;
+}
+
+void
+cs_standin_extra_clear(StandInObject *self)
+{
+    cs_standin_extra *extra = self->extra;
+    if (extra != NULL) {
+        self->extra = NULL; /* first: the decrefs may run Python */
+        self->reads_board = 0;
+        cs_board_link *board = extra->board;
+        PyObject *device = extra->device_assigned;
+        PyObject *sentinel = extra->sentinel;
+        PyMem_Free(extra);
+        if (board != NULL) {
+            PyObject *object = board->object;
+            PyMem_Free(board);
+            Py_DECREF(object);
+        }
+        Py_XDECREF(device);
+        Py_XDECREF(sentinel);
+    }
+}
+
 uint64_t
-cs_module_read(ModuleObject *m, cs_receipt *out)
+cs_standin_read(StandInObject *self, cs_receipt *out)
 {
     cs_receipt local;
-    if (m->board == NULL && out == NULL) {
-        return cs_model_loaded(m->record);
+    cs_board_link *board = cs_standin_board(self);
+    if (board == NULL && out == NULL) {
+        return cs_model_loaded(self->record);
     }
     if (out == NULL) {
         out = &local;
     }
-    if (m->board == NULL) {
-        cs_model_read(m->record, out);
+    if (board == NULL) {
+        cs_model_read(self->record, out);
     }
     else {
-        const cs_receipt *verdict = board_decide(m, m->board, out);
+        const cs_receipt *verdict = board_decide(self->record, board, out);
         if (verdict != out) {
             *out = *verdict;
         }
@@ -251,19 +299,20 @@ cs_module_read(ModuleObject *m, cs_receipt *out)
 }
 
 bool
-cs_module_board_figure(ModuleObject *m, uint64_t *figure)
+cs_standin_board_figure(StandInObject *self, uint64_t *figure)
 {
     cs_receipt scratch;
-    if (m->board == NULL || board_closed(m->board)) {
+    cs_board_link *board = cs_standin_board(self);
+    if (board == NULL || board_closed(board)) {
         return false;
     }
-    *figure = board_decide(m, m->board, &scratch)->loaded;
+    *figure = board_decide(self->record, board, &scratch)->loaded;
     return true;
 }
 
 int
-cs_module_set_board(ModuleObject *m, PyObject *board_obj, uint32_t slot,
-                    uint64_t tag)
+cs_standin_set_board(StandInObject *self, PyObject *board_obj,
+                     uint32_t slot, uint64_t tag)
 {
 #ifdef __linux__
     cs_board *handle = cs_board_object_handle(board_obj);
@@ -273,6 +322,10 @@ cs_module_set_board(ModuleObject *m, PyObject *board_obj, uint32_t slot,
         return -1;
     }
 #endif
+    cs_standin_extra *extra = extra_get(self);
+    if (extra == NULL) {
+        return -1;
+    }
     cs_board_link *board = PyMem_Calloc(1, sizeof(cs_board_link));
     if (board == NULL) {
         PyErr_NoMemory();
@@ -285,8 +338,8 @@ cs_module_set_board(ModuleObject *m, PyObject *board_obj, uint32_t slot,
 #ifdef __linux__
     board_link_words(board, handle);
 #endif
-    cs_board_link *old = m->board;
-    m->board = board;
+    cs_board_link *old = extra->board;
+    extra->board = board;
     if (old != NULL) {
         PyObject *object = old->object;
         PyMem_Free(old);
@@ -295,102 +348,65 @@ cs_module_set_board(ModuleObject *m, PyObject *board_obj, uint32_t slot,
     return 0;
 }
 
-static uint64_t
-module_loaded(ModuleObject *m)
-{
-    return cs_module_read(m, NULL);
-}
-
-PyObject *
-cs_module_device(ModuleObject *m)
-{
-    /* An assignment holds until the next receipt; then the receipt rules. */
-    if (m->device_assigned != NULL &&
-        cs_model_version(m->record) == m->device_assigned_at) {
-        return Py_NewRef(m->device_assigned);
-    }
-    PyObject *device = module_loaded(m) > 0 ? m->load_device
-                                            : m->offload_device;
-    return Py_NewRef(device != NULL ? device : Py_None); /* (GC cleared) */
-}
-
 void
-cs_module_drop_board(ModuleObject *m)
+cs_standin_drop_board(StandInObject *self)
 {
-    cs_board_link *board = m->board;
+    cs_board_link *board = cs_standin_board(self);
     if (board != NULL) {
         PyObject *object = board->object;
-        m->board = NULL;
+        self->extra->board = NULL;
         PyMem_Free(board);
         Py_DECREF(object);
     }
 }
 
-static int
-module_traverse(ModuleObject *self, visitproc visit, void *arg)
+/* ---- device and model_loaded_weight_memory ---------------------------- */
+
+PyObject *
+cs_standin_device(StandInObject *self)
 {
-    Py_VISIT(Py_TYPE(self));
-    Py_VISIT(self->load_device);
-    Py_VISIT(self->offload_device);
-    Py_VISIT(self->device_assigned);
-    if (self->board != NULL) {
-        Py_VISIT(self->board->object);
+    /* An assignment holds until the next receipt; then the receipt rules. */
+    cs_standin_extra *extra = self->extra;
+    if (extra != NULL && extra->device_assigned != NULL &&
+        cs_model_version(self->record) == extra->device_assigned_at) {
+        return Py_NewRef(extra->device_assigned);
     }
-    Py_VISIT(self->sentinel);
-    return 0;
+    PyObject *device = cs_profile_item(self, cs_standin_read(self, NULL) > 0
+                                                 ? PROFILE_LOAD
+                                                 : PROFILE_OFFLOAD);
+    return Py_NewRef(device != NULL ? device : Py_None); /* (GC cleared) */
 }
 
-static int
-module_clear(ModuleObject *self)
+PyObject *
+cs_inner_get_device(StandInObject *self, void *closure)
 {
-    Py_CLEAR(self->load_device);
-    Py_CLEAR(self->offload_device);
-    Py_CLEAR(self->device_assigned);
-    cs_module_drop_board(self);
-    Py_CLEAR(self->sentinel);
-    return 0;
+    return cs_standin_device(self);
 }
 
-static void
-module_dealloc(ModuleObject *self)
-{
-    PyTypeObject *tp = Py_TYPE(self);
-    PyObject_GC_UnTrack(self);
-    if (self->weakreflist != NULL) {
-        PyObject_ClearWeakRefs((PyObject *)self);
-    }
-    module_clear(self);
-    cs_model_decref(self->record);
-    tp->tp_free(self);
-    Py_DECREF(tp);
-}
-
-static PyObject *
-module_get_device(ModuleObject *self, void *closure)
-{
-    return cs_module_device(self);
-}
-
-static int
-module_set_device(ModuleObject *self, PyObject *value, void *closure)
+int
+cs_inner_set_device(StandInObject *self, PyObject *value, void *closure)
 {
     if (value == NULL) {
         PyErr_SetString(PyExc_AttributeError, "device cannot be deleted");
         return -1;
     }
-    Py_XSETREF(self->device_assigned, Py_NewRef(value));
-    self->device_assigned_at = cs_model_version(self->record);
+    cs_standin_extra *extra = extra_get(self);
+    if (extra == NULL) {
+        return -1;
+    }
+    Py_XSETREF(extra->device_assigned, Py_NewRef(value));
+    extra->device_assigned_at = cs_model_version(self->record);
     return 0;
 }
 
-static PyObject *
-module_get_loaded(ModuleObject *self, void *closure)
+PyObject *
+cs_inner_get_loaded(StandInObject *self, void *closure)
 {
-    return PyLong_FromUnsignedLongLong(module_loaded(self));
+    return PyLong_FromUnsignedLongLong(cs_standin_read(self, NULL));
 }
 
-static int
-module_set_loaded(ModuleObject *self, PyObject *value, void *closure)
+int
+cs_inner_set_loaded(StandInObject *self, PyObject *value, void *closure)
 {
     uint64_t loaded;
     uint64_t size = cs_model_size(self->record);
@@ -411,164 +427,50 @@ module_set_loaded(ModuleObject *self, PyObject *value, void *closure)
     return 0;
 }
 
-static PyObject *
-module_get_false(PyObject *self, void *closure)
-{
-    Py_RETURN_FALSE;
-}
+/* ---- the sentinel ------------------------------------------------------- */
 
-static PyObject *
-module_get_zero(PyObject *self, void *closure)
-{
-    return PyLong_FromLong(0);
-}
-
-static PyObject *
-module_get_none(PyObject *self, void *closure)
-{
-    Py_RETURN_NONE;
-}
-
-static PyGetSetDef module_getset[] = {
-    {"device", (getter)module_get_device, (setter)module_set_device,
-     "load_device while loaded > 0, else offload_device; an assignment "
-     "holds until the next receipt.",
-     NULL},
-    {"model_loaded_weight_memory", (getter)module_get_loaded,
-     (setter)module_set_loaded,
-     "The receipt's loaded bytes; assigning writes a receipt (\"assigned\").",
-     NULL},
-    {"model_lowvram", module_get_false, NULL, "Always False.", NULL},
-    {"lowvram_patch_counter", module_get_zero, NULL, "Always 0.", NULL},
-    {"current_weight_patches_uuid", module_get_none, NULL, "Always None.",
-     NULL},
-    {"model_offload_buffer_memory", module_get_zero, NULL, "Always 0.", NULL},
-    {NULL},
-};
-
-static PyMethodDef module_methods[] = {
-    {"__reduce_ex__", cs_refuse_pickle, METH_O,
-     "__reduce_ex__($self, protocol, /)\n--\n\nRaises TypeError."},
-    {NULL},
-};
-
-static PyMemberDef module_members[] = {
-    {"__weaklistoffset__", T_PYSSIZET, offsetof(ModuleObject, weakreflist),
-     READONLY},
-    {NULL},
-};
-
-static PyObject *
-module_repr(ModuleObject *self)
-{
-    size_t len;
-    const char *id = cs_model_id(self->record, &len);
-    return PyUnicode_FromFormat("<StandInModule of model '%.200s': %llu "
-                                "bytes loaded>",
-                                id, (unsigned long long)module_loaded(self));
-}
-
-static PyType_Slot module_slots[] = {
-    {Py_tp_doc, "The inner module of a stand-in (what ComfyUI calls "
-                "`model.model`): holds no weights, weak-referenceable."},
-    {Py_tp_traverse, module_traverse},
-    {Py_tp_clear, module_clear},
-    {Py_tp_dealloc, module_dealloc},
-    {Py_tp_getset, module_getset},
-    {Py_tp_members, module_members},
-    {Py_tp_methods, module_methods},
-    {Py_tp_repr, module_repr},
-    {0, NULL},
-};
-
-/* Immutable once its __getattr__ is set (make_type). */
-static PyType_Spec module_spec = {
-    .name = "comfy_standin._core.StandInModule",
-    .basicsize = sizeof(ModuleObject),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC |
-             Py_TPFLAGS_DISALLOW_INSTANTIATION,
-    .slots = module_slots,
-};
-
-/* The module, made on first use; a new reference.  None for a GC-cleared
- * stand-in, NULL with an exception on failure.  Allocation
- * may run the collector, which may run Python that makes the module
- * first or clears this stand-in: whoever made it first wins. */
-PyObject *
-cs_standin_module_get(StandInObject *self)
-{
-    if (self->module != NULL) {
-        return Py_NewRef(self->module);
-    }
-    if (cs_standin_worker(self) == NULL) {
-        Py_RETURN_NONE;
-    }
-    cs_module_state *state = cs_state_checked(Py_TYPE(self));
-    ModuleObject *m = state == NULL ? NULL
-                                    : PyObject_GC_New(ModuleObject,
-                                                      state->module_type);
-    if (m == NULL) {
-        return NULL;
-    }
-    cs_model_incref(self->record);
-    m->record = self->record;
-    m->load_device = Py_XNewRef(cs_profile_item(self, PROFILE_LOAD));
-    m->offload_device = Py_XNewRef(cs_profile_item(self, PROFILE_OFFLOAD));
-    m->device_assigned = NULL;
-    m->device_assigned_at = 0;
-    m->board = NULL;
-    m->sentinel = NULL;
-    m->weakreflist = NULL;
-    PyObject_GC_Track(m);
-    if (self->module != NULL || cs_standin_worker(self) == NULL) {
-        Py_DECREF(m);
-        return Py_NewRef(self->module ? self->module : Py_None);
-    }
-    self->module = Py_NewRef((PyObject *)m);
-    return (PyObject *)m;
-}
-
-/* The clone_base_uuid sentinel, made on first use and kept in the module
- * (made too if need be); as cs_standin_module_get.  None once GC-cleared. */
+/* Made on first use and kept: every read returns the same object.  The
+ * allocation may run the collector, which may run Python that makes the
+ * sentinel first or clears this stand-in: whoever made it first wins. */
 PyObject *
 cs_standin_sentinel_get(StandInObject *self)
 {
-    PyObject *module = cs_standin_module_get(self);
-    if (module == NULL || module == Py_None) {
-        return module;
+    if (self->extra != NULL && self->extra->sentinel != NULL) {
+        return Py_NewRef(self->extra->sentinel);
     }
-    ModuleObject *m = (ModuleObject *)module;
-    if (m->sentinel == NULL) {
-        cs_module_state *state = cs_state_checked(Py_TYPE(self));
-        SentinelObject *o =
-            state == NULL ? NULL
-                          : PyObject_GC_New(SentinelObject,
-                                            state->sentinel_type);
-        if (o == NULL) {
-            Py_DECREF(module);
-            return NULL;
-        }
-        o->model_id = cs_standin_model_id(self);
-        if (o->model_id == NULL) {
-            Py_DECREF(o);
-            Py_DECREF(module);
-            return NULL;
-        }
-        PyObject_GC_Track(o);
-        /* The allocation may have run the collector and Python that made
-         * the sentinel first: whoever made it first wins.  (cppcheck does
-         * not know that PyObject_GC_New can run Python.) */
-        // cppcheck-suppress knownConditionTrueFalse
-        if (m->sentinel == NULL) {
-            m->sentinel = (PyObject *)o;
-        }
-        else {
-            Py_DECREF(o);
-        }
+    if (cs_standin_worker(self) == NULL) {
+        Py_RETURN_NONE; /* GC-cleared */
     }
-    PyObject *sentinel = Py_NewRef(m->sentinel);
-    Py_DECREF(module);
-    return sentinel;
+    cs_module_state *state = cs_state_checked(Py_TYPE(self));
+    SentinelObject *o = state == NULL
+                            ? NULL
+                            : PyObject_GC_New(SentinelObject,
+                                              state->sentinel_type);
+    if (o == NULL) {
+        return NULL;
+    }
+    o->model_id = cs_standin_model_id(self);
+    if (o->model_id == NULL) {
+        Py_DECREF(o);
+        return NULL;
+    }
+    PyObject_GC_Track(o);
+    if (cs_standin_worker(self) == NULL) {
+        Py_DECREF(o);
+        Py_RETURN_NONE; /* cleared meanwhile */
+    }
+    cs_standin_extra *extra = extra_get(self);
+    if (extra == NULL) {
+        Py_DECREF(o);
+        return NULL;
+    }
+    if (extra->sentinel == NULL) {
+        extra->sentinel = (PyObject *)o;
+    }
+    else {
+        Py_DECREF(o); /* made first by Python the allocation ran */
+    }
+    return Py_NewRef(extra->sentinel);
 }
 
 
@@ -583,11 +485,6 @@ cs_inner_exec(PyObject *module, cs_module_state *state)
         module, &sentinel_spec, NULL);
     if (state->sentinel_type == NULL ||
         PyModule_AddType(module, state->sentinel_type) < 0) {
-        return -1;
-    }
-    state->module_type = cs_make_type(module, &module_spec, true);
-    if (state->module_type == NULL ||
-        PyModule_AddType(module, state->module_type) < 0) {
         return -1;
     }
     return 0;

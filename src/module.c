@@ -15,7 +15,6 @@ state_traverse(cs_module_state *state, visitproc visit, void *arg)
     Py_VISIT(state->books_type);
     Py_VISIT(state->record_type);
     Py_VISIT(state->standin_type);
-    Py_VISIT(state->module_type);
     Py_VISIT(state->sentinel_type);
     Py_VISIT(state->board_type);
     Py_VISIT(state->echo_error);
@@ -35,7 +34,6 @@ state_clear(cs_module_state *state)
     Py_CLEAR(state->books_type);
     Py_CLEAR(state->record_type);
     Py_CLEAR(state->standin_type);
-    Py_CLEAR(state->module_type);
     Py_CLEAR(state->sentinel_type);
     Py_CLEAR(state->board_type);
     Py_CLEAR(state->echo_error);

@@ -151,8 +151,7 @@ cs_figures_add_roster(cs_figures *figures, cs_roster *roster)
 {
     for (uint32_t i = 0; i < roster->used; i++) {
         StandInObject *s = roster->items[i];
-        ModuleObject *m = s ? cs_standin_module(s) : NULL;
-        if (m == NULL || m->board == NULL) {
+        if (s == NULL || cs_standin_board(s) == NULL) {
             continue; /* its figure is its receipt */
         }
         bool seen = false;

@@ -379,7 +379,10 @@ static int
 standin_traverse(StandInObject *self, visitproc visit, void *arg)
 {
     Py_VISIT(Py_TYPE(self));
-    Py_VISIT(self->module);
+    int code = cs_standin_extra_traverse(self, visit, arg);
+    if (code != 0) {
+        return code;
+    }
     Py_VISIT(cs_standin_books(self));
     Py_VISIT(self->pool);
     Py_VISIT(self->profile);
@@ -392,7 +395,7 @@ static int
 standin_clear(StandInObject *self)
 {
     cs_roster_unlink(self); /* first: the roster lists live ones only */
-    Py_CLEAR(self->module);
+    cs_standin_extra_clear(self);
     Py_CLEAR(self->pool);
     Py_CLEAR(self->profile);
     return 0;
@@ -422,8 +425,7 @@ standin_dealloc(StandInObject *self)
 uint64_t
 cs_standin_loaded(StandInObject *self)
 {
-    ModuleObject *m = cs_standin_module(self);
-    return m ? cs_module_read(m, NULL) : cs_model_loaded(self->record);
+    return cs_standin_read(self, NULL);
 }
 
 static PyObject *
@@ -471,22 +473,21 @@ receipt_answer(StandInObject *self)
 CS_COLD static PyObject *
 standin_answer(StandInObject *self)
 {
-    ModuleObject *m = cs_standin_module(self);
     uint64_t loaded;
-    if (!self->reads_board || m == NULL ||
-        !cs_module_board_figure(m, &loaded)) {
+    if (!self->reads_board || !cs_standin_board_figure(self, &loaded)) {
         self->reads_board = 0; /* none any more, or closed: receipts */
         return receipt_answer(self);
     }
     /* 2**31 writes ahead of any read: never met (the seqlock's bound). */
     self->answered = cs_model_version(self->record) - 2;
-    if (m->board->answered == loaded) {
+    cs_board_link *board = cs_standin_board(self);
+    if (board->answered == loaded) {
         return Py_NewRef(self->answer);
     }
     PyObject *answer = loaded_int(self, loaded);
     if (answer != NULL) {
         Py_XSETREF(self->answer, Py_NewRef(answer)); /* an int: no Python */
-        m->board->answered = loaded;
+        board->answered = loaded;
     }
     return answer;
 }
@@ -511,10 +512,10 @@ standin_loaded_size(StandInObject *self, PyObject *unused)
     }
 #ifdef __linux__
     /* A board's verdict that still holds, already answered. */
-    ModuleObject *m = cs_standin_module(self);
-    if (self->reads_board && m != NULL && m->board != NULL &&
-        cs_board_verdict_holds(m->board, self->record) &&
-        m->board->answered == m->board->verdict.loaded) {
+    cs_board_link *board = cs_standin_board(self);
+    if (self->reads_board && board != NULL &&
+        cs_board_verdict_holds(board, self->record) &&
+        board->answered == board->verdict.loaded) {
         return Py_NewRef(self->answer);
     }
 #endif
@@ -524,17 +525,7 @@ standin_loaded_size(StandInObject *self, PyObject *unused)
 static PyObject *
 standin_current_loaded_device(StandInObject *self, PyObject *unused)
 {
-    ModuleObject *m = cs_standin_module(self);
-    if (m != NULL) {
-        return cs_module_device(m);
-    }
-    if (cs_standin_worker(self) == NULL) {
-        Py_RETURN_NONE; /* GC-cleared */
-    }
-    PyObject *device = cs_model_loaded(self->record) > 0
-                           ? cs_profile_item(self, PROFILE_LOAD)
-                           : cs_profile_item(self, PROFILE_OFFLOAD);
-    return Py_NewRef(device != NULL ? device : Py_None);
+    return cs_standin_device(self);
 }
 
 static PyObject *
@@ -591,13 +582,7 @@ static PyObject *
 standin_receipt(StandInObject *self, PyObject *unused)
 {
     cs_receipt r;
-    ModuleObject *m = cs_standin_module(self);
-    if (m != NULL) {
-        cs_module_read(m, &r);
-    }
-    else {
-        cs_model_read(self->record, &r);
-    }
+    cs_standin_read(self, &r);
     uint64_t now = cs_monotonic_ns();
     double age = now > r.time_ns ? (double)(now - r.time_ns) / 1e9 : 0.0;
     PyObject *seq = r.seq == CS_SEQ_NONE
@@ -666,7 +651,7 @@ static PyObject *
 standin_attach_board(StandInObject *self, PyObject *const *args,
                      Py_ssize_t nargs, PyObject *kwnames)
 {
-    PyObject *argv[2], *model_id = NULL, *module = NULL, *result = NULL;
+    PyObject *argv[2], *model_id = NULL, *result = NULL;
     uint32_t slot = 0;
     uint64_t tag = 0;
     size_t id_len;
@@ -680,8 +665,8 @@ standin_attach_board(StandInObject *self, PyObject *const *args,
     if (argv[1] == NULL) {
         argv[1] = Py_None;
     }
-    /* Owned until the board is stored: making the module allocates, and
-     * an allocation may run the collector (cs_args_hold). */
+    /* Owned until the board is stored: attaching allocates, and an
+     * allocation may run the collector (cs_args_hold). */
     cs_args_hold(argv, 2);
     if (cs_standin_worker(self) == NULL) {
         PyErr_SetString(PyExc_ValueError, "attach_board: stand-in cleared");
@@ -697,15 +682,13 @@ standin_attach_board(StandInObject *self, PyObject *const *args,
                               &tag) < 0) {
         goto done;
     }
-    module = cs_standin_module_get(self); /* the board is read through it */
-    if (module == Py_None) {
+    /* The attach may have run Python that cleared the stand-in or closed
+     * the board. */
+    if (cs_standin_worker(self) == NULL) {
         PyErr_SetString(PyExc_ValueError, "attach_board: stand-in cleared");
         goto done;
     }
-    /* Making the module may have run Python that closed the board. */
-    if (module == NULL ||
-        cs_module_set_board((ModuleObject *)module, argv[0], slot, tag) <
-            0) {
+    if (cs_standin_set_board(self, argv[0], slot, tag) < 0) {
         goto done;
     }
     self->reads_board = 1;
@@ -713,7 +696,6 @@ standin_attach_board(StandInObject *self, PyObject *const *args,
     result = PyLong_FromUnsignedLong(slot);
 done:
     Py_XDECREF(model_id);
-    Py_XDECREF(module);
     cs_args_release(argv, 2);
     return result;
 }
@@ -721,23 +703,19 @@ done:
 static PyObject *
 standin_detach_board(StandInObject *self, PyObject *unused)
 {
-    ModuleObject *m = cs_standin_module(self);
     self->reads_board = 0;
-    if (m != NULL) {
-        cs_module_drop_board(m);
-    }
+    cs_standin_drop_board(self);
     return cs_standin_answer_init(self) < 0 ? NULL : Py_NewRef(Py_None);
 }
 
 static PyObject *
 standin_get_board(StandInObject *self, void *closure)
 {
-    ModuleObject *m = cs_standin_module(self);
-    if (m == NULL || m->board == NULL) {
+    cs_board_link *board = cs_standin_board(self);
+    if (board == NULL) {
         Py_RETURN_NONE;
     }
-    return Py_BuildValue("(Ok)", m->board->object,
-                         (unsigned long)m->board->slot);
+    return Py_BuildValue("(Ok)", board->object, (unsigned long)board->slot);
 }
 
 /* ---- StandIn: attributes ----------------------------------------------- */
@@ -781,10 +759,14 @@ standin_get_record(StandInObject *self, void *closure)
     }
 }
 
+/* A stand-in is its own inner module; None once GC-cleared. */
 static PyObject *
 standin_get_model(StandInObject *self, void *closure)
 {
-    return cs_standin_module_get(self);
+    if (cs_standin_worker(self) == NULL) {
+        Py_RETURN_NONE;
+    }
+    return Py_NewRef(self);
 }
 
 static PyObject *
@@ -837,10 +819,26 @@ standin_set_deferred(StandInObject *self, PyObject *value, void *closure)
     return 0;
 }
 
+/* The parent (no clone chains across a process boundary) and
+ * current_weight_patches_uuid. */
 static PyObject *
-standin_get_parent(StandInObject *self, void *closure)
+standin_get_none(StandInObject *self, void *closure)
 {
-    Py_RETURN_NONE; /* no clone chains across a process boundary */
+    Py_RETURN_NONE;
+}
+
+/* model_lowvram: a worker model's lowvram state is the worker's. */
+static PyObject *
+standin_get_false(StandInObject *self, void *closure)
+{
+    Py_RETURN_FALSE;
+}
+
+/* model_offload_buffer_memory. */
+static PyObject *
+standin_get_zero(StandInObject *self, void *closure)
+{
+    return PyLong_FromLong(0);
 }
 
 static PyObject *
@@ -877,9 +875,26 @@ static PyGetSetDef standin_getset[] = {
             "The device the worker loads the model to."),
     PROFILE("offload_device", PROFILE_OFFLOAD,
             "The device the worker offloads the model to."),
-    {"parent", (getter)standin_get_parent, NULL, "Always None.", NULL},
+    {"parent", (getter)standin_get_none, NULL, "Always None.", NULL},
     {"model", (getter)standin_get_model, NULL,
-     "The inner StandInModule (weak-referenceable).", NULL},
+     "The stand-in itself: it answers what ComfyUI reads on its inner "
+     "module.",
+     NULL},
+    {"device", (getter)cs_inner_get_device, (setter)cs_inner_set_device,
+     "load_device while loaded > 0, else offload_device; an assignment "
+     "holds until the next receipt.",
+     NULL},
+    {"model_loaded_weight_memory", (getter)cs_inner_get_loaded,
+     (setter)cs_inner_set_loaded,
+     "What loaded_size() answers; assigning writes a receipt "
+     "(\"assigned\").",
+     NULL},
+    {"model_lowvram", (getter)standin_get_false, NULL, "Always False.",
+     NULL},
+    {"current_weight_patches_uuid", (getter)standin_get_none, NULL,
+     "Always None.", NULL},
+    {"model_offload_buffer_memory", (getter)standin_get_zero, NULL,
+     "Always 0.", NULL},
     {"clone_base_uuid", (getter)standin_get_sentinel, NULL,
      "A private per-instance sentinel: never equal to a uuid, None, or "
      "another stand-in's.",

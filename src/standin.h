@@ -1,11 +1,11 @@
 /*
  * standin.h -- what the parts of the stand-in share (private to the
- * extension module): the object layouts of StandIn, its inner module and
- * its clone_base_uuid sentinel, and the functions one part calls in
- * another.
+ * extension module): the object layouts of StandIn and its
+ * clone_base_uuid sentinel, and the functions one part calls in another.
  *
  *   standin.c   the type: construction, lifetime, what ComfyUI reads
- *   inner.c     its inner module and sentinel, and the board it reads
+ *   inner.c     what it answers as its own inner module (`model.model`):
+ *               the device, its sentinel, and the board it reads
  *   roster.c    a worker's roster of stand-ins and adoption onto it
  *   commands.c  commands to the worker (load, unload, detach)
  *   sync.c      the state sync: apply_echo, apply_residency, raise_peak
@@ -44,7 +44,7 @@ typedef struct {
     uint32_t version;   /* the receipt's */
 } cs_board_seen;
 
-/* The board an inner module reads (attach_board): PyMem, GIL. */
+/* The board a stand-in reads (attach_board): PyMem, GIL. */
 typedef struct {
     PyObject *object; /* strong Board (host side) */
     uint32_t slot;
@@ -90,26 +90,22 @@ cs_board_verdict_holds(const cs_board_link *board, const cs_model *record)
 }
 #endif
 
+/* What few stand-ins need, made on first need (inner.c): a device
+ * ComfyUI or comfy-env assigned, a board, the sentinel.  PyMem; GIL. */
 typedef struct {
-    PyObject_HEAD
-    cs_model *record;         /* C reference; immutable */
-    PyObject *load_device;    /* strong; immutable; NULL once GC-cleared */
-    PyObject *offload_device; /* strong; immutable; NULL once GC-cleared */
-    PyObject *device_assigned;   /* strong or NULL; GIL */
+    PyObject *device_assigned;   /* strong or NULL */
     uint32_t device_assigned_at; /* the receipt's version when assigned */
-    cs_board_link *board;        /* or NULL; GIL */
-    PyObject *sentinel; /* the stand-in's clone_base_uuid, or NULL until
-                         * first use; GIL */
-    PyObject *weakreflist;
-} ModuleObject;
+    cs_board_link *board;        /* or NULL */
+    PyObject *sentinel;          /* the clone_base_uuid, or NULL */
+} cs_standin_extra;
 
 /* The id, size and generation live in the record, the worker in the
- * books.  The inner module is made on first use (ComfyUI reads `.model` in
- * a few places only), the sentinel on its first use, in the module; both
- * are kept from then on, so every access returns the same object.  Until
- * the module exists no device was assigned and no board attached, and the
- * stand-in answers from the record and its profile.  Eight words: 96
- * bytes with the GC header, one pymalloc size class (bench/RESULTS.md). */
+ * books.  A stand-in is its own inner module (`model` is itself: ComfyUI
+ * and comfy-env read `model.model` for a device and a figure only).  Until
+ * `extra` exists no device was assigned, no board attached and no
+ * sentinel made, and the stand-in answers from the record and its
+ * profile.  Eight words: 96 bytes with the GC header, one pymalloc size
+ * class (bench/RESULTS.md). */
 struct StandInObject {
     PyObject_HEAD
     cs_model *record;   /* a handle (cs_model_release_handle); set before
@@ -119,7 +115,7 @@ struct StandInObject {
      * once GC-cleared.  Shared with the stand-in made before it under the
      * same ledger when they hold the same three objects. */
     PyObject *profile;
-    PyObject *module; /* strong ModuleObject, or NULL until first use */
+    cs_standin_extra *extra; /* or NULL until first need */
     PyObject *weakreflist;
     /* model_size()'s answer: an exact int, strong, immutable. */
     PyObject *size_int;
@@ -162,12 +158,11 @@ cs_profile_item(StandInObject *self, Py_ssize_t index)
     return self->profile ? PyTuple_GET_ITEM(self->profile, index) : NULL;
 }
 
-/* The inner module if it was made, else NULL: no device was assigned and
- * no board attached yet.  Readers answer from the record then. */
-static inline ModuleObject *
-cs_standin_module(StandInObject *self)
+/* The board the stand-in reads, or NULL. */
+static inline cs_board_link *
+cs_standin_board(StandInObject *self)
 {
-    return (ModuleObject *)self->module;
+    return self->extra ? self->extra->board : NULL;
 }
 
 /* ---- standin.c -------------------------------------------------------- */
@@ -196,28 +191,38 @@ PyTypeObject *cs_make_type(PyObject *module, PyType_Spec *spec,
 /* ---- inner.c ---------------------------------------------------------- */
 
 int cs_inner_exec(PyObject *module, cs_module_state *state);
-/* The inner module, made on first use: a new reference; None once
- * GC-cleared; NULL with an exception. */
-PyObject *cs_standin_module_get(StandInObject *self);
-/* The clone_base_uuid sentinel, made on first use and kept in the module:
- * as cs_standin_module_get. */
+/* The clone_base_uuid sentinel, made on first use: a new reference; None
+ * once GC-cleared; NULL with an exception. */
 PyObject *cs_standin_sentinel_get(StandInObject *self);
 /* What the host knows of the model's residency: the receipt, or the
- * verdict of the board the module reads (docs/semantics.md, "Which word
+ * verdict of the board the stand-in reads (docs/semantics.md, "Which word
  * wins").  Fills *out when given.  Runs no Python. */
-uint64_t cs_module_read(ModuleObject *m, cs_receipt *out);
+uint64_t cs_standin_read(StandInObject *self, cs_receipt *out);
 /* model.device: the device assigned, until the next receipt; else the
- * load device while loaded, the offload device when not.  New reference. */
-PyObject *cs_module_device(ModuleObject *m);
-/* The figure of the board the module reads, in *figure; false when it
+ * load device while loaded, the offload device when not; None once
+ * GC-cleared.  New reference. */
+PyObject *cs_standin_device(StandInObject *self);
+/* The figure of the board the stand-in reads, in *figure; false when it
  * reads none or its board was closed.  Runs no Python. */
-bool cs_module_board_figure(ModuleObject *m, uint64_t *figure);
-/* The module reads (slot, tag) of `board_obj` from now on.  0, or -1 with
- * an exception (the board was closed, MemoryError). */
-int cs_module_set_board(ModuleObject *m, PyObject *board_obj, uint32_t slot,
-                        uint64_t tag);
+bool cs_standin_board_figure(StandInObject *self, uint64_t *figure);
+/* The stand-in reads (slot, tag) of `board_obj` from now on.  0, or -1
+ * with an exception (the board was closed, MemoryError). */
+int cs_standin_set_board(StandInObject *self, PyObject *board_obj,
+                         uint32_t slot, uint64_t tag);
 /* Stops reading its board.  Dropping the Board may run Python: last. */
-void cs_module_drop_board(ModuleObject *m);
+void cs_standin_drop_board(StandInObject *self);
+/* tp_traverse and tp_clear of what `extra` holds; the clear frees it. */
+int cs_standin_extra_traverse(StandInObject *self, visitproc visit,
+                              void *arg);
+void cs_standin_extra_clear(StandInObject *self);
+/* `device` and `model_loaded_weight_memory`, as ComfyUI and comfy-env
+ * read and assign them on `model.model` (standin_getset). */
+PyObject *cs_inner_get_device(StandInObject *self, void *closure);
+int cs_inner_set_device(StandInObject *self, PyObject *value,
+                        void *closure);
+PyObject *cs_inner_get_loaded(StandInObject *self, void *closure);
+int cs_inner_set_loaded(StandInObject *self, PyObject *value,
+                        void *closure);
 
 /* ---- roster.c --------------------------------------------------------- */
 

@@ -5,8 +5,8 @@
 - ``"c"``: ``comfy_standin`` (the C type from ``comfy_standin._core``).
 - ``"reference"``: ``comfy_standin._reference`` (pure Python).
 
-Both expose StandIn, StandInModule, Ledger, apply_echo, apply_residency,
-register, EchoError, WorkerGoneError, Pool and default_pool.
+Both expose StandIn, Ledger, apply_echo, apply_residency, register,
+EchoError, WorkerGoneError, Pool and default_pool.
 
 Markers (registered in pyproject.toml) say what a test needs beyond the
 ``test-core`` extra.  A test marked ``comfy_env`` needs comfy-env from

@@ -31,11 +31,17 @@ def declared() -> dict[str, set[str]]:
 
 
 SURFACE = declared()
-SHARED = ["StandIn", "StandInModule", "Pool", "EchoError", "WorkerGoneError"]
+SHARED = ["StandIn", "Pool", "EchoError", "WorkerGoneError"]
+
+#: What ComfyUI and comfy-env read or write on a patcher's inner module
+#: (``patcher.model``), which a stand-in answers itself.
+INNER = {"device", "model_loaded_weight_memory", "model_lowvram",
+         "current_weight_patches_uuid", "model_offload_buffer_memory"}
 
 
 def test_stub_is_parsed():
-    assert {"StandIn", "Pool", "Board", "StandInModule"} <= set(SURFACE)
+    assert {"StandIn", "Pool", "Board"} <= set(SURFACE)
+    assert INNER | {"model"} <= SURFACE["StandIn"]
     assert {"apply_echo", "apply_residency", "register", "default_pool",
             "probe"} <= SURFACE[""]
 
@@ -47,10 +53,20 @@ def test_every_declared_member_exists(impl, cls):
         name for name in sorted(SURFACE.get(cls, ()))
         if name != "__init__" and not hasattr(runtime, name)
         # instance attributes assigned in __init__ (Pool.on_pressure)
-        and name not in {"on_pressure", "device",
-                         "model_loaded_weight_memory"}
+        and name != "on_pressure"
     ]
     assert missing == [], f"{impl.__name__}.{cls} lacks {missing}"
+
+
+def test_the_stand_in_is_its_own_inner_module(impl):
+    """No second type: ``model`` is the stand-in, which has every member
+    ComfyUI and comfy-env read on the inner module."""
+    assert "StandInModule" not in SURFACE
+    assert not hasattr(impl, "StandInModule")
+    assert not hasattr(comfy_standin._core, "StandInModule")
+    assert "StandInModule" not in getattr(impl, "__all__", ())
+    for name in INNER:
+        assert hasattr(impl.StandIn, name), name
 
 
 def test_module_functions_exist(impl):

@@ -92,7 +92,8 @@ def test_reads_a_real_worker_mid_call_with_no_message(impl, pool, spawn):
         loaded, seq, age, source = s.receipt()
         assert (loaded, seq, source) == (value, 1, "board")
         assert s.current_loaded_device() == "cuda:0"
-        assert s.model.model_loaded_weight_memory == value
+        assert s.model_loaded_weight_memory == value
+        assert s.device == "cuda:0"
         if i + 1 < len(steps):
             assert not w.pending()  # mid-call: the worker said nothing
             w.send("go")
@@ -123,6 +124,7 @@ def test_board_values_clamp_and_zero_flips_the_device(impl, pool, boards):
     worker_side.publish(slot, 0)
     assert s.loaded_size() == 0
     assert s.current_loaded_device() == "cpu"
+    assert s.device == "cpu" and s.model_loaded_weight_memory == 0
     # the board is untrusted: a value beyond the size clamps (written as a
     # writer does, the slot's seqlock word moved by 2: the host notices a
     # slot by that word)
@@ -133,6 +135,7 @@ def test_board_values_clamp_and_zero_flips_the_device(impl, pool, boards):
     seq = int.from_bytes(mem[base:base + 8], "little")
     mem[base:base + 8] = (seq + 2).to_bytes(8, "little")
     assert s.loaded_size() == 1000
+    assert s.model_loaded_weight_memory == 1000 and s.device == "cuda:0"
 
 
 def test_closed_or_detached_board_falls_back_to_the_receipt(

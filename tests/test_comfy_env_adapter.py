@@ -100,8 +100,10 @@ def test_comfy_env_registration_at_a_node_boundary(installed, mm):
     assert s.model_id == "unet-0" and s.size == 2 * GiB
     assert entries[0].currently_used is False
     assert entries[0].model_finalizer is not None
-    # comfy-env assigned the registration receipt through the inner module
-    assert s.loaded_size() == 2 * GiB
+    # comfy-env assigned the registration receipt through ``s.model``
+    # (model_loaded_weight_memory), which is the stand-in itself
+    assert s.model is s
+    assert s.loaded_size() == 2 * GiB == s.model_loaded_weight_memory
     assert s.receipt()[3] == "assigned"
     # and ComfyUI can evict it through the worker
     freed = s.partially_unload("cpu", 1 * GiB)

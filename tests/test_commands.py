@@ -181,7 +181,7 @@ def test_load_applies_the_reply(impl, pool, s, worker):
     worker.replies.append({"loaded": 2500, "resident": 3500, "seq": 4})
     assert s.partially_load("cuda:0", 2500) == 2500
     assert receipt(s) == (3500, 4, "load echo")
-    assert s.model.device == "cuda:0"
+    assert s.device == "cuda:0"
     assert books_of(pool, s).charge()["sum_peak"] == 3500
 
 
@@ -339,7 +339,7 @@ def test_unload_returns_exactly_what_was_freed(impl, pool, s, worker, freed):
     worker.replies.append({"freed": freed, "resident": 1234, "seq": 5})
     assert s.partially_unload("cpu", 1000) == freed
     assert receipt(s) == (1234, 5, "unload echo")
-    assert s.model.device == "cuda:0"
+    assert s.device == "cuda:0"
     assert s.eviction_deferred is False
 
 
@@ -351,7 +351,7 @@ def test_unload_reply_from_an_old_worker(impl, s, worker):
     worker.replies.append({"freed": 9000})
     assert s.partially_unload("cpu") == 9000
     assert receipt(s) == (0, 9, "unload echo")
-    assert s.model.device == "cpu"
+    assert s.device == "cpu"
 
 
 def test_unload_in_flight_keeps_the_peak(impl, pool, s, worker):
@@ -374,7 +374,7 @@ def test_unload_dead_worker_is_the_gone_path(impl, pool, s, worker):
     assert s.partially_unload("cpu", 1000) == 4000
     assert worker.calls == []
     assert receipt(s) == (0, 3, "worker gone")
-    assert s.model.device == "cpu"
+    assert s.device == "cpu"
     assert other.loaded_size() == 0
     assert books_of(pool, s).alive is False
     assert pool.worker_charges()[worker] == 0
@@ -493,7 +493,7 @@ def test_unload_never_raises_even_when_everything_fails(impl, pool, s):
     pool.on_pressure = lambda shortfall: 1 / 0
     result = t.partially_unload("cpu", 10)
     assert result in (0, 50)
-    assert t.detach() is t.model
+    assert t.detach() is t
 
 
 # ---- detach -----------------------------------------------------------------
@@ -505,15 +505,15 @@ def test_detach_sends_model_to_device(impl, pool, s, worker):
     impl.apply_echo(s, 4000, in_flight=True)
     books_of(pool, s).end_call()
     worker.calls.clear()
-    assert s.detach() is s.model
+    assert s.detach() is s
     assert worker.calls == [
         ("model_to_device", {"model_id": "unet", "device": "cpu"})
     ]
     assert receipt(s) == (0, 3, "detach echo")
-    assert s.model.device == "cpu"
+    assert s.device == "cpu"
     assert books_of(pool, s).charge()["sum_peak"] == 0
     # Idempotent: already offloaded, no command.
-    assert s.detach(unpatch_all=False) is s.model
+    assert s.detach(unpatch_all=False) is s
     assert len(worker.calls) == 1
 
 
@@ -525,7 +525,7 @@ def test_detach_reply_seq(impl, s, worker):
 
 
 def test_detach_with_nothing_resident_sends_nothing(s, worker):
-    assert s.detach() is s.model
+    assert s.detach() is s
     assert worker.calls == []
 
 
@@ -536,7 +536,7 @@ def test_detach_gone_path(impl, pool, s, worker, how):
         worker.alive = False
     else:
         worker.die_on_send = True
-    assert s.detach() is s.model
+    assert s.detach() is s
     assert len(worker.calls) == (0 if how == "dead before" else 1)
     assert receipt(s) == (0, 3, "worker gone")
     assert books_of(pool, s).alive is False
@@ -547,9 +547,9 @@ def test_detach_not_registered(impl, pool, s, worker):
     resident(impl, other, 60, seq=2)
     resident(impl, s, 4000, seq=3)
     worker.replies.append(RuntimeError("model 'unet' not registered"))
-    assert s.detach() is s.model
+    assert s.detach() is s
     assert receipt(s) == (0, 3, "worker gone")
-    assert s.model.device == "cpu"
+    assert s.device == "cpu"
     assert s.eviction_deferred is False
     books = books_of(pool, s)
     assert books.alive is True
@@ -572,7 +572,7 @@ def test_detach_not_registered(impl, pool, s, worker):
 def test_detach_failure_defers(impl, pool, s, worker, failure):
     resident(impl, s, 4000, seq=3)
     worker.replies.append(failure)
-    assert s.detach() is s.model
+    assert s.detach() is s
     assert receipt(s) == (4000, 3, "load echo")
     assert s.eviction_deferred is True
     assert books_of(pool, s).alive is True
@@ -598,10 +598,10 @@ def test_stale_standin_never_touches_the_new_generation(impl, pool, s, worker):
     worker.calls.clear()
     worker.alive = False  # e.g. the new process is not up yet
     assert s.partially_unload("cpu", 1000) == 0
-    assert s.detach() is s.model
+    assert s.detach() is s
     with pytest.raises(impl.WorkerGoneError, match="reload the node"):
         s.partially_load("cuda:0")
-    s.model.model_loaded_weight_memory = 10
+    s.model_loaded_weight_memory = 10
     assert worker.calls == []
     books = books_of(pool, new)
     assert books.alive is True and books.generation == 2

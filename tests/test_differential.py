@@ -14,7 +14,8 @@ mappings, reentrant callbacks), and then every observable is compared:
   BaseExceptions injected by a worker (KeyboardInterrupt, SystemExit) must
   propagate from both;
 - per stand-in: loaded_size, model_size, receipt() minus its age, stale,
-  eviction_deferred, the device, bad_replies, model_id (and its type);
+  eviction_deferred, the device, whether ``model`` is the stand-in,
+  model_loaded_weight_memory, bad_replies, model_id (and its type);
 - the pool: worker_charges, charge_details, standins(), graveyard_size,
   the ledger's keys, the reserve;
 - ComfyUI's list, the commands every fake worker received and what the
@@ -294,10 +295,6 @@ class World:
         serials = self.serials()
         if id(value) in serials:
             return ("standin", serials[id(value)])
-        for n, ref in self.weak.items():
-            s = ref()
-            if s is not None and value is s.model:
-                return ("module", n)
         if isinstance(value, self.mm.LoadedModel):
             return ("entry", self.norm(value.model))
         if isinstance(value, RefereeWorker):
@@ -377,7 +374,9 @@ class World:
                     (loaded, seq, source),
                     s.stale,
                     s.eviction_deferred,
-                    str(s.model.device),
+                    str(s.device),
+                    s.model is s,
+                    s.model_loaded_weight_memory,
                     s.bad_replies,
                     s.model_id,
                     type(s.model_id) is str,
@@ -812,12 +811,28 @@ class DifferentialMachine(RuleBasedStateMachine):
         )
 
     @precondition(has_standins)
-    @rule(index=st.integers(0, MAX_STANDINS), value=byte_value)
-    def assign(self, index, value):
+    @rule(index=st.integers(0, MAX_STANDINS), value=byte_value,
+          through_model=st.booleans())
+    def assign(self, index, value, through_model):
+        # comfy-env writes it on ``patcher.model``: the stand-in itself.
         def fn(w: World) -> None:
-            self.standin(w, index).model.model_loaded_weight_memory = value
+            s = self.standin(w, index)
+            (s.model if through_model else s).model_loaded_weight_memory = \
+                value
 
-        self.both(f"assign({index},{value!r})", fn)
+        self.both(f"assign({index},{value!r},{through_model})", fn)
+
+    @precondition(has_standins)
+    @rule(index=st.integers(0, MAX_STANDINS),
+          device=st.sampled_from(("cuda:1", "cpu", "mps")),
+          through_model=st.booleans())
+    def assign_device(self, index, device, through_model):
+        # ComfyUI and comfy-env write ``patcher.model.device``.
+        def fn(w: World) -> None:
+            s = self.standin(w, index)
+            (s.model if through_model else s).device = device
+
+        self.both(f"assign_device({index},{device!r},{through_model})", fn)
 
     @precondition(has_standins)
     @rule(index=st.integers(0, MAX_STANDINS), value=byte_value)
@@ -1193,7 +1208,7 @@ def drift_echo_source_from_board(mp: pytest.MonkeyPatch) -> None:
         seq = reference._echo_seq("seq", seq)
         source = None
         if not unmapped:
-            below = resident < standin._model._loaded()
+            below = resident < standin._loaded()
             source = "unload echo" if below else "load echo"
         return record.echo(resident, seq, source, unmapped, in_flight)
 

@@ -847,6 +847,46 @@ def scenario_cleared_ledger_and_books(impl: Any) -> None:
     assert ledger.total_charge() >= 0
 
 
+def scenario_cleared_standin(impl: Any) -> None:
+    """A stand-in the collector cleared (tp_clear, as part of a cycle),
+    with a device assigned, its sentinel made and a board attached, as a
+    finalizer running in that collection may still reach it: it keeps its
+    model id and receipt; what it held reads None, ``model`` (itself)
+    included; the inner module's members answer from the receipt; its
+    eviction calls free nothing and none crashes."""
+    from comfy_standin.pool import Pool
+
+    pool = Pool(floor=0)
+    worker = Worker()
+    s = impl.StandIn(worker, 1, "m0", SIZE, "cuda:0", "cpu", pool=pool)
+    impl.apply_echo(s, 500, seq=1)
+    s.device = "cuda:1"
+    s.clone_base_uuid  # noqa: B018
+    worker_side, fd = impl.Board.make(2)
+    board = impl.Board.adopt(fd, 2)
+    os.close(fd)
+    s.attach_board(board)
+    _tp_clear(s)
+    churn()
+    assert s.model_id == "m0" and s.receipt()[0] == 500
+    for name in ("load_device", "offload_device", "kind", "worker", "pool",
+                 "model", "clone_base_uuid", "device", "board"):
+        assert getattr(s, name) is None, name
+    assert s.loaded_size() == 500 == s.model_loaded_weight_memory
+    assert s.current_loaded_device() is None
+    assert s.model_lowvram is False and s.model_offload_buffer_memory == 0
+    assert s.current_weight_patches_uuid is None
+    assert s.partially_unload("cpu", 100) == 0
+    assert s.detach() is None
+    s.device = "cuda:0"  # the assignment holds until the next receipt
+    assert s.device == "cuda:0"
+    s.model_loaded_weight_memory = 10
+    assert s.device is None and s.loaded_size() == 10
+    repr(s)
+    board.close()
+    worker_side.close()
+
+
 def _clear_module(copy: Any) -> None:
     """Runs the module's m_clear, as the collector does when a module
     instance is collected or the interpreter shuts down."""
@@ -897,8 +937,9 @@ def scenario_cleared_module_state_standin(impl: Any) -> None:
     copy.apply_echo(made, 500)
     fresh = copy.StandIn(worker, 1, "m1", SIZE, "cuda:0", "cpu", pool=pool)
     copy.apply_echo(fresh, 500)
-    # One with its module and sentinel made, one without.
-    model, sentinel = made.model, made.clone_base_uuid
+    # One with its sentinel made and a device assigned, one without.
+    sentinel = made.clone_base_uuid
+    made.device = "cuda:1"
     _clear_module(copy)
     raising = {
         "StandIn()": lambda: copy.StandIn(worker, 1, "m2", SIZE, "cuda:0",
@@ -906,7 +947,6 @@ def scenario_cleared_module_state_standin(impl: Any) -> None:
         "StandIn.__new__": lambda: copy.StandIn.__new__(
             copy.StandIn, worker, 1, "m3", SIZE, "cuda:0", "cpu", pool=pool),
         "partially_load": lambda: fresh.partially_load("cuda:0", 10),
-        "model": lambda: fresh.model,
         "clone_base_uuid": lambda: fresh.clone_base_uuid,
         "attach_board": lambda: fresh.attach_board(None),
     }
@@ -916,9 +956,17 @@ def scenario_cleared_module_state_standin(impl: Any) -> None:
         s.detach()
         assert s.loaded_size() == 500 and s.model_size() == SIZE
         assert s.is_dynamic() is False
+        # The inner module's members need no module state: the model is
+        # the stand-in itself.
+        assert s.model is s
+        assert s.model_loaded_weight_memory == 500
+        assert s.model_lowvram is False and s.model_offload_buffer_memory == 0
         s.receipt()
         repr(s)
-    assert made.model is model and made.clone_base_uuid is sentinel
+    assert made.device == "cuda:1" and fresh.device == "cuda:0"
+    fresh.device = "cpu"
+    assert fresh.device == "cpu" and fresh.current_loaded_device() == "cpu"
+    assert made.clone_base_uuid is sentinel
 
 
 def _each_refuses_as_cleared(calls: dict[str, Any]) -> None:
@@ -956,8 +1004,8 @@ def scenario_cleared_module_state(impl: Any) -> None:
 
 @pytest.mark.parametrize(
     "scenario",
-    [scenario_cleared_ledger_and_books, scenario_cleared_module_state,
-     scenario_cleared_module_state_standin],
+    [scenario_cleared_ledger_and_books, scenario_cleared_standin,
+     scenario_cleared_module_state, scenario_cleared_module_state_standin],
     ids=lambda f: f.__name__[9:],
 )
 def test_c_objects_after_clear_raise(scenario):
@@ -1213,14 +1261,19 @@ def scenario_partially_unload_keywords_emptied_by_float(impl: Any) -> None:
 
 
 def scenario_attach_board_keywords_emptied_by_a_collection(impl: Any) -> None:
-    """A collection runs in the allocation of the stand-in's inner module
-    (Python 3.10 and 3.11 collect inside an allocation), after the slot is
-    assigned and before the board is stored; a gc callback, as a finalizer
-    could, empties the dict."""
+    """attach_board makes no container object between assigning the slot
+    and storing the board.  It made the stand-in's inner module there,
+    and a collection ran in that allocation (Python 3.10 and 3.11 collect
+    inside an allocation): a gc callback, as a finalizer could, emptied
+    the keywords dict with the board half attached.  A collection is run
+    at each of the call's allocations in turn: one at least runs inside
+    the call, none finds the slot assigned and the board not stored (where
+    it would empty the dict), and every attach holds its board."""
     import weakref
 
     log: list[str] = []
     kwargs: dict[str, Any] = {}
+    state = {"calling": False}
     pool, worker, table = setup(impl, ids=())
     s: Any = None
     ref: Any = None
@@ -1231,8 +1284,11 @@ def scenario_attach_board_keywords_emptied_by_a_collection(impl: Any) -> None:
             log.append("freed")
 
     def on_collection(phase: str, info: dict) -> None:
+        if phase != "start" or not state["calling"]:
+            return
+        log.append("during")
         board = ref() if ref is not None and kwargs else None
-        if phase != "start" or board is None:
+        if board is None:
             return
         inside = s.board is None and board.find(model_id) is not None
         del board
@@ -1250,7 +1306,8 @@ def scenario_attach_board_keywords_emptied_by_a_collection(impl: Any) -> None:
     try:
         # A collection runs in the allocation that takes the count of new
         # container objects past 100: each attempt allocates one more
-        # before the call, until that allocation is attach_board's.
+        # before the call, so the collection moves through the call's
+        # allocations one by one.
         for extra in range(101):
             model_id = f"m{extra}"
             s = impl.StandIn(worker, 1, model_id, SIZE, "cuda:0", "cpu",
@@ -1261,26 +1318,27 @@ def scenario_attach_board_keywords_emptied_by_a_collection(impl: Any) -> None:
             worker_side.close()
             ref = weakref.ref(board, on_free)
             kwargs.update(board=board)
-            del board
             args = [ctypes.py_object(s.attach_board), ctypes.py_object(()),
                     ctypes.py_object(kwargs)]
             padding: list[list] = []
             gc.collect()
             for _ in range(extra):
                 padding.append([])
+            state["calling"] = True
             slot = call(*args)
+            state["calling"] = False
             del padding
-            if log:
-                break
+            assert s.board == (board, slot), (extra, s.board)
+            assert board.find(model_id) == slot and s.loaded_size() == 0
+            del board
             ref = None  # this board now lives as long as this stand-in
             kwargs.clear()
     finally:
+        state["calling"] = False
         gc.set_threshold(*threshold)
         gc.callbacks.remove(on_collection)
-    assert log == ["cleared"], log
-    board = ref()
-    assert board is not None and s.board == (board, slot)
-    assert board.find(model_id) == slot and s.loaded_size() == 0
+    assert "during" in log, "no collection ran inside attach_board"
+    assert "cleared" not in log and "freed" not in log, log
 
 
 def scenario_apply_echo_keywords_emptied_by_a_flag(impl: Any) -> None:

@@ -260,18 +260,14 @@ WORKLOADS = {
         s.partially_unload("cpu", 300.5)
         s.detach()
         s.receipt(); s.loaded_size(); s.current_loaded_device()
-        repr(s); repr(s.model); repr(s.clone_base_uuid)
-        s.model.device = "cuda:1"; s.model.model_loaded_weight_memory = 5
+        repr(s); repr(s.clone_base_uuid)
+        s.device = "cuda:1"; s.model_loaded_weight_memory = 5
         getattr(s, "nope", None); getattr(s, "__nope__", None)
-        getattr(s.model, "nope", None)
-        # Their __getattr__ (the stand-in's on 3.12+), called directly.
-        for hook in (getattr(type(s), "__getattr__", None),
-                     type(s.model).__getattr__):
-            if hook is not None:
-                bad(hook, s if hook.__objclass__ is type(s) else s.model,
-                    "nope")
-                bad(hook, s if hook.__objclass__ is type(s) else s.model,
-                    "__nope__")
+        # Its __getattr__ (3.12+), called directly.
+        hook = getattr(type(s), "__getattr__", None)
+        if hook is not None:
+            bad(hook, s, "nope")
+            bad(hook, s, "__nope__")
         try:
             s.clone()
         except NotImplementedError:
@@ -429,15 +425,15 @@ WORKLOADS = {
          s.stale, s.eviction_deferred, s.bad_replies, s.board,
          s.clone_base_uuid, s._worker, s._worker_generation, s._model_id,
          s._kind, s._residency_peak, s._residency_seq)
-        m = s.model
-        (m.device, m.model_loaded_weight_memory, m.model_lowvram,
-         m.lowvram_patch_counter, m.current_weight_patches_uuid,
-         m.model_offload_buffer_memory)
-        m.device = "cuda:0"
-        m.model_loaded_weight_memory = 10
-        bad(setattr, m, "model_loaded_weight_memory", -1)
-        bad(setattr, m, "model_loaded_weight_memory", "x")
-        bad(setattr, m, "model_lowvram", True)
+        (s.device, s.model_loaded_weight_memory, s.model_lowvram,
+         s.current_weight_patches_uuid, s.model_offload_buffer_memory)
+        s.device = "cuda:0"
+        s.model_loaded_weight_memory = 10
+        bad(setattr, s, "model_loaded_weight_memory", -1)
+        bad(setattr, s, "model_loaded_weight_memory", "x")
+        bad(setattr, s, "model_lowvram", True)
+        bad(delattr, s, "device")
+        bad(delattr, s, "model_loaded_weight_memory")
         bad(setattr, s, "size", 3)
         s.receipt(); s.model_size(); s.loaded_size()
         s.current_loaded_device(); s.is_dynamic(); s.is_clone(t)
@@ -468,9 +464,8 @@ WORKLOADS = {
         bad(s.add_patches, {})
         bad(s.add_hook_patches, {})
         bad(s.__reduce_ex__, 4)
-        bad(m.__reduce_ex__, 4)
         bad(pickle.dumps, s.clone_base_uuid, 0)
-        repr(s); repr(m); repr(s.clone_base_uuid)
+        repr(s); repr(s.model); repr(s.clone_base_uuid)
         # bad constructor arguments
         bad(cs.StandIn, NotAWorker(), 1, "m", 1000, "cuda:0", "cpu")
         bad(cs.StandIn, w, -1, "m", 1000, "cuda:0", "cpu")
@@ -794,10 +789,8 @@ NEVER_RETURNS = {
     "StandIn.add_patches": "patches belong to the worker: always raises",
     "StandIn.add_hook_patches": "as add_patches",
     "StandIn.__reduce_ex__": "a stand-in cannot be pickled or copied",
-    "StandInModule.__reduce_ex__": "as StandIn.__reduce_ex__",
-    "StandInModule.__getattr__": "runs only after CPython's own lookup "
-                                 "failed: always raises AttributeError",
-    "StandIn.__getattr__": "as StandInModule.__getattr__ (3.12+)",
+    "StandIn.__getattr__": "runs only after CPython's own lookup failed "
+                           "(3.12+): always raises AttributeError",
 }
 
 
@@ -832,7 +825,7 @@ def _runtime_surface() -> tuple[set[str], set[str]]:
     """(callables, attributes) of the C types' method tables and Pool."""
     callables: set[str] = set()
     attributes: set[str] = set()
-    for cls in (cs.StandIn, cs.StandInModule, cs.Board, cs.Ledger,
+    for cls in (cs.StandIn, cs.Board, cs.Ledger,
                 cs.WorkerBooks, _core.ModelRecord, cs.Pool):
         for klass in cls.__mro__:
             if klass is object or klass.__module__ == "builtins":
@@ -871,7 +864,7 @@ def _runtime_surface() -> tuple[set[str], set[str]]:
 # Types Python code cannot instantiate (no tp_new: "cannot create ...
 # instances"); their objects come from the package's own calls.
 NOT_CONSTRUCTIBLE = {"Board", "CloneBaseSentinel", "ModelRecord",
-                     "StandInModule", "WorkerBooks"}
+                     "WorkerBooks"}
 
 
 def _surface() -> tuple[set[str], set[str]]:

@@ -308,7 +308,7 @@ def test_bump(impl, pool, make_worker, make_standin):
     assert charge["sum_peak"] == 0
     assert (charge["held"], charge["reading"]) == (0, 0)
     assert charge["charge"] == FLOOR
-    assert a.model.device == "cpu"
+    assert a.device == "cpu"
 
 
 @pytest.mark.parametrize("generation", [1, 0])
@@ -335,7 +335,7 @@ def test_gone(impl, pool, make_worker, make_standin):
     assert books.alive is False
     assert receipt(a) == (0, 2, "worker gone")
     assert a.stale
-    assert a.model.device == "cpu"
+    assert a.device == "cpu"
     assert books.charge() == {
         "charge": 0,
         "sum_sizes": 0,
@@ -625,7 +625,7 @@ def test_reserve_release_kinds(impl, pool, make_standin, release):
         books.bump(2)
         expected = FLOOR
     else:
-        s.model.model_loaded_weight_memory = 1000
+        s.model_loaded_weight_memory = 1000
         expected = 1000 + FLOOR
     assert ledger.reserve(0, 0, True) == expected
 

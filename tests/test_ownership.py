@@ -355,16 +355,17 @@ def test_boundary_keeps_the_books_forget_shelves_while_it_prunes(
 def _forget_in_construction(monkeypatch, forget) -> None:
     """Runs `forget` once, inside the reference's constructor, between its
     taking the worker's books and listing the stand-in on them."""
-    real = reference.StandInModule
+    real = reference.WorkerBooks.register
     done: list = []
 
-    def hooked(record, *args, **kwargs):
-        if not done and record.model_id == "s":  # the test's stand-in
+    def hooked(books, model_id, *args, **kwargs):
+        record = real(books, model_id, *args, **kwargs)
+        if not done and model_id == "s":  # the test's stand-in
             done.append(True)
             forget()
-        return real(record, *args, **kwargs)
+        return record
 
-    monkeypatch.setattr(reference, "StandInModule", hooked)
+    monkeypatch.setattr(reference.WorkerBooks, "register", hooked)
 
 
 def test_reference_stand_in_made_while_another_thread_forgets_is_reached(

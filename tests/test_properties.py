@@ -1,5 +1,6 @@
 """Property tests (hypothesis): random histories of registrations, echoes,
-censuses (valid and not), reports, gone/restart and calls.
+censuses (valid and not), reports, assignments (of
+``model_loaded_weight_memory`` and ``device``), gone/restart and calls.
 
 - Invariants, per implementation, after every step: 0 <= loaded <= size;
   a seq never goes backwards except by an echo (a reply is the newest
@@ -112,6 +113,8 @@ operation = st.one_of(
         st.sampled_from((0, 2000, 4000, 10**6)),
     ),
     st.tuples(st.just("assign"), standin_index, st.integers(0, 1200)),
+    st.tuples(st.just("device"), standin_index,
+              st.sampled_from(("cuda:1", "cpu", "mps"))),
     st.tuples(st.just("reading"), worker_index, st.integers(0, 5000)),
 )
 history = st.lists(operation, max_size=30)
@@ -214,7 +217,12 @@ class Harness:
         if kind == "assign":
             if not self.standins:
                 return None
-            self.pick(args[0]).model.model_loaded_weight_memory = args[1]
+            self.pick(args[0]).model_loaded_weight_memory = args[1]
+            return None
+        if kind == "device":
+            if not self.standins:
+                return None
+            self.pick(args[0]).device = args[1]
             return None
         if kind == "reading":
             books = self.books(args[0])
@@ -234,8 +242,8 @@ class Harness:
                     source,
                     s.stale,
                     s.eviction_deferred,
-                    s.model.device,
-                    s.model.model_loaded_weight_memory,
+                    s.device,
+                    s.model_loaded_weight_memory,
                     s.size,
                 )
             )

@@ -3,10 +3,10 @@
 ComfyUI's ``LoadedModel`` holds its model through a weakref.  Before the
 pool held registered stand-ins, one whose caller dropped it was collected
 at once: its entry left ``current_loaded_models`` through the finalizer on
-its inner module and no command ever reached the worker, which kept the
-bytes.  These tests drive ComfyUI-like flows of the mock (tests/mockcomfy)
-with no reference to the stand-in kept outside (only weakrefs), for both
-implementations.
+its ``model`` (the stand-in itself) and no command ever reached the worker,
+which kept the bytes.  These tests drive ComfyUI-like flows of the mock
+(tests/mockcomfy) with no reference to the stand-in kept outside (only
+weakrefs), for both implementations.
 """
 
 from __future__ import annotations

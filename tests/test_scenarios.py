@@ -77,7 +77,7 @@ def test_register_builds_an_unused_entry_with_a_finalizer(impl, pool, mm):
     assert entry.model is s
     assert entry.currently_used is False
     assert entry.device == CUDA0
-    assert entry.real_model() is s.model
+    assert entry.real_model() is s.model is s
     assert entry.model_finalizer.alive
     assert entry.model_finalizer.atexit is False
     assert w.commands == []

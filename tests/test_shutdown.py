@@ -90,6 +90,7 @@ def use(s):
     for call in (lambda: s.loaded_size(), lambda: s.model_size(),
                  lambda: s.is_dynamic(), lambda: s.receipt(),
                  lambda: s.model, lambda: s.clone_base_uuid,
+                 lambda: s.device, lambda: s.model_loaded_weight_memory,
                  lambda: s.current_loaded_device(), lambda: repr(s),
                  lambda: s.partially_unload("cpu", 10),
                  lambda: s.detach(),
@@ -145,8 +146,8 @@ CASES = {
             u.type = cs.StandIn
         del u
     """,
-    # Registered in ComfyUI's list with finalizers on the inner module,
-    # the default pool holding them.
+    # Registered in ComfyUI's list with finalizers on their inner module
+    # (each stand-in itself), the default pool holding them.
     "registered": """
         class LoadedModel:
             def __init__(self, model):

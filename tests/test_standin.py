@@ -1,5 +1,6 @@
-"""The stand-in and its inner module: every member ComfyUI touches
-(docs/semantics.md, docs/comfyui.md), construction, and registration."""
+"""The stand-in, which is its own inner module (``model``): every member
+ComfyUI touches (docs/semantics.md, docs/comfyui.md), construction, and
+registration."""
 
 # Comparisons of an object with itself and `not (a == b)` are what these
 # tests are about: ComfyUI's code spells them that way.
@@ -102,10 +103,13 @@ def test_default_kind(impl, pool, make_worker):
     assert s.kind == "other"
 
 
-def test_model_is_stable_and_never_none(impl, standin):
-    assert standin.model is not None
-    assert standin.model is standin.model
-    assert isinstance(standin.model, impl.StandInModule)
+def test_model_is_the_standin_itself(impl, standin):
+    """ComfyUI reads ``M = patcher.model`` and weak-references it: the
+    stand-in answers as its own model, so no second object is made."""
+    assert standin.model is standin
+    assert standin.model.model is standin
+    assert type(standin.model) is impl.StandIn
+    assert not hasattr(impl, "StandInModule")
 
 
 def test_loaded_size_and_device_follow_receipts(impl, standin, devices):
@@ -114,10 +118,13 @@ def test_loaded_size_and_device_follow_receipts(impl, standin, devices):
     assert s.loaded_size() == 3000
     assert s.model_size() == 8000
     assert s.current_loaded_device() is devices[0]
-    assert s.model.device is devices[0]
+    assert s.device is devices[0]
+    assert s.model_loaded_weight_memory == 3000
     impl.apply_residency({"unet-0": s}, [{"id": "unet-0", "resident": 0}])
     assert s.loaded_size() == 0
     assert s.current_loaded_device() is devices[1]
+    assert s.device is devices[1]
+    assert s.model_loaded_weight_memory == 0
 
 
 def test_no_patch_semantics(standin):
@@ -142,7 +149,6 @@ def test_is_clone(impl, pool, make_worker, make_standin):
     assert not a.is_clone(newer)
     assert not newer.is_clone(a)
     assert not a.is_clone(None)
-    assert not a.is_clone(a.model)
     assert not a.is_clone(SimpleNamespace(worker=w, model_id="unet"))
 
 
@@ -215,22 +221,23 @@ def test_identity_equality_and_hash(make_worker, make_standin):
 def test_weak_references(make_standin):
     s = make_standin()
     ref = weakref.ref(s)
+    # ComfyUI's entry holds weakref.ref(patcher.model): the stand-in's own.
     inner = weakref.ref(s.model)
-    assert ref() is s and inner() is s.model
+    assert ref() is s and inner() is s
     fired = []
-    weakref.finalize(s.model, fired.append, "inner")
+    weakref.finalize(s.model, fired.append, "model")
     del s
     gc.collect()
     assert ref() is None
     assert inner() is None
-    assert fired == ["inner"]
+    assert fired == ["model"]
 
 
 def test_graveyard_keeps_standins_of_a_dead_worker(impl, pool, make_standin):
     s = make_standin()
     worker = s.worker
     fired = []
-    weakref.finalize(s.model, fired.append, "inner")
+    weakref.finalize(s.model, fired.append, "model")
     ref = weakref.ref(s)
     pool.worker_gone(worker)
     del s
@@ -238,7 +245,7 @@ def test_graveyard_keeps_standins_of_a_dead_worker(impl, pool, make_standin):
     assert ref() is not None and fired == []
     pool.boundary()
     gc.collect()
-    assert ref() is None and fired == ["inner"]
+    assert ref() is None and fired == ["model"]
 
 
 def test_graveyard_on_restart(impl, pool, make_worker, make_standin):
@@ -292,9 +299,6 @@ def test_unknown_attribute_names_it(impl, standin):
         standin.dynamic_pins  # noqa: B018
     with pytest.raises(AttributeError, match="loaded_ram_size"):
         standin.loaded_ram_size()
-    # The inner module has no method on a hot path: it always says so.
-    with pytest.raises(AttributeError, match="upstream contract changed"):
-        standin.model.dynamic_pins  # noqa: B018
 
 
 def test_getattr_default_works(standin):
@@ -307,13 +311,12 @@ def test_getattr_default_works(standin):
 
 @pytest.mark.parametrize("name", ["__foo__", "__deepcopy__", "__copy__"])
 def test_dunder_attribute_error_is_plain(impl, standin, name):
-    for obj in (standin, standin.model):
-        with pytest.raises(AttributeError) as info:
-            getattr(obj, name)
-        assert name in str(info.value)
-        assert "contract" not in str(info.value)
-        if obj is standin.model or _contract_message(impl):
-            assert str(info.value) == name
+    with pytest.raises(AttributeError) as info:
+        getattr(standin, name)
+    assert name in str(info.value)
+    assert "contract" not in str(info.value)
+    if _contract_message(impl):
+        assert str(info.value) == name
 
 
 def _specialised(call: Any, obj: Any) -> bool:
@@ -377,14 +380,12 @@ def test_attribute_lookup_is_cpythons_own(both_impls):
     c = both_impls[0]
     s = c.StandIn(_Quiet(), 1, "m", 10, "cuda:0", "cpu", pool=c.Pool())
     assert type(s).__getattribute__ is object.__getattribute__
-    assert type(s.model).__getattribute__ is object.__getattribute__
 
 
-@pytest.mark.parametrize("obj", ["standin", "inner", "sentinel"])
+@pytest.mark.parametrize("obj", ["standin", "sentinel"])
 def test_copy_and_pickle_refuse(standin, obj):
     target = {
         "standin": standin,
-        "inner": standin.model,
         "sentinel": standin.clone_base_uuid,
     }[obj]
     for attempt in (
@@ -406,24 +407,59 @@ def test_cannot_set_unknown_attributes(standin):
     assert standin.size == 8000
 
 
-# ---- the inner module -------------------------------------------------------
+# ---- what ComfyUI reads on the inner module: the stand-in answers it --------
+
+
+INNER_CONSTANTS = {
+    "model_lowvram": False,
+    "current_weight_patches_uuid": None,
+    "model_offload_buffer_memory": 0,
+}
 
 
 def test_inner_module_constants(standin):
     m = standin.model
+    assert m is standin
     assert m.model_lowvram is False
-    assert m.lowvram_patch_counter == 0
     assert m.current_weight_patches_uuid is None
     assert m.model_offload_buffer_memory == 0
+    assert type(m.model_offload_buffer_memory) is int
     assert m.model_loaded_weight_memory == 0
+    # ModelPatcher's int of that name is never read off a stand-in's model
+    # (only ModelPatcher's own methods read it): the method ComfyUI calls.
+    assert m.lowvram_patch_counter() == 0
     assert getattr(m, "__foo__", 1) == 1
     assert getattr(m, "dynamic_pins", None) is None
     with pytest.raises(AttributeError, match="dynamic_pins"):
         m.dynamic_pins  # noqa: B018
 
 
+@pytest.mark.parametrize("name", sorted(INNER_CONSTANTS))
+def test_inner_module_constants_are_read_only(standin, name):
+    for value in (True, 1, None, "x"):
+        with pytest.raises(AttributeError):
+            setattr(standin, name, value)
+    with pytest.raises(AttributeError):
+        delattr(standin, name)
+    value = getattr(standin, name)
+    assert value == INNER_CONSTANTS[name]
+    assert type(value) is type(INNER_CONSTANTS[name])
+
+
+@pytest.mark.parametrize("name", ["device", "model_loaded_weight_memory"])
+def test_inner_module_members_cannot_be_deleted(impl, standin, devices, name):
+    impl.apply_echo(standin, 100, seq=1)
+    with pytest.raises(AttributeError, match=f"{name} cannot be deleted"):
+        delattr(standin, name)
+    assert standin.device is devices[0]
+    assert standin.model_loaded_weight_memory == 100
+    loaded, seq, _, source = standin.receipt()
+    assert (loaded, seq, source) == (100, 1, "load echo")
+
+
 def test_inner_device_assignment(impl, standin, devices):
     s, m = standin, standin.model
+    assert m is s
     assert m.device is devices[1]
     elsewhere = Device("cuda:1")
     m.device = elsewhere
@@ -440,6 +476,7 @@ def test_inner_device_assignment(impl, standin, devices):
 
 def test_inner_model_loaded_weight_memory(impl, pool, standin, devices):
     s, m = standin, standin.model
+    assert m is s
     impl.apply_echo(s, 100, seq=7)
     assert m.model_loaded_weight_memory == 100
     m.model_loaded_weight_memory = 5000
@@ -471,7 +508,7 @@ def test_inner_model_loaded_weight_memory(impl, pool, standin, devices):
 def test_inner_model_loaded_weight_memory_bad(impl, standin, value, exc):
     impl.apply_echo(standin, 100, seq=7)
     with pytest.raises(exc, match=naming("model_loaded_weight_memory", value)):
-        standin.model.model_loaded_weight_memory = value
+        standin.model_loaded_weight_memory = value
     loaded, seq, _, source = standin.receipt()
     assert (loaded, seq, source) == (100, 7, "load echo")
 
@@ -479,11 +516,12 @@ def test_inner_model_loaded_weight_memory_bad(impl, standin, value, exc):
 def test_inner_assignment_on_stale_is_ignored(impl, pool, make_standin):
     s = make_standin(size=1000)
     pool.restarted(s.worker, 2)
-    s.model.model_loaded_weight_memory = 500
+    s.model_loaded_weight_memory = 500
     loaded, _, _, source = s.receipt()
     assert (loaded, source) == (0, "worker gone")
+    assert s.model_loaded_weight_memory == 0
     with pytest.raises(ValueError):
-        s.model.model_loaded_weight_memory = 1001
+        s.model_loaded_weight_memory = 1001
 
 
 # ---- construction -----------------------------------------------------------
@@ -655,7 +693,7 @@ def test_register(impl, make_standin):
     assert mm.current_loaded_models == [entry, previous]
     assert entry.model is s
     assert entry.currently_used is False
-    assert entry.real_model() is s.model
+    assert entry.real_model() is s.model is s
     assert entry.model_finalizer.alive
     assert entry.model_finalizer.atexit is False
     assert entry.model_memory() == s.size
@@ -724,24 +762,25 @@ def _is_c(impl) -> bool:
     return impl.__name__ == "comfy_standin"
 
 
-def test_model_and_sentinel_are_made_once_on_first_use(impl, make_standin):
+def test_model_is_no_second_object_and_the_sentinel_is_made_once(
+    impl, make_standin
+):
     s = make_standin()
     if _is_c(impl):
         # Nothing but the stand-in is made at construction...
         kinds = {type(o).__name__ for o in gc.get_referents(s)}
-        assert "StandInModule" not in kinds
         assert "CloneBaseSentinel" not in kinds
-    model, sentinel = s.model, s.clone_base_uuid
-    # ...and from then on the same objects, on every path that returns them.
-    assert s.model is model and s.clone_base_uuid is sentinel
-    assert s.detach() is model
-    assert gc.get_referents(s).count(model) == 1
-    # The C type keeps the sentinel in its module (one pointer fewer in
-    # every stand-in); the reference keeps it on the stand-in.
-    holders = gc.get_referents(s)
-    if _is_c(impl):
-        holders += gc.get_referents(model)
-    assert holders.count(sentinel) == 1
+    held = gc.get_referents(s)
+    # ...reading its model makes nothing: the model is the stand-in, and
+    # it holds no reference to itself (refcounting frees it, no cycle).
+    model = s.model
+    assert model is s and s.detach() is s
+    assert [type(o) for o in gc.get_referents(s)] == [type(o) for o in held]
+    assert all(o is not s for o in gc.get_referents(s))
+    sentinel = s.clone_base_uuid
+    # ...and from then on the same sentinel, held once by the stand-in.
+    assert s.clone_base_uuid is sentinel
+    assert gc.get_referents(s).count(sentinel) == 1
     weakref.ref(model)  # ComfyUI's weakref.finalize target
 
 
@@ -804,26 +843,32 @@ def test_stand_ins_made_alike_share_their_devices_and_kind(impl, pool,
     assert ref() is None
 
 
-def test_lazy_module_keeps_what_was_assigned(impl, standin, devices):
+def test_an_assigned_device_is_kept_until_the_next_receipt(impl, standin,
+                                                           devices):
     s = standin
-    assert s.current_loaded_device() is devices[1]  # no module yet
+    assert s.current_loaded_device() is devices[1]  # nothing assigned yet
     impl.apply_echo(s, resident=10, seq=1)
     assert s.current_loaded_device() is devices[0]
-    s.model.device = devices[1]
+    s.device = devices[1]
     assert s.current_loaded_device() is devices[1]
-    assert s.model.device is devices[1]
+    assert s.device is devices[1] and s.model.device is devices[1]
+    s.model.device = devices[0]  # through model: the same stand-in
+    assert s.device is devices[0]
 
 
-def test_lazily_made_module_dies_with_its_standin(make_standin):
+def test_model_finalizer_fires_by_reference_counting(make_standin, devices):
     """weakref.finalize(s.model, ...) fires when the last reference to the
-    stand-in goes, by reference counting (no collector pass)."""
+    stand-in goes, by reference counting (no collector pass), whatever
+    it was given or made meanwhile."""
     s = make_standin()
+    s.device = devices[0]
+    s.clone_base_uuid  # noqa: B018
     fired = []
-    weakref.finalize(s.model, fired.append, "inner")
+    weakref.finalize(s.model, fired.append, "model")
     gc.disable()
     try:
         del s
-        assert fired == ["inner"]
+        assert fired == ["model"]
     finally:
         gc.enable()
 
@@ -836,7 +881,7 @@ def test_cycle_through_lazily_made_members_is_collected(make_standin):
     s = make_standin(model_id=model_id)
     model_id.owner = s  # id -> stand-in -> sentinel -> id
     _ = s.clone_base_uuid
-    s.model.device = s  # stand-in -> module -> stand-in
+    s.device = s  # stand-in -> its assigned device -> stand-in
     ref = weakref.ref(s)
     del s, model_id, _
     gc.collect()
@@ -866,7 +911,7 @@ def test_pool_drops_standins_cleared_by_the_collector(
 ):
     w = make_worker()
     s = make_standin(worker=w)
-    s.model.device = s  # a cycle: only the collector frees it
+    s.device = s  # a cycle: only the collector frees it
     del s
     gc.collect()
     assert pool.standins().get(w, []) == []

@@ -52,7 +52,7 @@ USE = textwrap.dedent("""
     assert cs.apply_residency(
         {"m": s}, [{"id": "m", "resident": 50, "seq": 3}]) == 1
     assert s.partially_load("cuda:0", 10) == 10
-    assert s.detach() is s.model and s.loaded_size() == 0
+    assert s.detach() is s and s.loaded_size() == 0
     s.clone_base_uuid, repr(s), s.receipt()
     try:
         s.partially_load("cuda:0", 1, bogus=1)

@@ -40,7 +40,7 @@ def snapshot(pool, standins):
     books = pool._ledger.find(next(iter(standins.values())).worker)
     return (
         [
-            (receipt(s), s.eviction_deferred, s.stale, s.model.device)
+            (receipt(s), s.eviction_deferred, s.stale, s.device)
             for s in standins.values()
         ],
         books.charge(),
@@ -191,8 +191,8 @@ def test_census_replaces_receipts(impl, pool, trio):
     assert receipt(trio["m2"]) == (999, 12, "census")
     # Missing means unknown, not zero.
     assert receipt(trio["m1"]) == (200, 10, "load echo")
-    assert trio["m0"].model.device == "cpu"
-    assert trio["m2"].model.device == "cuda:0"
+    assert trio["m0"].device == "cpu"
+    assert trio["m2"].device == "cuda:0"
     books = pool._ledger.find(trio["m0"].worker)
     assert books.charge()["sum_loaded"] == 0 + 200 + 999
 

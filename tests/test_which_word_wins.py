@@ -64,7 +64,7 @@ def test_a_detach_that_moved_nothing_writes_nothing_and_is_deferred(
     w = Worker({"status": "ok", "device": "cpu", "moved": False, "seq": 9})
     s = standin(impl, pool, w)
     with caplog.at_level(logging.WARNING, logger="comfy_standin"):
-        assert s.detach() is s.model
+        assert s.detach() is s
     assert receipt(s) == (SIZE, 4, "load echo")
     assert s.loaded_size() == SIZE and s.eviction_deferred
     assert s.current_loaded_device() == "cuda:0"

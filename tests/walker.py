@@ -22,7 +22,7 @@ from typing import Any
 from comfy_standin import _core
 
 TYPES: tuple[type, ...] = (
-    _core.StandIn, _core.StandInModule, _core.CloneBaseSentinel,
+    _core.StandIn, _core.CloneBaseSentinel,
     _core.WorkerBooks, _core.Ledger, _core.ModelRecord, _core.Board,
 )
 
@@ -62,10 +62,10 @@ MUTATORS: dict[str, frozenset[str]] = {
 
 #: Attributes that make an object on their first read: read only once
 #: made, so the walker changes nothing a test looks at (the object made,
-#: when found, is walked in its own right).
+#: when found, is walked in its own right).  ``model`` makes nothing: it
+#: is the stand-in itself.
 LAZY: dict[str, tuple[str, type]] = {
-    "model": ("StandIn", _core.StandInModule),
-    "clone_base_uuid": ("StandIn", _core.StandInModule),
+    "clone_base_uuid": ("StandIn", _core.CloneBaseSentinel),
 }
 
 
@@ -105,8 +105,8 @@ def _swallow(call: Callable[..., Any], *args: Any) -> Any:
 
 def touch(obj: Any, found: list[Any] | None = None) -> None:
     """Uses every public member of `obj` that changes nothing.  Objects
-    of TYPES reached through it (a stand-in's board, inner module and
-    sentinel) are appended to `found` when given."""
+    of TYPES reached through it (a stand-in's board and sentinel; its
+    ``model`` is itself) are appended to `found` when given."""
     cls = type(obj)
     reads = READS.get(cls.__name__, {})
     made = {type(o) for o in gc.get_referents(obj)}

@@ -41,20 +41,6 @@ class EchoError(ValueError):
 class WorkerGoneError(RuntimeError):
     """A load was asked of a worker that died or restarted."""
 
-class StandInModule:
-    """The inner module (``StandIn.model``): weak-referenceable."""
-
-    device: Any
-    model_loaded_weight_memory: int  # reads the receipt; writes "assigned"
-    @property
-    def model_lowvram(self) -> bool: ...  # False
-    @property
-    def lowvram_patch_counter(self) -> int: ...  # 0
-    @property
-    def current_weight_patches_uuid(self) -> None: ...
-    @property
-    def model_offload_buffer_memory(self) -> int: ...  # 0
-
 class StandIn:
     def __init__(
         self,
@@ -74,7 +60,17 @@ class StandIn:
     @property
     def parent(self) -> None: ...
     @property
-    def model(self) -> StandInModule: ...
+    def model(self) -> StandIn: ...  # the stand-in itself
+    # What ComfyUI and comfy-env read or write on the inner module (``M``),
+    # answered by the stand-in itself.
+    device: Any  # an assignment holds until the next receipt
+    model_loaded_weight_memory: int  # loaded_size(); writes "assigned"
+    @property
+    def model_lowvram(self) -> bool: ...  # False
+    @property
+    def current_weight_patches_uuid(self) -> None: ...
+    @property
+    def model_offload_buffer_memory(self) -> int: ...  # 0
     @property
     def clone_base_uuid(self) -> object: ...  # private per-instance sentinel
     @property
@@ -138,7 +134,7 @@ class StandIn:
         force_patch_weights: bool = False,
     ) -> int: ...
     # Its arguments (unpatch_all, unpatch_weights) are accepted, ignored.
-    def detach(self, unpatch_all: Any = True) -> StandInModule: ...
+    def detach(self, unpatch_all: Any = True) -> StandIn: ...  # self
     def clone(self, *args: Any, **kwargs: Any) -> Any: ...
     def add_patches(self, *args: Any, **kwargs: Any) -> Any: ...
     def add_hook_patches(self, *args: Any, **kwargs: Any) -> Any: ...

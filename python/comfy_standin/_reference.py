@@ -31,7 +31,6 @@ __all__ = [
     "ModelRecord",
     "Pool",
     "StandIn",
-    "StandInModule",
     "WorkerBooks",
     "WorkerGoneError",
     "apply_echo",
@@ -613,9 +612,8 @@ class WorkerBooks:
         the receipt), so the charge and the stand-ins agree."""
         figures: dict[int, int] = {}
         for standin in self.standins():
-            module = standin._model
-            if module._board is not None:
-                figures.setdefault(id(module._record), module._loaded())
+            if standin._board is not None:
+                figures.setdefault(id(standin._record), standin._loaded())
         return figures
 
     def charge(self) -> dict[str, Any]:
@@ -1018,111 +1016,6 @@ class _CloneBaseSentinel:
         _no_pickling(self)
 
 
-class StandInModule:
-    """The inner module (``StandIn.model``), read by ComfyUI as ``M``."""
-
-    __slots__ = (
-        "__weakref__",
-        "_assigned",
-        "_board",
-        "_load_device",
-        "_offload_device",
-        "_record",
-    )
-
-    def __init__(
-        self, record: ModelRecord, load_device: Any, offload_device: Any
-    ) -> None:
-        self._record = record
-        self._load_device = load_device
-        self._offload_device = offload_device
-        # (device, receipt write count when assigned) or None.
-        self._assigned: tuple[Any, int] | None = None
-        # (Board, slot, tag) when a live residency board is attached: the
-        # tag is the host's name for this model's use of the slot, so a
-        # slot given to another model since never reads as this one.
-        self._board: tuple[Any, int, int] | None = None
-
-    def _read(self) -> tuple[int, int | None, int, str]:
-        """The receipt, or the board's reading when one is attached, valid
-        and newer than the receipt (source "board")."""
-        receipt = self._record.read()
-        board = self._board
-        if board is None or self._record.stale:
-            return receipt
-        try:
-            reading = board[0].read(board[1], self._record.size, board[2])
-        except (ValueError, OSError):  # closed since: receipts only
-            return receipt
-        if reading is None or reading[1] <= receipt[2]:
-            return receipt
-        return reading[0], receipt[1], reading[1], "board"
-
-    def _loaded(self) -> int:
-        if self._board is None:
-            return self._record.loaded
-        return self._read()[0]
-
-    def __repr__(self) -> str:
-        return (
-            f"<StandInModule of model {self._record.model_id!r} "
-            f"on {self.device!r}>"
-        )
-
-    def __getattr__(self, name: str) -> NoReturn:
-        _no_attribute("StandInModule", name)
-
-    def __reduce_ex__(self, protocol: object) -> NoReturn:
-        _no_pickling(self)
-
-    @property
-    def device(self) -> Any:
-        """The last assigned device until a receipt is written, then
-        load_device while loaded > 0, offload_device at 0."""
-        assigned = self._assigned
-        record = self._record
-        if assigned is not None and assigned[1] == record._writes:
-            return assigned[0]
-        if self._loaded() > 0:
-            return self._load_device
-        return self._offload_device
-
-    @device.setter
-    def device(self, value: Any) -> None:
-        self._assigned = (value, self._record._writes)
-
-    @property
-    def model_loaded_weight_memory(self) -> int:
-        return self._loaded()
-
-    @model_loaded_weight_memory.setter
-    def model_loaded_weight_memory(self, value: int) -> None:
-        record = self._record
-        value = _host_bytes("model_loaded_weight_memory", value)
-        if value > record.size:
-            raise ValueError(
-                f"model_loaded_weight_memory: expected an int in "
-                f"[0, {record.size}] (the model's size), got {value!r}"
-            )
-        record.echo(value, None, "assigned", False, False)
-
-    @property
-    def model_lowvram(self) -> bool:
-        return False
-
-    @property
-    def lowvram_patch_counter(self) -> int:
-        return 0
-
-    @property
-    def current_weight_patches_uuid(self) -> None:
-        return None
-
-    @property
-    def model_offload_buffer_memory(self) -> int:
-        return 0
-
-
 class StandIn:
     """Stands in ComfyUI's loaded-model list for a model a worker holds.
 
@@ -1130,10 +1023,11 @@ class StandIn:
 
     __slots__ = (
         "__weakref__",
+        "_assigned",
+        "_board",
         "_generation",
         "_kind",
         "_load_device",
-        "_model",
         "_offload_device",
         "_pool",
         "_record",
@@ -1182,6 +1076,12 @@ class StandIn:
         self._offload_device = offload_device
         self._pool = pool
         self._uuid = _CloneBaseSentinel(model_id)
+        # (device, receipt write count when assigned) or None.
+        self._assigned: tuple[Any, int] | None = None
+        # (Board, slot, tag) when a live residency board is attached: the
+        # tag is the host's name for this model's use of the slot, so a
+        # slot given to another model since never reads as this one.
+        self._board: tuple[Any, int, int] | None = None
         while True:
             books = ledger.worker(worker, generation)
             # Registered and listed on the roster the books own (the pool
@@ -1195,8 +1095,6 @@ class StandIn:
                     continue
                 record = books.register(model_id, size, generation)
                 self._record = record
-                self._model = StandInModule(record, load_device,
-                                            offload_device)
                 books._enlist(self)
                 break
 
@@ -1229,8 +1127,9 @@ class StandIn:
         return None
 
     @property
-    def model(self) -> StandInModule:
-        return self._model
+    def model(self) -> StandIn:
+        """The stand-in itself: it is its own inner module (``M``)."""
+        return self
 
     @property
     def clone_base_uuid(self) -> object:
@@ -1244,10 +1143,10 @@ class StandIn:
         return self._record.size
 
     def loaded_size(self) -> int:
-        return self._model._loaded()
+        return self._loaded()
 
     def current_loaded_device(self) -> Any:
-        return self._model.device
+        return self.device
 
     def is_dynamic(self) -> bool:
         return False  # docs/architecture.md, inaccuracy 1
@@ -1292,6 +1191,79 @@ class StandIn:
             "StandIn.add_hook_patches: a worker-held model cannot be "
             "patched from the host (its weights live in another process)"
         )
+
+    # ---- what ComfyUI reads as the inner module (``model`` is self) -------
+
+    def _read(self) -> tuple[int, int | None, int, str]:
+        """The receipt, or the board's reading when one is attached, valid
+        and newer than the receipt (source "board")."""
+        record = self._record
+        receipt = record.read()
+        board = self._board
+        if board is None or record.stale:
+            return receipt
+        try:
+            reading = board[0].read(board[1], record.size, board[2])
+        except (ValueError, OSError):  # closed since: receipts only
+            return receipt
+        if reading is None or reading[1] <= receipt[2]:
+            return receipt
+        return reading[0], receipt[1], reading[1], "board"
+
+    def _loaded(self) -> int:
+        if self._board is None:
+            return self._record.loaded
+        return self._read()[0]
+
+    @property
+    def device(self) -> Any:
+        """The last assigned device until a receipt is written, then
+        load_device while loaded > 0, offload_device at 0."""
+        assigned = self._assigned
+        if assigned is not None and assigned[1] == self._record._writes:
+            return assigned[0]
+        if self._loaded() > 0:
+            return self._load_device
+        return self._offload_device
+
+    @device.setter
+    def device(self, value: Any) -> None:
+        self._assigned = (value, self._record._writes)
+
+    @device.deleter
+    def device(self) -> NoReturn:
+        raise AttributeError("device cannot be deleted")
+
+    @property
+    def model_loaded_weight_memory(self) -> int:
+        return self._loaded()
+
+    @model_loaded_weight_memory.setter
+    def model_loaded_weight_memory(self, value: int) -> None:
+        record = self._record
+        value = _host_bytes("model_loaded_weight_memory", value)
+        if value > record.size:
+            raise ValueError(
+                f"model_loaded_weight_memory: expected an int in "
+                f"[0, {record.size}] (the model's size), got {value!r}"
+            )
+        record.echo(value, None, "assigned", False, False)
+
+    @model_loaded_weight_memory.deleter
+    def model_loaded_weight_memory(self) -> NoReturn:
+        raise AttributeError("model_loaded_weight_memory cannot be deleted")
+
+    @property
+    def model_lowvram(self) -> bool:
+        return False
+
+    @property
+    def current_weight_patches_uuid(self) -> None:
+        return None
+
+    @property
+    def model_offload_buffer_memory(self) -> int:
+        return 0
 
     # ---- introspection ---------------------------------------------------
 
@@ -1343,7 +1315,7 @@ class StandIn:
 
     def receipt(self) -> tuple[int, int | None, float, str]:
         """(loaded bytes, worker seq or None, age in seconds, source)."""
-        loaded, seq, written, source = self._model._read()
+        loaded, seq, written, source = self._read()
         age = max(0, time.monotonic_ns() - written) / 1e9
         return loaded, seq, age, source
 
@@ -1371,7 +1343,7 @@ class StandIn:
     @property
     def board(self) -> tuple[Any, int] | None:
         """(board, slot) when a residency board is attached, else None."""
-        board = self._model._board
+        board = self._board
         return None if board is None else (board[0], board[1])
 
     def attach_board(self, board: Any, slot: int | None = None) -> int:
@@ -1416,12 +1388,12 @@ class StandIn:
                 f"attach_board: slot {slot} is assigned {assigned} bytes, "
                 f"model {model_id!r} has {size}"
             )
-        self._model._board = (board, slot, board.tag(slot))
+        self._board = (board, slot, board.tag(slot))
         return slot
 
     def detach_board(self) -> None:
         """Back to receipts only."""
-        self._model._board = None
+        self._board = None
 
     # ---- commands --------------------------------------------------------
 
@@ -1566,7 +1538,7 @@ class StandIn:
         if size == 0:
             return 0
         want = _request(extra_memory, size)
-        before = self._model._loaded()
+        before = self._loaded()
         command = "model_partial_load"
         try:
             reply = self._worker.send_command(
@@ -1621,7 +1593,7 @@ class StandIn:
 
     def _partially_unload(self, memory_to_free: object) -> int:
         record = self._record
-        before = self._model._loaded()
+        before = self._loaded()
         if before == 0:
             return 0
         want = _request(memory_to_free, before)
@@ -1656,11 +1628,11 @@ class StandIn:
         self._pressure(want, freed)
         return freed
 
-    def detach(self, *args: Any, **kwargs: Any) -> StandInModule:
+    def detach(self, *args: Any, **kwargs: Any) -> StandIn:
         """detach(unpatch_all=True)
 
-        Full offload.  Idempotent; returns ``model``.  Its arguments
-        (``unpatch_all``, ``unpatch_weights``) mean nothing for a
+        Full offload.  Idempotent; returns ``model``, the stand-in.  Its
+        arguments (``unpatch_all``, ``unpatch_weights``) mean nothing for a
         worker-held model and are ignored, whatever they are.  Never raises
         an Exception; a BaseException propagates."""
         try:
@@ -1672,11 +1644,11 @@ class StandIn:
                 self._record.model_id,
                 _describe(exc),
             )
-        return self._model
+        return self
 
     def _detach(self) -> None:
         record = self._record
-        if record.stale or self._model._loaded() == 0:
+        if record.stale or self._loaded() == 0:
             return
         if not self._is_alive():
             self._gone_path()

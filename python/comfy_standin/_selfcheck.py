@@ -57,7 +57,7 @@ def history(impl: Any) -> list[tuple[str, Any]]:
         loaded, seq, _, source = s.receipt()
         trace.append((name, (
             result, loaded, seq, source, s.eviction_deferred,
-            s.bad_replies, str(s.model.device),
+            s.bad_replies, str(s.device),
             pool.worker_charges().get(w), [c for c, _ in w.sent],
         )))
         w.sent.clear()

@@ -15,8 +15,13 @@ def check(s: cs.StandIn, pool: cs.Pool, worker: Any) -> None:
     reveal_type(s.is_dynamic())  # Literal[False]
     reveal_type(s.receipt())  # tuple[int, int | None, float, Literal['registered'] | Literal['load echo'] | Literal['unload echo'] | Literal['detach echo'] | Literal['census'] | Literal['board'] | Literal['assigned'] | Literal['worker gone']]
     reveal_type(s.partially_unload("cpu", 1 << 30))  # int
-    reveal_type(s.detach())  # comfy_standin.StandInModule
-    reveal_type(s.model)  # comfy_standin.StandInModule
+    reveal_type(s.detach())  # comfy_standin.StandIn
+    reveal_type(s.model)  # comfy_standin.StandIn
+    reveal_type(s.device)  # Any
+    reveal_type(s.model_loaded_weight_memory)  # int
+    reveal_type(s.model_lowvram)  # bool
+    reveal_type(s.current_weight_patches_uuid)  # None
+    reveal_type(s.model_offload_buffer_memory)  # int
     reveal_type(s.eviction_deferred)  # bool
     reveal_type(cs.apply_echo(s, resident=0, seq=1))  # bool
     reveal_type(cs.apply_residency({"m": s}, []))  # int

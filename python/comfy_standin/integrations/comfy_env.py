@@ -1056,8 +1056,11 @@ _PATCHER_SURFACE = frozenset({
 #: ... and its own helpers, which only its own methods use.
 _PATCHER_OWN = frozenset({"COMFY_SURFACE", "_in_flight", "_mark_offloaded",
                           "_send"})
-#: Likewise its ``SubprocessModel`` (a patcher's ``model``) and
-#: ``StandIn.model``.
+#: Likewise its ``SubprocessModel`` (a patcher's ``model``), which a
+#: stand-in answers itself (``StandIn.model`` is the stand-in).  One name
+#: differs in kind: ``lowvram_patch_counter`` is an int there and
+#: ``StandIn``'s method here, which only ModelPatcher's own methods read
+#: off ``model``, and they never run on a stand-in.
 _MODULE_SURFACE = frozenset({
     "current_weight_patches_uuid", "device", "lowvram_patch_counter",
     "model_loaded_weight_memory", "model_lowvram",
