@@ -86,7 +86,7 @@ def child(impl_name: str, method: str, n: int, per: int,
 
     def with_model(pool: Any, worker: Any, model_id: str) -> Any:
         s = base(pool, worker, model_id)
-        s.model  # noqa: B018 -- made on first read
+        s.model  # noqa: B018 -- register() reads it
         return s
 
     make = with_model if model else base
